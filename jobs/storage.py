@@ -1,0 +1,284 @@
+"""Job storage: migrations on first use, job rows, run ownership, counts.
+
+One interface over SQLite (embedded default) and PostgreSQL (production);
+the same contract tests run against both.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.db import db_engine, mask_url
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+#: A running job whose heartbeat is older than this is taken as dead (killed run).
+STALE_AFTER_S = 60.0
+
+
+class StorageError(RuntimeError):
+    """A database problem a user can act on; the message is one line."""
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _aware(t: dt.datetime | None) -> dt.datetime | None:
+    if t is not None and t.tzinfo is None:  # SQLite returns naive datetimes
+        return t.replace(tzinfo=dt.timezone.utc)
+    return t
+
+
+def _alembic_config(conn):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.attributes["connection"] = conn
+    return cfg
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(_alembic_config(None)).get_current_head()
+
+
+def current_revision(conn) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(engine: Engine) -> str:
+    """Bring the schema to head; refuse a database from a newer tokenmill."""
+    from alembic import command
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(_alembic_config(None))
+    known = {r.revision for r in script.walk_revisions()}
+    head = script.get_current_head()
+    for attempt in range(3):
+        with engine.begin() as conn:
+            cur = current_revision(conn)
+            if cur is not None and cur not in known:
+                raise StorageError(
+                    f"database {mask_url(str(engine.url))} has schema revision {cur!r}, newer than this tokenmill "
+                    f"knows (head {head!r}); upgrade tokenmill"
+                )
+            if cur == head:
+                return head
+            try:
+                command.upgrade(_alembic_config(conn), "head")
+                return head
+            except (OperationalError, IntegrityError):
+                if attempt == 2:  # another process migrated at the same time: look again
+                    raise
+    return head
+
+
+_READY: set[str] = set()
+
+
+def connect(url: str, *, migrate: bool = True) -> Engine:
+    """An engine for the URL with the schema at head; unreachable databases raise StorageError."""
+    try:
+        eng = db_engine(url)
+        if migrate and url not in _READY:
+            upgrade(eng)
+            _READY.add(url)
+        elif not migrate:
+            with eng.connect():
+                pass
+        return eng
+    except StorageError:
+        raise
+    except SQLAlchemyError as err:
+        raise StorageError(f"cannot use database {mask_url(url)}: {_db_reason(err)}") from None
+    except Exception as err:  # driver import errors, bad URLs
+        raise StorageError(f"cannot use database {mask_url(url)}: {str(err).splitlines()[0]}") from None
+
+
+def _db_reason(err: SQLAlchemyError) -> str:
+    orig = getattr(err, "orig", None) or err
+    text = str(orig).strip().splitlines()
+    return (text[0] if text else type(orig).__name__)[:300]
+
+
+def owner_tag() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+# ---------------------------------------------------------------- jobs
+
+
+def get_job(eng: Engine, job_id: str) -> dict[str, Any] | None:
+    with eng.connect() as conn:
+        row = conn.execute(select(T.jobs).where(T.jobs.c.id == job_id)).mappings().first()
+    return dict(row) if row else None
+
+
+def list_jobs(eng: Engine, limit: int = 20) -> list[dict[str, Any]]:
+    order = func.coalesce(T.jobs.c.started_at, T.jobs.c.submitted_at)
+    with eng.connect() as conn:
+        rows = conn.execute(select(T.jobs).order_by(order.desc(), T.jobs.c.id).limit(limit)).mappings().all()
+    return [dict(r) for r in rows]
+
+
+def _pid_alive(owner: str | None) -> bool:
+    if not owner or ":" not in owner:
+        return False
+    host, pid = owner.rsplit(":", 1)
+    if host != socket.gethostname():
+        return True  # cannot tell for another host: trust the heartbeat
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+
+
+def is_live(job: dict[str, Any], now: dt.datetime | None = None) -> bool:
+    """A `running` job is live while its owner's heartbeat is fresh and its process exists."""
+    if job.get("status") != "running":
+        return False
+    now = now or utcnow()
+    hb = _aware(job.get("heartbeat_at"))
+    fresh = hb is not None and (now - hb).total_seconds() < STALE_AFTER_S
+    return fresh and _pid_alive(job.get("owner"))
+
+
+class JobBusy(RuntimeError):
+    pass
+
+
+def claim_job(eng: Engine, job_id: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Create the job row, or take over an existing one, as `running` by this process.
+
+    Two runs of one job id at once: the second raises JobBusy.  The claim is a
+    compare-and-set on (status, owner, heartbeat) so two racing claimers cannot
+    both win."""
+    me = owner_tag()
+    now = utcnow()
+    with eng.begin() as conn:
+        row = conn.execute(select(T.jobs).where(T.jobs.c.id == job_id)).mappings().first()
+        if row is None:
+            try:
+                conn.execute(
+                    insert(T.jobs).values(
+                        id=job_id, status="running", owner=me, heartbeat_at=now, started_at=now,
+                        submitted_at=now, cancel_requested=False, **values,
+                    )
+                )
+                return {"resumed": False}
+            except IntegrityError:
+                pass  # someone inserted it first: fall through to the take-over path
+    with eng.begin() as conn:
+        row = dict(conn.execute(select(T.jobs).where(T.jobs.c.id == job_id)).mappings().first())
+        if is_live(row):
+            raise JobBusy(f"job {job_id!r} is already running (owner {row['owner']}); not starting a second run")
+        q = update(T.jobs).where(T.jobs.c.id == job_id, T.jobs.c.status == row["status"])
+        q = q.where(T.jobs.c.owner == row["owner"]) if row["owner"] is not None else q.where(T.jobs.c.owner.is_(None))
+        res = conn.execute(
+            q.values(
+                status="running", owner=me, heartbeat_at=now, started_at=row["started_at"] or now,
+                finished_at=None, error=None, cancel_requested=False, **values,
+            )
+        )
+        if res.rowcount != 1:
+            raise JobBusy(f"job {job_id!r} was claimed by another run at the same moment; not starting a second run")
+    return {"resumed": True, "previous_status": row["status"]}
+
+
+def heartbeat(eng: Engine, job_id: str) -> None:
+    with eng.begin() as conn:
+        conn.execute(
+            update(T.jobs).where(T.jobs.c.id == job_id, T.jobs.c.owner == owner_tag()).values(heartbeat_at=utcnow())
+        )
+
+
+def finish_job(eng: Engine, job_id: str, **values: Any) -> None:
+    with eng.begin() as conn:
+        conn.execute(update(T.jobs).where(T.jobs.c.id == job_id).values(finished_at=utcnow(), **values))
+
+
+def request_cancel(eng: Engine, job_id: str) -> dict[str, Any]:
+    job = get_job(eng, job_id)
+    if job is None:
+        raise StorageError(f"no job with id {job_id!r}")
+    with eng.begin() as conn:
+        if job["status"] == "pending":
+            conn.execute(update(T.jobs).where(T.jobs.c.id == job_id).values(status="cancelled", finished_at=utcnow()))
+        elif job["status"] == "running":
+            conn.execute(update(T.jobs).where(T.jobs.c.id == job_id).values(cancel_requested=True))
+    return get_job(eng, job_id)
+
+
+def counts(eng: Engine, job_id: str) -> dict[str, int]:
+    with eng.connect() as conn:
+        ok = conn.execute(select(func.count()).select_from(T.outputs).where(T.outputs.c.job_id == job_id)).scalar()
+        bad = conn.execute(
+            select(func.count()).select_from(T.dead_letters).where(T.dead_letters.c.job_id == job_id)
+        ).scalar()
+    return {"succeeded": int(ok or 0), "failed": int(bad or 0)}
+
+
+def failure_reasons(eng: Engine, job_id: str) -> dict[str, int]:
+    with eng.connect() as conn:
+        rows = conn.execute(
+            select(T.dead_letters.c.reason, func.count())
+            .where(T.dead_letters.c.job_id == job_id)
+            .group_by(T.dead_letters.c.reason)
+        ).all()
+    return {r: int(n) for r, n in rows}
+
+
+def delete_job(eng: Engine, job_id: str) -> None:
+    with eng.begin() as conn:
+        for t in (T.outputs, T.dead_letters, T.batches, T.workers):
+            conn.execute(delete(t).where(t.c.job_id == job_id))
+        conn.execute(delete(T.jobs).where(T.jobs.c.id == job_id))
+
+
+# ---------------------------------------------------------------- a named lock (run-pending)
+
+
+@contextmanager
+def named_lock(eng: Engine, name: str, stale_after_s: float = 6 * 3600) -> Iterator[bool]:
+    """Yields True if this process holds the lock, False if another live process does."""
+    me = owner_tag()
+    got = False
+    with eng.begin() as conn:
+        row = conn.execute(select(T.locks).where(T.locks.c.name == name)).mappings().first()
+        if row is not None:
+            age = (utcnow() - _aware(row["acquired_at"])).total_seconds()
+            if _pid_alive(row["owner"]) and age < stale_after_s:
+                got = False
+            else:
+                conn.execute(delete(T.locks).where(T.locks.c.name == name, T.locks.c.owner == row["owner"]))
+                row = None
+    if row is None:
+        try:
+            with eng.begin() as conn:
+                conn.execute(insert(T.locks).values(name=name, owner=me, acquired_at=utcnow()))
+            got = True
+        except IntegrityError:
+            got = False
+    try:
+        yield got
+    finally:
+        if got:
+            with eng.begin() as conn:
+                conn.execute(delete(T.locks).where(T.locks.c.name == name, T.locks.c.owner == me))

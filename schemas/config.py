@@ -1,0 +1,199 @@
+"""Job spec and engine config.
+
+One flat config object per concern, validated strictly at load (unknown keys,
+wrong types and out-of-range values are rejected with the key path).  Engine
+fields carry vLLM's own `EngineArgs` names so that a user who knows vLLM knows
+these; anything else vLLM accepts goes through `engine.extra`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ORDERINGS = ("prefix", "length", "none")
+INPUT_FORMATS = ("auto", "parquet", "openai-jsonl")
+OUTPUT_FORMATS = ("parquet", "openai-jsonl")
+
+# Quantization methods that need a CUDA GPU; refused on CPU before the engine starts.
+GPU_ONLY_QUANTIZATION = frozenset(
+    {"fp8", "marlin", "gptq_marlin", "awq_marlin", "fbgemm_fp8", "modelopt", "bitsandbytes", "gguf"}
+)
+
+
+class SpecError(ValueError):
+    """A job spec that cannot run: the message says which key and what was expected."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EngineConfig(_Strict):
+    """Arguments for `vllm.LLM`, named exactly as vLLM's `EngineArgs`."""
+
+    model: str = "smollm2-135m"
+    """Short name from the models folder, or a path to a Hugging Face model folder."""
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    """`auto` picks by measurement on CPU (bf16 vs fp32 matmul speed) and the
+    model's own dtype on GPU."""
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = Field(256, ge=1, le=65536)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    max_model_len: int = Field(2048, ge=64)
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    enforce_eager: bool = True
+    speculative_config: dict[str, Any] | None = None
+    seed: int = 0
+    load_format: str = "auto"
+    block_size: int | None = Field(None, ge=1)
+    extra: dict[str, Any] = Field(default_factory=dict)
+    """Passed through to `vllm.LLM` unchanged (any other `EngineArgs` field)."""
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_dtype(cls, v: str) -> str:
+        allowed = {"auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"}
+        if v not in allowed:
+            raise ValueError(f"must be one of {sorted(allowed)}, got {v!r}")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        allowed = {"auto", "float32", "bfloat16", "float16", "half", "float"}
+        if v not in allowed:
+            raise ValueError(f"must be one of {sorted(allowed)}, got {v!r}")
+        return v
+
+
+class SamplingDefaults(_Strict):
+    """Job-wide sampling defaults; each input row may override them."""
+
+    max_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    ignore_eos: bool = False
+
+
+class BatchingConfig(_Strict):
+    """How prompts are grouped and admitted to the engine."""
+
+    ordering: Literal["prefix", "length", "none"] = "prefix"
+    """`prefix`: shared-prefix groups together, sorted by token sequence;
+    `length`: sorted by prompt length; `none`: input order."""
+    token_budget: int | None = Field(None, ge=64)
+    """Prompt + max output tokens admitted per batch. Default: enough to keep
+    `max_num_seqs` sequences of the job's mean size in flight."""
+    prefix_blocks: int = Field(4, ge=1, le=1024)
+    """Leading KV blocks hashed into the prefix key that routes a group to one worker."""
+    shards: int | None = Field(None, ge=1)
+    """Number of routing shards (prefix groups are hashed into these); default 1 per worker."""
+    max_inflight_batches: int = Field(2, ge=1, le=64)
+    """Batches handed to the engine ahead of the one finishing (keeps the engine fed at batch tails)."""
+
+
+class RunnerConfig(_Strict):
+    runner: str = "DirectRunner"
+    num_workers: int = Field(1, ge=1)
+    pipeline_options: list[str] = Field(default_factory=list)
+    """Extra Beam pipeline options, as command-line flags (`--environment_type=EXTERNAL`, ...)."""
+
+
+class JobSpec(_Strict):
+    """Everything a job needs; stored verbatim (credentials masked) in the jobs table."""
+
+    job_id: str | None = None
+    name: str | None = None
+    input: str
+    input_format: Literal["auto", "parquet", "openai-jsonl"] = "auto"
+    output: str
+    output_format: Literal["parquet", "openai-jsonl"] | None = None
+    db: str | None = None
+    s3_endpoint_url: str | None = None
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    runner: RunnerConfig = Field(default_factory=RunnerConfig)
+    reference_column: str | None = None
+    """An input column with reference answers, copied to the outputs for quality checks."""
+    price_per_hour: float | None = Field(None, ge=0)
+    """Device price override (currency units per hour) for cost accounting."""
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}", v):
+            raise ValueError(
+                "must be 1-128 characters of letters, digits, '.', '_', ':' or '-', "
+                f"starting with a letter or digit, got {v!r}"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _defaults(self) -> "JobSpec":
+        if self.output_format is None:
+            fmt = "openai-jsonl" if self.resolved_input_format() == "openai-jsonl" else "parquet"
+            object.__setattr__(self, "output_format", fmt)
+        return self
+
+    def resolved_input_format(self) -> str:
+        if self.input_format != "auto":
+            return self.input_format
+        return "openai-jsonl" if self.input.rstrip("/").endswith((".jsonl", ".jsonl.gz")) else "parquet"
+
+    def derived_job_id(self) -> str:
+        """A stable id from what defines the work, so rerunning the same spec resumes."""
+        if self.job_id:
+            return self.job_id
+        payload = self.model_dump(mode="json", exclude={"job_id", "db", "runner", "name"})
+        digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+        return f"job-{digest}"
+
+
+def format_validation_error(err: ValidationError, source: str = "job spec") -> str:
+    """One line per problem: `key.path: what was expected (got ...)`."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif "input" in e and e["type"] != "missing":
+            msg = f"{msg} (got {e['input']!r})"
+        parts.append(f"{loc}: {msg}")
+    return f"invalid {source}: " + "; ".join(parts)
+
+
+def load_spec(data: dict[str, Any], source: str = "job spec") -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err, source)) from None
+
+
+def load_spec_file(path: str | Path) -> JobSpec:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"job spec {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise SpecError(f"job spec {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"job spec {str(p)!r} must be a mapping of keys, got {type(data).__name__}")
+    return load_spec(data, source=f"job spec {p.name}")

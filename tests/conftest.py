@@ -1,0 +1,95 @@
+"""Shared fixtures.  The real engine is loaded at most once per test session per
+config (transforms.engine keeps one per process); fakes serve the unit tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+PG_URL = os.environ.get("TOKENMILL_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from tokenmill.schemas.models import ModelNotFound, resolve_model
+
+    try:
+        return str(resolve_model("smollm2-135m"))
+    except ModelNotFound as err:
+        pytest.fail(f"{err} (make test prepares it)")
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'tokenmill.db'}"
+
+
+def _pg_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5432), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh PostgreSQL schema per test on the local server (dropped afterwards)."""
+    if not _pg_up():
+        pytest.fail("PostgreSQL is not answering on 127.0.0.1:5432 (.ci/run starts it)")
+    from sqlalchemy import create_engine, text
+
+    schema = f"t_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = f"{PG_URL}?options=-csearch_path%3D{schema}"
+    yield url
+    from tokenmill.schemas import db as D
+
+    eng = D._ENGINES.pop(url, None)
+    if eng is not None:
+        eng.dispose()
+    with admin.begin() as conn:
+        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_db_url(request, tmp_path):
+    """Run a storage contract test against both backends."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'contract.db'}"
+    return request.getfixturevalue("pg_url")
+
+
+def write_parquet(path: Path, rows: list[dict], **kw) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path, **kw)
+    return path
+
+
+#: The engine config every real-engine test shares, so one engine serves them all.
+TEST_ENGINE = dict(max_num_seqs=32, max_model_len=1024, gpu_memory_utilization=0.3)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fake_sessions():
+    """Fakes are per test; the real engine stays loaded for the whole session."""
+    yield
+    from tokenmill.transforms import engine as E
+
+    with E._LOCK:
+        for k in [k for k in E._SESSIONS if not k.startswith('["vllm"')]:
+            E._SESSIONS.pop(k).shutdown()

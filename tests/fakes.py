@@ -1,0 +1,81 @@
+"""A fake engine session for unit and pipeline tests (the real engine has its own tests)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tokenmill.transforms.engine import Finished
+
+
+class FakeSession:
+    """Answers each request with `echo:<first prompt token>` after `max_tokens` steps or fewer.
+
+    `poison_token`: a prompt containing this token id makes `step` raise (an engine
+    crash), and the session then reports itself dead until replaced."""
+
+    instances: list["FakeSession"] = []
+
+    def __init__(self, cfg=None, model_path: str = "", *, max_num_seqs: int = 8, poison_token: int | None = None,
+                 reject_token: int | None = None):
+        self.max_num_seqs = getattr(cfg, "max_num_seqs", None) or max_num_seqs
+        self.poison_token = poison_token
+        self.reject_token = reject_token
+        self.reqs: dict[str, dict[str, Any]] = {}
+        self.added: list[str] = []
+        self.steps = 0
+        self.max_inflight = 0
+        self.dead = False
+        self.shut = False
+        FakeSession.instances.append(self)
+
+    def add(self, request_id, token_ids, sampling):
+        if self.reject_token is not None and self.reject_token in token_ids:
+            raise ValueError(f"token {self.reject_token} is out of vocabulary")
+        self.reqs[request_id] = {
+            "ids": list(token_ids), "left": int(sampling["max_tokens"]), "n": 0, "t0": time.time(), "first": None,
+        }
+        self.added.append(request_id)
+
+    def step(self):
+        if self.dead:
+            raise RuntimeError("engine is dead")
+        self.steps += 1
+        running = list(self.reqs)[: self.max_num_seqs]
+        self.max_inflight = max(self.max_inflight, len(self.reqs))
+        if self.poison_token is not None and any(self.poison_token in self.reqs[r]["ids"] for r in running):
+            self.dead = True
+            raise RuntimeError("EngineCore died")
+        out = []
+        now = time.time()
+        for rid in running:
+            r = self.reqs[rid]
+            r["n"] += 1
+            r["left"] -= 1
+            r["first"] = r["first"] or now
+            if r["left"] <= 0:
+                del self.reqs[rid]
+                out.append(
+                    Finished(
+                        request_id=rid, text=f"echo:{r['ids'][0]}", finish_reason="length",
+                        prompt_tokens=len(r["ids"]), output_tokens=r["n"], cached_tokens=0,
+                        ttft_s=r["first"] - r["t0"], tpot_s=0.001, e2e_s=now - r["t0"], queue_s=0.0, finished_at=now,
+                    )
+                )
+        return out
+
+    def num_unfinished(self):
+        return len(self.reqs)
+
+    def abort(self, ids):
+        for i in ids:
+            self.reqs.pop(i, None)
+
+    def alive(self):
+        return not self.dead
+
+    def info(self):
+        return {"device": "fake", "load_s": 0.0, "kv_cache_tokens": 1000}
+
+    def shutdown(self):
+        self.shut = True

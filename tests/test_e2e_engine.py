@@ -1,0 +1,77 @@
+"""End to end with the real vLLM engine on the real model (SmolLM2-135M-Instruct)."""
+
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from tokenmill.jobs import storage as S
+from tokenmill.jobs.datasets import SYSTEM_PROMPTS
+from tokenmill.jobs.runner import run_job
+from tokenmill.schemas.config import load_spec
+from tests.conftest import TEST_ENGINE, write_parquet
+
+pytestmark = pytest.mark.engine
+
+
+def rows():
+    out = [
+        {"id": "capital", "messages": [{"role": "user", "content": "What is the capital of France?"}], "prompt": None},
+        {"id": "plain", "prompt": "The three primary colors are", "messages": None},
+    ]
+    for i, q in enumerate(["My tent leaks.", "My order never arrived.", "I was charged twice.", "The zipper broke."]):
+        out.append({
+            "id": f"support-{i}",
+            "messages": [{"role": "system", "content": SYSTEM_PROMPTS["support"]}, {"role": "user", "content": q}],
+            "prompt": None,
+        })
+    return out
+
+
+def test_real_job_answers_sensibly_and_reconciles(tmp_path, sqlite_url, model_path):
+    inp = write_parquet(tmp_path / "in.parquet", rows())
+    spec = load_spec({
+        "input": str(inp), "output": str(tmp_path / "out"), "job_id": "e2e",
+        "engine": TEST_ENGINE, "sampling": {"max_tokens": 24, "temperature": 0.0},
+    })
+    res = run_job(spec, db_url=sqlite_url)
+    assert res.status == "succeeded", res
+    assert (res.total, res.succeeded, res.failed) == (6, 6, 0)
+    out = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()}
+    assert "Paris" in out["capital"]["text"]
+    for r in out.values():
+        assert 0 < r["output_tokens"] <= 24
+        assert r["prompt_tokens"] >= 5
+        assert r["e2e_s"] > 0 and r["ttft_s"] > 0 and r["ttft_s"] <= r["e2e_s"]
+        assert r["finish_reason"] in ("stop", "length")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    assert out["plain"]["prompt_tokens"] == len(tok("The three primary colors are")["input_ids"])
+    # greedy chat output equals vLLM's own chat() answer would need a second engine; the
+    # shared 143-token system prompt must at least hit the prefix cache (128-token blocks on CPU)
+    support = [r for k, r in out.items() if k.startswith("support")]
+    assert sum(r["cached_tokens"] for r in support) >= 128
+    eng = S.connect(sqlite_url)
+    job = S.get_job(eng, "e2e")
+    assert job["status"] == "succeeded" and job["total"] == job["succeeded"] == 6
+    m = job["metrics"]
+    assert m["tokens"]["output"] == sum(r["output_tokens"] for r in out.values())
+    assert m["throughput"]["output_tok_per_s"] > 0 and m["throughput"]["model_load_s"] is not None
+    assert 0 < m["prefix_cache"]["hit_rate"] < 1
+    assert m["memory"]["kv_cache_bytes"] > 0
+
+
+def test_cli_run_prints_summary_and_exits(tmp_path, sqlite_url, model_path):
+    inp = write_parquet(tmp_path / "in.parquet", rows()[:2])
+    cmd = [
+        sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(inp), "--output", str(tmp_path / "o"),
+        "--db", sqlite_url, "--job-id", "cli-e2e", "--max-tokens", "8", "--max-num-seqs", "8",
+        "--max-model-len", "512", "--gpu-memory-utilization", "0.3",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "job cli-e2e: succeeded" in proc.stdout
+    assert "rows in 2 / succeeded 2 / failed 0" in proc.stdout
+    assert "output" in proc.stdout and "tok/s" in proc.stdout

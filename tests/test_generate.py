@@ -1,0 +1,96 @@
+"""BatchRunner with a fake engine: feeding across batch tails, poison isolation, rejected rows."""
+
+import functools
+
+from tokenmill.schemas import records as R
+from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
+from tokenmill.schemas.records import TokenizedPrompt
+from tokenmill.transforms.batching import pack
+from tokenmill.transforms.generate import BatchRunner, GenerateConfig
+from tests.fakes import FakeSession
+
+
+def cfg(**batching):
+    return GenerateConfig(
+        job_id="j", run_id="r", model_name="m", model_path="/x", engine=EngineConfig(),
+        sampling=SamplingDefaults(), batching=BatchingConfig(**batching),
+    )
+
+
+def prompts(n, max_tokens=3, first=None):
+    return [
+        TokenizedPrompt(id=f"p{i}", input_ref=f"0:{i}", token_ids=[first(i) if first else i + 1000, 1, 2],
+                        prefix_key="00", max_tokens=max_tokens)
+        for i in range(n)
+    ]
+
+
+def run(runner, batches):
+    rows, dead, stats = [], [], []
+    for r, d, s in runner.run(batches):
+        rows += r
+        dead += d
+        stats.append(s)
+    return rows, dead, stats
+
+
+def test_next_batch_is_admitted_while_the_current_tail_decodes():
+    s = FakeSession(max_num_seqs=4)
+    # batch 1: one long request (the straggler) and three short; batch 2: four short
+    ps = prompts(8)
+    ps[0].max_tokens = 20
+    batches = pack(ps, token_budget=4 * 6)
+    runner = BatchRunner(cfg(max_inflight_batches=2), lambda: s, lambda: s)
+    rows, dead, stats = run(runner, batches)
+    assert len(rows) == 8 and not dead
+    # the straggler did not hold back batch 2: the engine saw more requests than batch 1 had
+    assert s.max_inflight > len(batches[0].prompts)
+    assert s.steps < 20 + 3  # batch 2 overlapped with the straggler's decode
+    assert sorted(st["requests"] for st in stats) == sorted(len(b.prompts) for b in batches)
+
+
+def test_poison_row_is_isolated_and_the_rest_answered():
+    sessions = []
+
+    def make():
+        s = FakeSession(max_num_seqs=8, poison_token=1003)
+        sessions.append(s)
+        return s
+
+    holder = {"s": make()}
+
+    def current():
+        return holder["s"]
+
+    def restart():
+        holder["s"] = make()
+        return holder["s"]
+
+    runner = BatchRunner(cfg(), lambda: current() if current().alive() else restart(), restart)
+    rows, dead, _ = run(runner, pack(prompts(8), token_budget=1000))
+    assert sorted(r["id"] for r in rows) == sorted(f"p{i}" for i in range(8) if i != 3)
+    assert [(d.id, d.reason) for d in dead] == [("p3", R.ENGINE_ERROR)]
+    assert len(sessions) > 1  # the engine was restarted after it died
+
+
+def test_row_the_engine_rejects_is_a_bad_request_dead_letter():
+    s = FakeSession(max_num_seqs=8, reject_token=1002)
+    runner = BatchRunner(cfg(), lambda: s, lambda: s)
+    rows, dead, _ = run(runner, pack(prompts(5), token_budget=1000))
+    assert len(rows) == 4
+    assert [(d.id, d.reason) for d in dead] == [("p2", R.BAD_REQUEST)]
+    assert "out of vocabulary" in dead[0].message
+
+
+def test_cancel_stops_admitting_new_batches():
+    s = FakeSession(max_num_seqs=2)
+    calls = {"n": 0}
+
+    def cancelled():
+        calls["n"] += 1
+        return calls["n"] > 1  # first batch admitted, then cancel
+
+    runner = BatchRunner(cfg(max_inflight_batches=1), lambda: s, lambda: s, cancelled=cancelled)
+    rows, dead, stats = run(runner, pack(prompts(6), token_budget=2 * 6))
+    assert runner.cancelled
+    assert len(rows) == 2 and len(stats) == 1

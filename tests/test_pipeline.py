@@ -1,0 +1,110 @@
+"""The whole pipeline and job lifecycle with a fake engine (the real one: test_e2e_engine.py)."""
+
+import functools
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import func, select
+
+from tokenmill.jobs import storage as S
+from tokenmill.jobs.runner import run_job
+from tokenmill.schemas import records as R
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.config import load_spec
+from tests.conftest import write_parquet
+from tests.fakes import FakeSession
+
+
+def spec_for(inp, out, **kw):
+    d = {"input": str(inp), "output": str(out), "job_id": kw.pop("job_id", "job-1"), "sampling": {"max_tokens": 4}}
+    d.update(kw)
+    return load_spec(d)
+
+
+ROWS = [
+    {"id": "a", "prompt": "What is the capital of France?"},
+    {"id": "b", "prompt": "Name a prime number."},
+    {"id": "c", "prompt": None},
+    {"id": "a", "prompt": "duplicate of a"},
+    {"id": "d", "prompt": "Tell me a joke.", "temperature": -1.0},
+    {"id": "e", "prompt": "x " * 3000},
+]
+
+
+@pytest.fixture
+def inp(tmp_path):
+    rows = [dict(r) for r in ROWS]
+    for r in rows:
+        r.setdefault("temperature", None)
+    return write_parquet(tmp_path / "in.parquet", rows)
+
+
+def test_every_row_ends_in_outputs_or_dead_letters(tmp_path, inp, sqlite_url, model_path):
+    res = run_job(spec_for(inp, tmp_path / "out"), db_url=sqlite_url, session_factory=FakeSession)
+    assert (res.total, res.succeeded, res.failed) == (6, 2, 4)
+    assert res.status == "partial"
+    out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
+    dead = pq.read_table(tmp_path / "out" / "dead_letters.parquet").to_pylist()
+    assert sorted(r["id"] for r in out) == ["a", "b"]
+    assert {r["input_ref"] for r in out} == {"0:0", "0:1"}  # the first "a" won
+    assert {(d["id"], d["reason"]) for d in dead} == {
+        ("c", R.EMPTY_PROMPT), ("a", R.DUPLICATE_ID), ("d", R.BAD_SAMPLING), ("e", R.PROMPT_TOO_LONG),
+    }
+    assert all(r["prompt_tokens"] > 0 and r["output_tokens"] == 4 for r in out)
+    manifest = json.loads((tmp_path / "out" / "_SUCCESS.json").read_text())
+    assert manifest["outputs"] == 2 and manifest["dead_letters"] == 4
+    eng = S.connect(sqlite_url)
+    job = S.get_job(eng, "job-1")
+    assert job["status"] == "partial" and (job["total"], job["succeeded"], job["failed"]) == (6, 2, 4)
+    assert job["metrics"]["failures"]["by_reason"] == {
+        R.BAD_SAMPLING: 1, R.DUPLICATE_ID: 1, R.EMPTY_PROMPT: 1, R.PROMPT_TOO_LONG: 1,
+    }
+
+
+def test_rerun_of_a_finished_job_duplicates_nothing(tmp_path, inp, sqlite_url, model_path):
+    spec = spec_for(inp, tmp_path / "out")
+    run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    before = len(FakeSession.instances[-1].added)
+    res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    assert res.resumed and (res.succeeded, res.failed) == (2, 4)
+    assert len(FakeSession.instances[-1].added) == before  # nothing was sent to the engine again
+    with S.connect(sqlite_url).connect() as c:
+        assert c.execute(select(func.count()).select_from(T.outputs)).scalar() == 2
+
+
+def test_resume_answers_only_rows_not_yet_answered(tmp_path, sqlite_url, model_path):
+    rows = [{"id": f"r{i}", "prompt": f"question {i}"} for i in range(20)]
+    inp = write_parquet(tmp_path / "in.parquet", rows)
+    eng = S.connect(sqlite_url)
+    # a previous run answered r0..r9 and then died
+    S.claim_job(eng, "job-r", {"spec": {}, "total": 20})
+    with eng.begin() as c:
+        c.execute(T.outputs.insert(), [{"job_id": "job-r", "id": f"r{i}", "input_ref": f"0:{i}", "text": "old",
+                                        "prompt_tokens": 1, "output_tokens": 1, "cached_tokens": 0} for i in range(10)])
+        c.execute(T.jobs.update().values(status="running", owner="elsewhere:1", heartbeat_at=None))
+    res = run_job(spec_for(inp, tmp_path / "out", job_id="job-r"), db_url=sqlite_url, session_factory=FakeSession)
+    assert res.resumed and res.succeeded == 20 and res.status == "succeeded"
+    sent = FakeSession.instances[-1].added
+    assert len(sent) == 10
+    out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
+    assert sorted(r["id"] for r in out) == sorted(f"r{i}" for i in range(20))
+    assert sum(r["text"] == "old" for r in out) == 10
+
+
+def test_second_concurrent_run_of_same_job_refuses(tmp_path, inp, sqlite_url, model_path):
+    eng = S.connect(sqlite_url)
+    S.claim_job(eng, "job-1", {"spec": {}})  # this process holds it, heartbeat fresh
+    with pytest.raises(S.JobBusy, match="already running"):
+        run_job(spec_for(inp, tmp_path / "out"), db_url=sqlite_url, session_factory=FakeSession)
+
+
+def test_multiple_files_and_row_groups_keep_stable_refs(tmp_path, sqlite_url, model_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    write_parquet(d / "a.parquet", [{"prompt": f"a{i}"} for i in range(7)], row_group_size=3)
+    write_parquet(d / "b.parquet", [{"prompt": f"b{i}"} for i in range(5)], row_group_size=2)
+    res = run_job(spec_for(d, tmp_path / "out"), db_url=sqlite_url, session_factory=FakeSession)
+    assert res.succeeded == 12
+    ids = sorted(r["id"] for r in pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist())
+    assert ids == sorted([f"row-0-{i}" for i in range(7)] + [f"row-1-{i}" for i in range(5)])

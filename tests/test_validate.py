@@ -1,0 +1,60 @@
+"""Validate: one case per kind of bad row, each with its exact reason code."""
+
+import pytest
+
+from tokenmill.schemas import records as R
+from tokenmill.schemas.records import FailedRecord, PromptRecord
+from tokenmill.transforms.validate import pick_first, validate_row
+
+
+def row(**kw):
+    base = {"_input_ref": "0:5", "_row": 5, "_file_index": 0}
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize(
+    "fields, reason, message_part",
+    [
+        ({"prompt": None}, R.EMPTY_PROMPT, "prompt is null"),
+        ({"prompt": b"   "}, R.EMPTY_PROMPT, "prompt is empty"),
+        ({"prompt": 42}, R.BAD_PROMPT_TYPE, "must be a string, got int"),
+        ({"prompt": b"\xff\xfebad"}, R.INVALID_UTF8, "not valid UTF-8"),
+        ({"messages": b"[{bad json"}, R.BAD_MESSAGES, "not valid JSON"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, R.BAD_MESSAGES, "role must be one of"),
+        ({"messages": [{"role": "user"}]}, R.BAD_MESSAGES, "has no content"),
+        ({"messages": [{"role": "user", "content": None}]}, R.BAD_MESSAGES, "has no content"),
+        ({"messages": []}, R.BAD_MESSAGES, "non-empty list"),
+        ({"prompt": b"hi", "temperature": -0.5}, R.BAD_SAMPLING, "temperature must be >= 0, got -0.5"),
+        ({"prompt": b"hi", "max_tokens": 0}, R.BAD_SAMPLING, "max_tokens must be an integer > 0, got 0"),
+        ({"prompt": b"hi", "max_tokens": -3}, R.BAD_SAMPLING, "max_tokens must be an integer > 0"),
+        ({"prompt": b"hi", "top_p": 1.5}, R.BAD_SAMPLING, "top_p must be in (0, 1], got 1.5"),
+        ({"prompt": b"hi", "top_p": 0.0}, R.BAD_SAMPLING, "top_p must be in (0, 1]"),
+        ({"prompt": b"hi", "stop": 7}, R.BAD_SAMPLING, "stop must be a string"),
+    ],
+)
+def test_bad_row_becomes_dead_letter_with_reason(fields, reason, message_part):
+    out = validate_row(row(**fields))
+    assert isinstance(out, FailedRecord)
+    assert out.reason == reason
+    assert message_part in out.message
+    assert out.input_ref == "0:5"
+
+
+def test_good_rows_keep_overrides_and_generate_stable_ids():
+    out = validate_row(row(prompt=b"Hello", max_tokens=12, temperature=0.2, top_p=0.9, seed=3, stop="END"))
+    assert isinstance(out, PromptRecord)
+    assert out.id == "row-0-5"
+    assert out.sampling == {"max_tokens": 12, "temperature": 0.2, "top_p": 0.9, "seed": 3, "stop": ["END"]}
+    msgs = validate_row(row(id="a1", messages=b'[{"role": "user", "content": "Hi"}]'))
+    assert msgs.id == "a1" and msgs.messages == [{"role": "user", "content": "Hi"}]
+
+
+def test_duplicate_ids_first_in_input_order_wins():
+    a = PromptRecord(id="x", input_ref="1:0", prompt="later file")
+    b = PromptRecord(id="x", input_ref="0:9", prompt="first")
+    c = PromptRecord(id="x", input_ref="0:10", prompt="second")
+    out = pick_first(("x", [a, c, b]))
+    assert out[0] is b
+    assert [o.reason for o in out[1:]] == [R.DUPLICATE_ID, R.DUPLICATE_ID]
+    assert {o.input_ref for o in out[1:]} == {"1:0", "0:10"}

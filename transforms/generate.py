@@ -1,0 +1,343 @@
+"""Generate: token-budgeted batches through one engine per worker, kept fed.
+
+For each shard (one prefix-routed group of prompts), batches are handed to the
+engine in order.  The next batch is admitted as soon as the engine has free
+sequence slots, i.e. while the current batch's tail is still decoding, so the
+engine never idles at a batch boundary.  A batch's results are emitted (and
+committed by the Write step) as soon as all of its requests are done.
+
+A row the engine rejects is a dead letter (`bad_request`).  If a step fails,
+the batches in flight are retried by bisection on a fresh engine until the
+poison row is alone; it becomes a dead letter (`engine_error`) and the rest is
+answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import apache_beam as beam
+
+from tokenmill.schemas import records as R
+from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
+from tokenmill.schemas.records import Batch, FailedRecord, TokenizedPrompt
+from tokenmill.transforms import engine as E
+from tokenmill.transforms.batching import plan_batches
+from tokenmill.transforms.validate import DEAD
+
+log = logging.getLogger(__name__)
+
+STATS = "stats"
+#: Set by tests to exercise the isolation path with the real engine: a prompt
+#: containing this marker makes the engine step raise.
+POISON_ENV = "TOKENMILL_TEST_POISON_MARKER"
+
+
+@dataclass
+class GenerateConfig:
+    job_id: str
+    run_id: str
+    model_name: str
+    model_path: str
+    engine: EngineConfig
+    sampling: SamplingDefaults
+    batching: BatchingConfig
+    db_url: str | None = None
+
+
+def request_sampling(defaults: SamplingDefaults, p: TokenizedPrompt) -> dict[str, Any]:
+    s = {
+        "max_tokens": p.max_tokens,
+        "temperature": defaults.temperature,
+        "top_p": defaults.top_p,
+        "seed": defaults.seed,
+        "stop": defaults.stop,
+        "ignore_eos": defaults.ignore_eos,
+    }
+    s.update({k: v for k, v in p.sampling.items() if k != "max_tokens"})
+    return s
+
+
+class EngineFailure(RuntimeError):
+    pass
+
+
+class BatchRunner:
+    """Drives one engine session over a list of batches. Pure of Beam: tested with a fake session."""
+
+    def __init__(
+        self,
+        cfg: GenerateConfig,
+        session_fn: Callable[[], E.EngineSession],
+        restart_fn: Callable[[], E.EngineSession],
+        cancelled: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.time,
+        worker: str = "",
+    ):
+        self.cfg = cfg
+        self._session_fn = session_fn
+        self._restart_fn = restart_fn
+        self._cancelled = cancelled
+        self._clock = clock
+        self.worker = worker
+        self.cancelled = False
+
+    # -- helpers
+    def _output_row(self, p: TokenizedPrompt, f: E.Finished, batch_id: str) -> dict[str, Any]:
+        return {
+            "job_id": self.cfg.job_id,
+            "id": p.id,
+            "input_ref": p.input_ref,
+            "text": f.text,
+            "finish_reason": f.finish_reason,
+            "prompt_tokens": f.prompt_tokens,
+            "output_tokens": f.output_tokens,
+            "cached_tokens": f.cached_tokens,
+            "ttft_s": f.ttft_s,
+            "tpot_s": f.tpot_s,
+            "e2e_s": f.e2e_s,
+            "queue_s": f.queue_s,
+            "model": self.cfg.model_name,
+            "batch_id": batch_id,
+            "worker": self.worker,
+            "finished_at": f.finished_at,
+            "reference": p.reference,
+            "error": None,
+        }
+
+    def _add(self, s: E.EngineSession, p: TokenizedPrompt, rid: str) -> FailedRecord | None:
+        try:
+            marker = os.environ.get(POISON_ENV)
+            s.add(rid, p.token_ids, request_sampling(self.cfg.sampling, p))
+            if marker and marker in p.id:
+                raise EngineFailure("poison marker")  # test hook: this request breaks the engine
+        except EngineFailure:
+            raise
+        except Exception as err:
+            return FailedRecord(p.input_ref, p.id, R.BAD_REQUEST, f"engine rejected the request: {_one_line(err)}")
+        return None
+
+    def run(self, batches: list[Batch]):
+        """Yield ("out", batch_id, rows, dead, stats) per finished batch, then none."""
+        s = self._session_fn()
+        pending = deque(batches)
+        active: dict[str, dict[str, Any]] = {}
+        owner: dict[str, tuple[str, TokenizedPrompt]] = {}
+        max_ahead = self.cfg.batching.max_inflight_batches
+        drain_started = None
+        while pending or active:
+            # Admit while the engine has free sequence slots (the tail of the
+            # current batch), keeping at most max_ahead batches in flight.
+            while pending and len(active) < max_ahead and (not active or s.num_unfinished() < s.max_num_seqs):
+                if self._cancelled():
+                    self.cancelled = True
+                    pending.clear()
+                    break
+                b = pending.popleft()
+                st = {"batch": b, "rows": [], "dead": [], "left": 0, "started": self._clock(), "done_times": []}
+                active[b.batch_id] = st
+                for i, p in enumerate(b.prompts):
+                    rid = f"{b.batch_id}.{i}"
+                    try:
+                        bad = self._add(s, p, rid)
+                    except EngineFailure:
+                        owner[rid] = (b.batch_id, p)
+                        st["left"] += 1
+                        break
+                    if bad is not None:
+                        st["dead"].append(bad)
+                    else:
+                        owner[rid] = (b.batch_id, p)
+                        st["left"] += 1
+                else:
+                    continue
+                # the test hook fired: behave as a failed step
+                yield from self._recover(s, active, owner)
+                s = self._session_fn()
+                active.clear()
+                owner.clear()
+                break
+            if not active:
+                continue
+            if not pending and drain_started is None:
+                drain_started = self._clock()
+            try:
+                finished = s.step()
+            except Exception as err:
+                log.warning("engine step failed (%s); isolating the batches in flight", _one_line(err))
+                yield from self._recover(s, active, owner)
+                s = self._session_fn()
+                active.clear()
+                owner.clear()
+                continue
+            for f in finished:
+                bid, p = owner.pop(f.request_id, (None, None))
+                if bid is None:
+                    continue
+                st = active[bid]
+                st["rows"].append(self._output_row(p, f, bid))
+                st["done_times"].append(f.finished_at)
+                st["left"] -= 1
+            for bid in [b for b, st in active.items() if st["left"] <= 0]:
+                st = active.pop(bid)
+                yield self._emit(st)
+        self.drain_s = (self._clock() - drain_started) if drain_started else 0.0
+
+    def _emit(self, st: dict[str, Any]):
+        b: Batch = st["batch"]
+        now = self._clock()
+        times = sorted(st["done_times"])
+        # Tail: from when 90% of the batch was done to its last request.
+        tail = (times[-1] - times[int(0.9 * (len(times) - 1))]) if times else 0.0
+        rows = st["rows"]
+        stats = {
+            "job_id": self.cfg.job_id,
+            "batch_id": b.batch_id,
+            "worker": self.worker,
+            "requests": len(b.prompts),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+            "output_tokens": sum(r["output_tokens"] for r in rows),
+            "cached_tokens": sum(r["cached_tokens"] for r in rows),
+            "started_at": st["started"],
+            "finished_at": now,
+            "tail_s": tail,
+            "engine_idle_s": None,
+        }
+        return rows, st["dead"], stats
+
+    def _recover(self, s, active, owner):
+        """A step failed: abort what is in flight, restart the engine if it died,
+        and answer the in-flight batches one by one with bisection."""
+        s.abort(list(owner))
+        for bid, st in list(active.items()):
+            done_ids = {r["id"] for r in st["rows"]}
+            todo = [p for p in st["batch"].prompts if p.id not in done_ids and all(d.id != p.id for d in st["dead"])]
+            rows, dead = list(st["rows"]), list(st["dead"])
+            r2, d2 = self._isolate(todo, bid)
+            rows += r2
+            dead += d2
+            st["rows"], st["dead"], st["done_times"] = rows, dead, [r["finished_at"] for r in rows]
+            yield self._emit(st)
+
+    def _run_sync(self, prompts: list[TokenizedPrompt], bid: str):
+        s = self._session_fn()
+        if not s.alive():
+            s = self._restart_fn()
+        owner, rows, dead = {}, [], []
+        for i, p in enumerate(prompts):
+            rid = f"{bid}.r{time.monotonic_ns()}.{i}"
+            bad = self._add(s, p, rid)
+            if bad is not None:
+                dead.append(bad)
+            else:
+                owner[rid] = p
+        try:
+            while owner:
+                for f in s.step():
+                    p = owner.pop(f.request_id, None)
+                    if p is not None:
+                        rows.append(self._output_row(p, f, bid))
+        except Exception:
+            s.abort(list(owner))
+            raise
+        return rows, dead
+
+    def _isolate(self, prompts: list[TokenizedPrompt], bid: str):
+        if not prompts:
+            return [], []
+        try:
+            return self._run_sync(prompts, bid)
+        except Exception as err:
+            s = self._session_fn()
+            if not s.alive():
+                self._restart_fn()
+            if len(prompts) == 1:
+                p = prompts[0]
+                return [], [FailedRecord(p.input_ref, p.id, R.ENGINE_ERROR, f"engine failed on this row: {_one_line(err)}")]
+            mid = len(prompts) // 2
+            r1, d1 = self._isolate(prompts[:mid], bid)
+            r2, d2 = self._isolate(prompts[mid:], bid)
+            return r1 + r2, d1 + d2
+
+
+def _one_line(err: BaseException) -> str:
+    s = str(err).strip()
+    return (s.splitlines()[0] if s else type(err).__name__)[:300]
+
+
+class GenerateFn(beam.DoFn):
+    """(shard, prompts) → per batch: list of output rows (main), FailedRecords (`dead`), batch stats (`stats`)."""
+
+    def __init__(self, cfg: GenerateConfig, session_factory=None):
+        self.cfg = cfg
+        self._factory = session_factory
+        self._worker = ""
+        self._last_cancel_check = 0.0
+        self._cancel = False
+
+    def _session(self):
+        return E.get_session(self.cfg.engine, self.cfg.model_path, self._factory)
+
+    def _restart(self):
+        E.drop_session(self.cfg.engine, self.cfg.model_path, self._factory)
+        return self._session()
+
+    def setup(self):
+        self._worker = f"{socket.gethostname()}:{os.getpid()}"
+        t = time.time()
+        s = self._session()
+        if self.cfg.db_url:
+            from tokenmill.transforms.write import record_worker
+
+            record_worker(self.cfg.db_url, self.cfg.job_id, self._worker, s, started_at=t)
+
+    def _cancelled(self) -> bool:
+        if not self.cfg.db_url:
+            return False
+        now = time.time()
+        if now - self._last_cancel_check > 2.0:
+            self._last_cancel_check = now
+            from tokenmill.transforms.write import cancel_requested
+
+            self._cancel = cancel_requested(self.cfg.db_url, self.cfg.job_id)
+        return self._cancel
+
+    def process(self, element):
+        shard, prompts = element
+        prompts = list(prompts)
+        s = self._session()
+        batches = plan_batches(
+            prompts,
+            ordering=self.cfg.batching.ordering,
+            token_budget=self.cfg.batching.token_budget,
+            max_num_seqs=s.max_num_seqs,
+            batch_prefix=f"{self.cfg.run_id}-{shard}-",
+        )
+        runner = BatchRunner(
+            self.cfg, self._session, self._restart, cancelled=self._cancelled, worker=self._worker
+        )
+        for rows, dead, stats in runner.run(batches):
+            if rows:
+                yield rows
+            for d in dead:
+                yield beam.pvalue.TaggedOutput(DEAD, d)
+            yield beam.pvalue.TaggedOutput(STATS, stats)
+        if self.cfg.db_url:
+            from tokenmill.transforms.write import update_worker_peak
+
+            update_worker_peak(self.cfg.db_url, self.cfg.job_id, self._worker)
+
+
+class Generate(beam.PTransform):
+    def __init__(self, cfg: GenerateConfig, session_factory=None):
+        super().__init__()
+        self._fn = GenerateFn(cfg, session_factory)
+
+    def expand(self, shards):
+        return shards | "EngineGenerate" >> beam.ParDo(self._fn).with_outputs(DEAD, STATS, main="ok")

@@ -1,0 +1,114 @@
+"""Tokenize: chat template + token ids + prefix key, on CPU, before any engine work.
+
+The engine later receives these token ids as they are (`TokensPrompt`), so the
+prompt it serves is exactly the one counted here, and `prompt_tokens` in the
+outputs still comes from the engine's own output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Any
+
+import apache_beam as beam
+
+from tokenmill.schemas import records as R
+from tokenmill.schemas.records import FailedRecord, PromptRecord, TokenizedPrompt
+from tokenmill.transforms.validate import DEAD
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's KV block size on CUDA; the job passes the engine's real one (128 on CPU)
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def load_tokenizer(model_path: str):
+    tok = _TOKENIZERS.get(model_path)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        _TOKENIZERS[model_path] = tok
+    return tok
+
+
+def prefix_key(token_ids, block_size: int = DEFAULT_BLOCK_SIZE, blocks: int = 4) -> str:
+    """Hash of the leading full KV blocks (at most `blocks` of them).
+
+    Aligned to the engine's block size because vLLM's prefix cache shares whole
+    blocks only; a prompt shorter than one block gets a key of its own tokens."""
+    n = min(len(token_ids) // block_size, blocks) * block_size
+    head = token_ids[:n] if n else token_ids
+    return hashlib.blake2b(array("i", head).tobytes(), digest_size=8).hexdigest()
+
+
+def encode(tokenizer, rec: PromptRecord) -> list[int]:
+    if rec.messages is not None:
+        ids = tokenizer.apply_chat_template(rec.messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(rec.prompt, add_special_tokens=True)["input_ids"])
+
+
+def tokenize_record(
+    tokenizer,
+    rec: PromptRecord,
+    *,
+    max_model_len: int,
+    default_max_tokens: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    prefix_blocks: int = 4,
+) -> TokenizedPrompt | FailedRecord:
+    max_tokens = rec.sampling.get("max_tokens", default_max_tokens)
+    try:
+        ids = encode(tokenizer, rec)
+    except Exception as err:  # a template that rejects the conversation, for example
+        return FailedRecord(rec.input_ref, rec.id, R.BAD_MESSAGES, f"chat template failed: {str(err).splitlines()[0]}")
+    limit = max_model_len - max_tokens
+    if len(ids) > limit:
+        return FailedRecord(
+            rec.input_ref,
+            rec.id,
+            R.PROMPT_TOO_LONG,
+            f"prompt has {len(ids)} tokens; the limit is max_model_len {max_model_len} - max_tokens {max_tokens} = {limit}",
+        )
+    return TokenizedPrompt(
+        id=rec.id,
+        input_ref=rec.input_ref,
+        token_ids=ids,
+        prefix_key=prefix_key(ids, block_size, prefix_blocks),
+        max_tokens=max_tokens,
+        sampling=rec.sampling,
+        reference=rec.reference,
+    )
+
+
+class TokenizeFn(beam.DoFn):
+    def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int):
+        self._model_path = model_path
+        self._kw = dict(
+            max_model_len=max_model_len,
+            default_max_tokens=default_max_tokens,
+            block_size=block_size,
+            prefix_blocks=prefix_blocks,
+        )
+        self._tok = None
+
+    def setup(self):
+        self._tok = load_tokenizer(self._model_path)
+
+    def process(self, rec: PromptRecord):
+        out = tokenize_record(self._tok, rec, **self._kw)
+        if isinstance(out, FailedRecord):
+            yield beam.pvalue.TaggedOutput(DEAD, out)
+        else:
+            yield out
+
+
+class Tokenize(beam.PTransform):
+    def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int):
+        super().__init__()
+        self._fn = TokenizeFn(model_path, max_model_len, default_max_tokens, block_size, prefix_blocks)
+
+    def expand(self, records):
+        return records | "ChatTemplateAndCount" >> beam.ParDo(self._fn).with_outputs(DEAD, main="ok")

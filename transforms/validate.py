@@ -1,0 +1,224 @@
+"""Validate: a raw row dict becomes a PromptRecord or a FailedRecord with a reason.
+
+Nothing is dropped silently: every problem a single row can have is a dead
+letter with a reason code (schemas/records.py) and a message that says what
+was wrong and what was given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import apache_beam as beam
+
+from tokenmill.schemas import records as R
+from tokenmill.schemas.records import FailedRecord, PromptRecord
+
+DEAD = "dead"
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+RAW_LIMIT = 2000
+
+
+class RowError(ValueError):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _text(value: Any, what: str) -> str | None:
+    """bytes/str → str; invalid UTF-8 and non-strings raise RowError."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise RowError(R.INVALID_UTF8, f"{what} is not valid UTF-8 (byte {err.start})") from None
+    if isinstance(value, str):
+        return value
+    raise RowError(R.BAD_PROMPT_TYPE, f"{what} must be a string, got {type(value).__name__}")
+
+
+def _is_missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    if isinstance(value, (bytes, bytearray, str)):
+        text = _text(value, "messages")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise RowError(R.BAD_MESSAGES, f"messages is not valid JSON: {err.msg} at position {err.pos}") from None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise RowError(R.BAD_MESSAGES, f"messages must be a non-empty list of {{role, content}}, got {_short(value)}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise RowError(R.BAD_MESSAGES, f"messages[{i}] must be an object with role and content, got {_short(m)}")
+        role = _text(m.get("role"), f"messages[{i}].role")
+        if role not in R.ROLES:
+            raise RowError(R.BAD_MESSAGES, f"messages[{i}].role must be one of {list(R.ROLES)}, got {role!r}")
+        if _is_missing(m.get("content")):
+            raise RowError(R.BAD_MESSAGES, f"messages[{i}] has no content")
+        try:
+            content = _text(m.get("content"), f"messages[{i}].content")
+        except RowError as err:
+            if err.reason == R.BAD_PROMPT_TYPE:
+                raise RowError(R.BAD_MESSAGES, str(err)) from None
+            raise
+        out.append({"role": role, "content": content})
+    if all(not m["content"].strip() for m in out):
+        raise RowError(R.EMPTY_PROMPT, "all messages have empty content")
+    return out
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def parse_sampling(row: dict[str, Any]) -> dict[str, Any]:
+    """Per-row overrides; values that vLLM would reject are dead letters here."""
+    out: dict[str, Any] = {}
+    for key in SAMPLING_KEYS:
+        if key not in row or _is_missing(row[key]):
+            continue
+        v = row[key]
+        if isinstance(v, (bytes, bytearray)):
+            v = _text(v, key)
+        if key == "max_tokens":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v <= 0:
+                raise RowError(R.BAD_SAMPLING, f"max_tokens must be an integer > 0, got {_short(v)}")
+            out[key] = int(v)
+        elif key == "temperature":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise RowError(R.BAD_SAMPLING, f"temperature must be >= 0, got {_short(v)}")
+            out[key] = float(v)
+        elif key == "top_p":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 1):
+                raise RowError(R.BAD_SAMPLING, f"top_p must be in (0, 1], got {_short(v)}")
+            out[key] = float(v)
+        elif key == "seed":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+                raise RowError(R.BAD_SAMPLING, f"seed must be an integer, got {_short(v)}")
+            out[key] = int(v)
+        elif key == "stop":
+            if isinstance(v, str):
+                v = [v]
+            if not isinstance(v, (list, tuple)) or not all(isinstance(s, (str, bytes)) for s in v):
+                raise RowError(R.BAD_SAMPLING, f"stop must be a string or a list of strings, got {_short(v)}")
+            stops = [_text(s, "stop") for s in v]
+            if stops:
+                out[key] = stops
+    return out
+
+
+def raw_repr(row: dict[str, Any]) -> str:
+    def enc(v):
+        if isinstance(v, (bytes, bytearray)):
+            return bytes(v).decode("utf-8", errors="replace")
+        return v
+
+    clean = {k: enc(v) for k, v in row.items() if not k.startswith("_")}
+    s = json.dumps(clean, default=str, ensure_ascii=False)
+    return s if len(s) <= RAW_LIMIT else s[: RAW_LIMIT - 3] + "..."
+
+
+def row_id(row: dict[str, Any]) -> str:
+    v = row.get("id")
+    if _is_missing(v):
+        return f"row-{row['_file_index']}-{row['_row']}"
+    if isinstance(v, (bytes, bytearray)):
+        return bytes(v).decode("utf-8", errors="replace")
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    return str(v)
+
+
+def validate_row(row: dict[str, Any], reference_column: str | None = None) -> PromptRecord | FailedRecord:
+    ref = row["_input_ref"]
+    rid = row_id(row)
+    try:
+        prompt = messages = None
+        if not _is_missing(row.get("messages")):
+            messages = parse_messages(row["messages"])
+        elif "prompt" in row and not _is_missing(row.get("prompt")):
+            v = row["prompt"]
+            if not isinstance(v, (str, bytes, bytearray)):
+                raise RowError(R.BAD_PROMPT_TYPE, f"prompt must be a string, got {type(v).__name__}: {_short(v)}")
+            prompt = _text(v, "prompt")
+            if not prompt.strip():
+                raise RowError(R.EMPTY_PROMPT, "prompt is empty")
+        else:
+            raise RowError(R.EMPTY_PROMPT, "prompt is null" if "prompt" in row else "messages is null")
+        sampling = parse_sampling(row)
+        reference = None
+        if reference_column and not _is_missing(row.get(reference_column)):
+            reference = _text(row[reference_column], reference_column)
+        return PromptRecord(id=rid, input_ref=ref, prompt=prompt, messages=messages, sampling=sampling, reference=reference)
+    except RowError as err:
+        return FailedRecord(input_ref=ref, id=rid, reason=err.reason, message=str(err), raw=raw_repr(row))
+
+
+class ValidateFn(beam.DoFn):
+    def __init__(self, reference_column: str | None = None):
+        self._ref = reference_column
+
+    def process(self, row):
+        rec = validate_row(row, self._ref)
+        if isinstance(rec, FailedRecord):
+            yield beam.pvalue.TaggedOutput(DEAD, rec)
+        else:
+            yield rec
+
+
+def pick_first(id_and_records) -> list[PromptRecord | FailedRecord]:
+    """Among records sharing an id, the first in input order wins; the rest are dead letters."""
+    rid, recs = id_and_records
+    recs = sorted(recs, key=lambda r: tuple(int(x) for x in r.input_ref.split(":")))
+    first = recs[0]
+    out: list[PromptRecord | FailedRecord] = [first]
+    for r in recs[1:]:
+        out.append(
+            FailedRecord(
+                input_ref=r.input_ref,
+                id=rid,
+                reason=R.DUPLICATE_ID,
+                message=f"duplicate id {rid!r}: the row at {first.input_ref} came first",
+                raw=json.dumps({"id": rid, "prompt": r.prompt, "messages": r.messages}, ensure_ascii=False)[:RAW_LIMIT],
+            )
+        )
+    return out
+
+
+class _SplitDup(beam.DoFn):
+    def process(self, group):
+        for r in pick_first(group):
+            if isinstance(r, FailedRecord):
+                yield beam.pvalue.TaggedOutput(DEAD, r)
+            else:
+                yield r
+
+
+class Validate(beam.PTransform):
+    """Row dicts → PromptRecords (main) and FailedRecords (tag `dead`)."""
+
+    def __init__(self, reference_column: str | None = None):
+        super().__init__()
+        self._ref = reference_column
+
+    def expand(self, rows):
+        return rows | "ValidateRows" >> beam.ParDo(ValidateFn(self._ref)).with_outputs(DEAD, main="ok")
+
+
+class DedupIds(beam.PTransform):
+    def expand(self, records):
+        return (
+            records
+            | "KeyById" >> beam.Map(lambda r: (r.id, r))
+            | "GroupById" >> beam.GroupByKey()
+            | "FirstWins" >> beam.ParDo(_SplitDup()).with_outputs(DEAD, main="ok")
+        )
