@@ -456,6 +456,28 @@ def db_upgrade(db_url):
         click.echo(f"{mask_url(url)}: schema at revision {S.current_revision(conn)}")
 
 
+# ---------------------------------------------------------------- command modules
+
+#: Further commands live in their own modules (jobs/cli_<area>.py), each adding
+#: commands to `main` with @main.command(); listed here so they load with the CLI.
+COMMAND_MODULES = ("cli_report", "cli_quality", "cli_orchestrate")
+
+
+def _load_command_modules() -> None:
+    import importlib
+
+    for mod in COMMAND_MODULES:
+        name = f"tokenmill.jobs.{mod}"
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+
+
+_load_command_modules()
+
+
 # ---------------------------------------------------------------- entry point
 
 
