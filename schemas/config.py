@@ -103,6 +103,9 @@ class BatchingConfig(_Strict):
     """Number of routing shards (prefix groups are hashed into these); default 1 per worker."""
     max_inflight_batches: int = Field(2, ge=1, le=64)
     """Batches handed to the engine ahead of the one finishing (keeps the engine fed at batch tails)."""
+    batch_timeout_s: float = Field(1800.0, gt=0)
+    """The longest a batch may stay in the engine; past it the batch counts as hung
+    and is retried by bisection until the row that hangs is an `engine_timeout` dead letter."""
 
 
 class RunnerConfig(_Strict):

@@ -49,6 +49,9 @@ class GenerateConfig:
     sampling: SamplingDefaults
     batching: BatchingConfig
     db_url: str | None = None
+    num_workers: int = 1
+    """Engine processes sharing this host (DirectRunner multi_processing): on CPU each
+    binds its own cores and gets its share of the KV cache memory."""
 
 
 def request_sampling(defaults: SamplingDefaults, p: TokenizedPrompt) -> dict[str, Any]:
@@ -66,6 +69,10 @@ def request_sampling(defaults: SamplingDefaults, p: TokenizedPrompt) -> dict[str
 
 class EngineFailure(RuntimeError):
     pass
+
+
+class BatchTimeout(RuntimeError):
+    """A batch stayed in the engine longer than `batching.batch_timeout_s` (a hung request)."""
 
 
 class BatchRunner:
@@ -168,6 +175,7 @@ class BatchRunner:
             if not pending and drain_started is None:
                 drain_started = self._clock()
             try:
+                self._check_deadline(min(st["started"] for st in active.values()))
                 finished = s.step()
             except Exception as err:
                 log.warning("engine step failed (%s); isolating the batches in flight", _one_line(err))
@@ -188,6 +196,12 @@ class BatchRunner:
                 st = active.pop(bid)
                 yield self._emit(st)
         self.drain_s = (self._clock() - drain_started) if drain_started else 0.0
+
+    def _check_deadline(self, started: float) -> None:
+        # Checked between engine steps: a request that never finishes trips it.
+        limit = self.cfg.batching.batch_timeout_s
+        if self._clock() - started > limit:
+            raise BatchTimeout(f"batch still unfinished after {limit:g} s (batch_timeout_s)")
 
     def _emit(self, st: dict[str, Any]):
         b: Batch = st["batch"]
@@ -237,8 +251,10 @@ class BatchRunner:
                 dead.append(bad)
             else:
                 owner[rid] = p
+        started = self._clock()
         try:
             while owner:
+                self._check_deadline(started)
                 for f in s.step():
                     p = owner.pop(f.request_id, None)
                     if p is not None:
@@ -259,6 +275,8 @@ class BatchRunner:
                 self._restart_fn()
             if len(prompts) == 1:
                 p = prompts[0]
+                if isinstance(err, BatchTimeout):
+                    return [], [FailedRecord(p.input_ref, p.id, R.ENGINE_TIMEOUT, f"engine hung on this row: {_one_line(err)}")]
                 return [], [FailedRecord(p.input_ref, p.id, R.ENGINE_ERROR, f"engine failed on this row: {_one_line(err)}")]
             mid = len(prompts) // 2
             r1, d1 = self._isolate(prompts[:mid], bid)
@@ -280,16 +298,21 @@ class GenerateFn(beam.DoFn):
         self._worker = ""
         self._last_cancel_check = 0.0
         self._cancel = False
+        self._engine_cfg = cfg.engine
 
     def _session(self):
-        return E.get_session(self.cfg.engine, self.cfg.model_path, self._factory)
+        return E.get_session(self._engine_cfg, self.cfg.model_path, self._factory)
 
     def _restart(self):
-        E.drop_session(self.cfg.engine, self.cfg.model_path, self._factory)
+        E.drop_session(self._engine_cfg, self.cfg.model_path, self._factory)
         return self._session()
 
     def setup(self):
         self._worker = f"{socket.gethostname()}:{os.getpid()}"
+        if self.cfg.num_workers > 1 and self._factory is None and not E.has_nvidia_gpu():
+            slot, cores = E.claim_cpu_slot(self.cfg.num_workers, f"{self.cfg.job_id}-{self.cfg.run_id}")
+            self._engine_cfg = E.worker_engine_config(self.cfg.engine, self.cfg.num_workers)
+            log.info("worker %s: CPU slot %d of %d, cores %s", self._worker, slot, self.cfg.num_workers, cores)
         t = time.time()
         s = self._session()
         if self.cfg.db_url:
