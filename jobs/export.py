@@ -23,9 +23,32 @@ CHUNK_ROWS = 5000
 MANIFEST = "_SUCCESS.json"
 
 
+#: The only names an export writes under its output root; ids and job names never become paths.
+FILE_NAMES = frozenset({"outputs.parquet", "dead_letters.parquet", "outputs.jsonl", "errors.jsonl", MANIFEST})
+
+
+class OutputPathError(ValueError):
+    """An output location that could write outside its output root; the message is one line."""
+
+
+def check_output_root(output: str) -> None:
+    """Refuse an output root with `..` segments (it would resolve outside the folder the
+    user named) or an empty path; files are only ever written directly under it."""
+    if not output or not output.strip():
+        raise OutputPathError("output path is empty")
+    path = output.split("://", 1)[1] if "://" in output else output
+    if any(seg == ".." for seg in path.replace("\\", "/").split("/")):
+        raise OutputPathError(f"output {output!r} contains a '..' segment; give the folder itself")
+    if "://" in output and not path.split("/", 1)[0]:
+        raise OutputPathError(f"output {output!r} has no bucket")
+
+
 def join(root: str, name: str) -> str:
+    """`root/name` for one of the export's own file names; anything else is refused."""
     from apache_beam.io.filesystems import FileSystems
 
+    if name not in FILE_NAMES:
+        raise OutputPathError(f"refusing to write {name!r}: not one of the export's files")
     return FileSystems.join(root, name)
 
 
@@ -88,6 +111,7 @@ def _input_order(table):
 def export_job(eng: Engine, job_id: str, output_root: str, fmt: str = "parquet") -> dict[str, Any]:
     from apache_beam.io.filesystems import FileSystems
 
+    check_output_root(output_root)
     if "://" not in output_root:
         import os
 
@@ -101,7 +125,12 @@ def export_job(eng: Engine, job_id: str, output_root: str, fmt: str = "parquet")
 
         files["outputs"] = join(output_root, "outputs.jsonl")
         files["errors"] = join(output_root, "errors.jsonl")
-        n_out = write_jsonl(files["outputs"], output_lines(_rows(eng, T.outputs, job_id, _input_order(T.outputs))))
+        with eng.connect() as conn:  # the input tells each request's endpoint and model
+            spec = conn.execute(select(T.jobs.c.spec).where(T.jobs.c.id == job_id)).scalar() or {}
+        n_out = write_jsonl(
+            files["outputs"],
+            output_lines(_rows(eng, T.outputs, job_id, _input_order(T.outputs)), source=spec.get("input")),
+        )
         n_dead = write_jsonl(
             files["errors"], dead_letter_lines(_rows(eng, T.dead_letters, job_id, _input_order(T.dead_letters)))
         )

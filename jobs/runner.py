@@ -124,6 +124,12 @@ def set_filesystem_options(spec: JobSpec) -> None:
 
 
 def check_output_path(output: str) -> None:
+    from tokenmill.jobs.export import OutputPathError, check_output_root
+
+    try:
+        check_output_root(output)
+    except OutputPathError as err:
+        raise JobError(str(err)) from None
     if "://" not in output:
         import pathlib
 
