@@ -1,10 +1,20 @@
-"""What the job ran on: CPU model and cores, or GPU name and count (via NVML when present)."""
+"""What the job ran on (CPU model and cores, or GPU name and count via NVML), and
+how busy it was while the job ran (`UtilizationSampler`).
+
+Utilization is sampled in the launcher, not in workers: a daemon thread reads
+the machine's CPU utilization (psutil, all cores) and the RSS of the launcher
+and its child processes (vLLM's engine core and Beam workers on this host), and,
+where NVML answers, each GPU's memory used, utilization and power.  Without a
+GPU the NVML part is a no-op that yields None.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
-from typing import Any
+import threading
+import time
+from typing import Any, Callable
 
 
 def cpu_model() -> str:
@@ -80,3 +90,160 @@ def _mem_total() -> int | None:
         return int(psutil.virtual_memory().total)
     except Exception:
         return None
+
+
+# ---------------------------------------------------------------- utilization during a job
+
+
+def load_nvml():
+    """The initialised `pynvml` module, or None where NVML (or a GPU) is absent."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        if pynvml.nvmlDeviceGetCount() < 1:
+            return None
+        return pynvml
+    except Exception:
+        return None
+
+
+def nvml_sample(nvml) -> list[dict[str, Any]] | None:
+    """One reading per GPU: memory used/total (bytes), GPU and memory-bus utilization
+    (%), power (W).  None when `nvml` is None; a figure the device cannot give is None."""
+    if nvml is None:
+        return None
+    out = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        mem = nvml.nvmlDeviceGetMemoryInfo(h)
+        try:
+            util = nvml.nvmlDeviceGetUtilizationRates(h)
+            gpu_pct, mem_pct = float(util.gpu), float(util.memory)
+        except Exception:
+            gpu_pct = mem_pct = None
+        try:
+            power_w = nvml.nvmlDeviceGetPowerUsage(h) / 1000.0  # NVML reports milliwatts
+        except Exception:
+            power_w = None
+        out.append({
+            "index": i, "memory_used_bytes": int(mem.used), "memory_total_bytes": int(mem.total),
+            "util_pct": gpu_pct, "memory_util_pct": mem_pct, "power_w": power_w,
+        })
+    return out
+
+
+def process_tree_rss_bytes(pid: int | None = None) -> int | None:
+    """RSS of a process and all its descendants (the launcher, vLLM's engine core, local workers)."""
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        total = p.memory_info().rss
+        for c in p.children(recursive=True):
+            try:
+                total += c.memory_info().rss
+            except psutil.Error:
+                pass
+        return int(total)
+    except Exception:
+        return None
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _max(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
+
+
+def summarize_samples(cpu_pct: list[float], rss: list[int | None], gpu: list[list[dict[str, Any]]],
+                      wall_s: float) -> dict[str, Any]:
+    """Mean/peak of the samples; GPU energy = mean power × sampled wall time."""
+    out: dict[str, Any] = {
+        "samples": len(cpu_pct),
+        "sampled_wall_s": wall_s,
+        "clock": "launcher wall clock (time.monotonic), one sample per interval",
+        "cpu_util_pct_mean": _mean(cpu_pct),
+        "cpu_util_pct_max": _max(cpu_pct),
+        "cpu_util_definition": "whole machine, mean over all cores (psutil.cpu_percent)",
+        "peak_process_tree_rss_bytes": _max(rss),
+        "gpus": None,
+    }
+    if gpu:
+        per: dict[int, list[dict[str, Any]]] = {}
+        for reading in gpu:
+            for g in reading:
+                per.setdefault(g["index"], []).append(g)
+        gpus = []
+        for idx, rs in sorted(per.items()):
+            pw = _mean([r["power_w"] for r in rs])
+            gpus.append({
+                "index": idx,
+                "memory_used_bytes_max": _max([r["memory_used_bytes"] for r in rs]),
+                "memory_total_bytes": rs[0]["memory_total_bytes"],
+                "util_pct_mean": _mean([r["util_pct"] for r in rs]),
+                "util_pct_max": _max([r["util_pct"] for r in rs]),
+                "power_w_mean": pw,
+                "power_w_max": _max([r["power_w"] for r in rs]),
+                "energy_wh": (pw * wall_s / 3600.0) if pw is not None else None,
+            })
+        out["gpus"] = gpus
+    return out
+
+
+class UtilizationSampler(threading.Thread):
+    """Samples CPU utilization, process-tree RSS and (with NVML) GPU figures every
+    `every_s` seconds until `stop()`; `summary()` gives the means and peaks.
+
+    `nvml` and `cpu_percent` are injectable so the parsing is tested without a GPU."""
+
+    def __init__(self, every_s: float = 1.0, *, nvml: Any = "auto",
+                 cpu_percent: Callable[[], float] | None = None, clock: Callable[[], float] = time.monotonic):
+        super().__init__(daemon=True, name="tokenmill-utilization")
+        self.every_s = every_s
+        self._nvml = load_nvml() if nvml == "auto" else nvml
+        if cpu_percent is None:
+            import psutil
+
+            psutil.cpu_percent(None)  # the first call only sets the baseline
+            cpu_percent = lambda: psutil.cpu_percent(None)  # noqa: E731
+        self._cpu_percent = cpu_percent
+        self._clock = clock
+        self._stop_event = threading.Event()
+        self.cpu: list[float] = []
+        self.rss: list[int | None] = []
+        self.gpu: list[list[dict[str, Any]]] = []
+        self._t0 = self._t1 = clock()
+
+    def sample(self) -> None:
+        self.cpu.append(float(self._cpu_percent()))
+        self.rss.append(process_tree_rss_bytes())
+        g = nvml_sample(self._nvml)
+        if g is not None:
+            self.gpu.append(g)
+        self._t1 = self._clock()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.every_s):
+            try:
+                self.sample()
+            except Exception:  # never fail a job for a missed sample
+                pass
+
+    def stop(self) -> dict[str, Any]:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=5)
+        if not self.cpu:  # a job shorter than one interval still gets a reading
+            try:
+                self.sample()
+            except Exception:
+                pass
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        return summarize_samples(self.cpu, self.rss, self.gpu, self._t1 - self._t0)

@@ -213,6 +213,10 @@ def run_job(
 
     hb = _Heartbeat(eng, job_id, tick if progress else None)
     hb.start()
+    from tokenmill.jobs.hardware import UtilizationSampler
+
+    sampler = UtilizationSampler()  # CPU utilization, process-tree RSS, NVML on GPU; launcher-side
+    sampler.start()
     status, error = "failed", None
     try:
         _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory,
@@ -227,6 +231,7 @@ def run_job(
     finally:
         hb.stop_event.set()
         hb.join(timeout=5)
+        utilization = sampler.stop()
         if status != "done":
             S.finish_job(eng, job_id, status="failed", error=error, **S.counts(eng, job_id), heartbeat_at=None, owner=None)
     if progress is not None:
@@ -239,7 +244,8 @@ def run_job(
     cancelled = bool(job.get("cancel_requested"))
     c = S.counts(eng, job_id)
     files = export_job(eng, job_id, spec.output, spec.output_format or "parquet")
-    metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0)
+    metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
+                              utilization=utilization)
     note = None
     if cancelled:
         final = "cancelled"
@@ -303,7 +309,8 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
         raise RuntimeError(f"pipeline ended in state {state}")
 
 
-def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, Any], job_wall_s: float | None = None):
+def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, Any], job_wall_s: float | None = None,
+                    utilization: dict[str, Any] | None = None):
     from tokenmill.jobs.pricing import price_for
     from tokenmill.transforms.accounting import job_metrics
 
@@ -324,6 +331,7 @@ def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, A
         price_per_hour=price,
         device_count=hw.get("device_count", 1) or 1,
         job_wall_s=job_wall_s,
+        utilization=utilization,
     )
     if "cost" in m:
         m["cost"]["price_source"] = source

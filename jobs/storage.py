@@ -282,3 +282,30 @@ def named_lock(eng: Engine, name: str, stale_after_s: float = 6 * 3600) -> Itera
         if got:
             with eng.begin() as conn:
                 conn.execute(delete(T.locks).where(T.locks.c.name == name, T.locks.c.owner == me))
+
+
+# ---------------------------------------------------------------- what reports read
+
+REQUEST_COLUMNS = (
+    "id", "prompt_tokens", "output_tokens", "cached_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s",
+    "finish_reason", "finished_at", "worker", "batch_id",
+)
+
+
+def request_rows(eng: Engine, job_id: str, columns: tuple[str, ...] = REQUEST_COLUMNS) -> list[dict[str, Any]]:
+    """The job's per-request figures (no output text), ordered by finish time."""
+    cols = [T.outputs.c[k] for k in columns]
+    with eng.connect() as conn:
+        q = select(*cols).where(T.outputs.c.job_id == job_id).order_by(T.outputs.c.finished_at, T.outputs.c.id)
+        return [dict(r) for r in conn.execute(q).mappings()]
+
+
+def job_batches(eng: Engine, job_id: str) -> list[dict[str, Any]]:
+    with eng.connect() as conn:
+        q = select(T.batches).where(T.batches.c.job_id == job_id).order_by(T.batches.c.started_at)
+        return [dict(r) for r in conn.execute(q).mappings()]
+
+
+def job_workers(eng: Engine, job_id: str) -> list[dict[str, Any]]:
+    with eng.connect() as conn:
+        return [dict(r) for r in conn.execute(select(T.workers).where(T.workers.c.job_id == job_id)).mappings()]

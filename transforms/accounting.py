@@ -21,6 +21,20 @@ import math
 from typing import Any, Iterable, Sequence
 
 
+#: Which clock each figure is measured on (shown beside the figures in reports).
+CLOCKS: dict[str, str] = {
+    "ttft_s": "vLLM front end, wall clock: first token time - arrival time",
+    "tpot_s": "vLLM engine core, monotonic: (last token - first token) / (output tokens - 1)",
+    "e2e_s": "vLLM front end, wall clock: finish time - arrival time",
+    "queue_s": "vLLM engine core, monotonic: scheduled - queued",
+    "generation_wall_s": "worker wall clock (time.time): first batch admitted -> last batch finished",
+    "model_load_s": "worker wall clock: engine construction (slowest worker)",
+    "job_wall_s": "launcher wall clock: job start -> accounting (includes checks, load, export)",
+    "outputs.finished_at": "worker wall clock (time.time) when the request finished",
+    "utilization": "launcher monotonic clock, one sample per interval",
+}
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile (numpy's default), None for no values."""
     vals = sorted(v for v in values if v is not None and not math.isnan(v))
@@ -57,7 +71,13 @@ def job_metrics(
     price_per_hour: float | None,
     device_count: int = 1,
     job_wall_s: float | None = None,
+    utilization: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The job's serving metrics (see the module docstring for what each counts).
+
+    `rows`: per-request outputs (prompt/output/cached tokens, ttft_s, tpot_s,
+    e2e_s, queue_s); `batches`/`workers`: the job's batch and worker rows;
+    `utilization`: the launcher's `UtilizationSampler` summary, if any."""
     n = len(rows)
     prompt = sum(r["prompt_tokens"] or 0 for r in rows)
     output = sum(r["output_tokens"] or 0 for r in rows)
@@ -115,6 +135,7 @@ def job_metrics(
         },
         "memory": {
             "peak_worker_rss_bytes": peak_rss or None,
+            "peak_process_tree_rss_bytes": (utilization or {}).get("peak_process_tree_rss_bytes"),
             "weights_bytes": info.get("weights_file_bytes"),
             "kv_cache_bytes": info.get("kv_cache_bytes"),
             "kv_cache_tokens": info.get("kv_cache_tokens"),
@@ -122,18 +143,95 @@ def job_metrics(
         "failures": {
             "rate": (failed / total) if total else 0.0,
             "by_reason": dict(sorted(failed_by_reason.items())),
+            "rate_by_reason": {k: (v / total if total else 0.0) for k, v in sorted(failed_by_reason.items())},
+            "definition": "dead-lettered input rows / input rows, per reason code",
         },
+        "utilization": utilization,
+        "clocks": CLOCKS,
     }
     hours = (gen_wall * device_count) / 3600.0
+    load_hours = ((max(load) if load else 0.0) * device_count) / 3600.0
     if price_per_hour is not None:
         cost = hours * price_per_hour
         m["cost"] = {
             "price_per_hour": price_per_hour,
+            "device_count": device_count,
             "device_hours": hours,
             "total": cost,
+            "model_load_device_hours": load_hours,
+            "model_load": load_hours * price_per_hour,
+            "total_with_model_load": cost + load_hours * price_per_hour,
             "per_1m_output_tokens": (cost / output * 1e6) if output else None,
             "per_1m_total_tokens": (cost / (prompt + output) * 1e6) if (prompt + output) else None,
             "per_successful_request": (cost / n) if n else None,
-            "basis": "generation wall time × devices × hourly price (model load excluded)",
+            "currency": "USD",
+            "basis": "generation wall time × devices × hourly price (model load excluded; shown separately)",
         }
     return m
+
+
+# ---------------------------------------------------------------- headline figures and comparison
+
+#: (path in the metrics dict, label, which direction is better)
+HEADLINE: tuple[tuple[str, str, str], ...] = (
+    ("requests.succeeded", "succeeded requests", "higher"),
+    ("failures.rate", "failure rate", "lower"),
+    ("latency_s.ttft.p50", "TTFT p50", "lower"),
+    ("latency_s.ttft.p95", "TTFT p95", "lower"),
+    ("latency_s.ttft.p99", "TTFT p99", "lower"),
+    ("latency_s.tpot.p50", "TPOT p50", "lower"),
+    ("latency_s.tpot.p95", "TPOT p95", "lower"),
+    ("latency_s.tpot.p99", "TPOT p99", "lower"),
+    ("latency_s.e2e.p50", "E2E p50", "lower"),
+    ("latency_s.e2e.p95", "E2E p95", "lower"),
+    ("latency_s.e2e.p99", "E2E p99", "lower"),
+    ("throughput.output_tok_per_s", "output tok/s", "higher"),
+    ("throughput.total_tok_per_s", "total tok/s", "higher"),
+    ("throughput.requests_per_s", "requests/s", "higher"),
+    ("throughput.mean_request_output_tok_per_s", "mean per-request output tok/s", "higher"),
+    ("throughput.generation_wall_s", "generation wall", "lower"),
+    ("throughput.model_load_s", "model load", "lower"),
+    ("prefix_cache.hit_rate", "prefix cache hit rate", "higher"),
+    ("memory.kv_cache_bytes", "KV cache", "neutral"),
+    ("memory.peak_worker_rss_bytes", "peak worker RSS", "lower"),
+    ("utilization.cpu_util_pct_mean", "CPU utilization mean", "neutral"),
+    ("cost.per_1m_output_tokens", "USD per 1M output tokens", "lower"),
+    ("cost.per_1m_total_tokens", "USD per 1M total tokens", "lower"),
+    ("cost.per_successful_request", "USD per successful request", "lower"),
+)
+
+
+def get_path(m: dict[str, Any] | None, path: str) -> Any:
+    """`m["a"]["b"]` for "a.b"; None where any step is missing."""
+    cur: Any = m
+    for part in path.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """b / a, or None where it is undefined (a missing or zero)."""
+    if a is None or b is None or not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or a == 0:
+        return None
+    return float(b) / float(a)
+
+
+def compare_metrics(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """The headline figures of two jobs side by side; `ratio` is B / A and
+    `better` says which job the figure favours ("a", "b", "same" or None)."""
+    out = []
+    for path, label, direction in HEADLINE:
+        va, vb = get_path(a, path), get_path(b, path)
+        r = ratio(va, vb)
+        if va is None or vb is None or direction == "neutral":
+            better = None
+        elif va == vb:
+            better = "same"
+        else:
+            b_higher = vb > va
+            better = "b" if (b_higher == (direction == "higher")) else "a"
+        out.append({"metric": path, "label": label, "a": va, "b": vb, "ratio_b_over_a": r, "better": better,
+                    "direction": direction})
+    return out

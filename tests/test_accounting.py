@@ -1,0 +1,217 @@
+"""Accounting: what each per-job figure counts, pricing, utilization parsing, URL masking."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tokenmill.jobs import hardware as H
+from tokenmill.jobs.pricing import price_for
+from tokenmill.schemas.db import mask_url
+from tokenmill.transforms.accounting import CLOCKS, compare_metrics, get_path, job_metrics, percentile
+
+
+def _rows():
+    # 4 answered requests: 10 prompt tokens each (4 of them cached), 5/10/15/20 output tokens
+    return [
+        {"prompt_tokens": 10, "output_tokens": 5 * (i + 1), "cached_tokens": 4, "ttft_s": 0.1 * (i + 1),
+         "tpot_s": 0.01, "e2e_s": 1.0 * (i + 1), "queue_s": 0.0}
+        for i in range(4)
+    ]
+
+
+def _metrics(**kw):
+    args = dict(
+        rows=_rows(),
+        batches=[{"started_at": 100.0, "finished_at": 110.0, "requests": 2, "tail_s": 1.0},
+                 {"started_at": 105.0, "finished_at": 120.0, "requests": 2, "tail_s": 3.0}],
+        workers=[{"load_s": 30.0, "peak_rss_bytes": 2_000, "engine_info": {"kv_cache_bytes": 1 << 20}},
+                 {"load_s": 40.0, "peak_rss_bytes": 3_000, "engine_info": None}],
+        total=6,
+        failed_by_reason={"empty_prompt": 1, "prompt_too_long": 1},
+        engine_config={"max_num_seqs": 32},
+        token_budget=4096,
+        price_per_hour=3.6,
+    )
+    args.update(kw)
+    return job_metrics(args.pop("rows"), args.pop("batches"), args.pop("workers"), **args)
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert percentile([], 50) is None
+    assert percentile([7.0], 95) == 7.0
+
+
+def test_throughput_counts_tokens_over_generation_wall_time_without_model_load():
+    m = _metrics()
+    th = m["throughput"]
+    assert th["generation_wall_s"] == 20.0  # first batch start 100 -> last batch end 120
+    assert th["model_load_s"] == 40.0  # slowest worker, reported apart
+    assert th["output_tok_per_s"] == pytest.approx(50 / 20)
+    assert th["total_tok_per_s"] == pytest.approx((40 + 50) / 20)
+    assert th["requests_per_s"] == pytest.approx(4 / 20)
+    assert th["mean_request_output_tok_per_s"] == pytest.approx(5.0)  # each request: 5k tokens in k seconds
+
+
+def test_latency_percentiles_and_prefix_cache_hit_rate():
+    m = _metrics()
+    assert m["latency_s"]["e2e"]["p50"] == 2.5
+    assert m["latency_s"]["ttft"]["max"] == pytest.approx(0.4)
+    assert m["latency_s"]["tpot"]["n"] == 4
+    assert m["prefix_cache"]["hit_rate"] == pytest.approx(16 / 40)
+
+
+def test_failure_rate_by_reason_is_over_input_rows():
+    f = _metrics()["failures"]
+    assert f["rate"] == pytest.approx(2 / 6)
+    assert f["by_reason"] == {"empty_prompt": 1, "prompt_too_long": 1}
+    assert f["rate_by_reason"] == {"empty_prompt": pytest.approx(1 / 6), "prompt_too_long": pytest.approx(1 / 6)}
+
+
+def test_cost_is_device_hours_times_price_with_unit_costs():
+    c = _metrics(device_count=2)["cost"]
+    hours = 20.0 * 2 / 3600
+    assert c["device_hours"] == pytest.approx(hours)
+    assert c["total"] == pytest.approx(hours * 3.6)
+    assert c["per_1m_output_tokens"] == pytest.approx(hours * 3.6 / 50 * 1e6)
+    assert c["per_1m_total_tokens"] == pytest.approx(hours * 3.6 / 90 * 1e6)
+    assert c["per_successful_request"] == pytest.approx(hours * 3.6 / 4)
+    assert c["model_load"] == pytest.approx(40.0 * 2 / 3600 * 3.6)  # shown apart, not in unit costs
+    assert "cost" not in _metrics(price_per_hour=None)
+
+
+def test_concurrency_memory_and_clocks_are_named():
+    m = _metrics(utilization={"peak_process_tree_rss_bytes": 9_000, "cpu_util_pct_mean": 50.0})
+    assert m["concurrency"]["max_num_seqs"] == 32 and m["concurrency"]["token_budget"] == 4096
+    assert m["concurrency"]["workers"] == 2 and m["concurrency"]["mean_batch_requests"] == 2
+    assert m["memory"]["peak_worker_rss_bytes"] == 3_000
+    assert m["memory"]["kv_cache_bytes"] == 1 << 20
+    assert m["memory"]["peak_process_tree_rss_bytes"] == 9_000
+    assert m["utilization"]["cpu_util_pct_mean"] == 50.0
+    assert set(m["clocks"]) >= {"ttft_s", "tpot_s", "e2e_s", "generation_wall_s"}
+    assert m["clocks"] is CLOCKS
+    json.dumps(m)  # stored in a JSON column
+
+
+def test_no_answers_gives_no_rates_and_no_division_by_zero():
+    m = _metrics(rows=[], batches=[], workers=[], failed_by_reason={"empty_prompt": 3}, total=3)
+    assert m["throughput"]["output_tok_per_s"] is None
+    assert m["prefix_cache"]["hit_rate"] is None
+    assert m["cost"]["per_1m_output_tokens"] is None and m["cost"]["per_successful_request"] is None
+    assert m["failures"]["rate"] == 1.0
+
+
+def test_compare_gives_ratio_b_over_a_and_the_better_job():
+    a = _metrics()
+    b = _metrics(batches=[{"started_at": 100.0, "finished_at": 110.0, "requests": 4, "tail_s": 0.0}])
+    rows = {r["metric"]: r for r in compare_metrics(a, b)}
+    tps = rows["throughput.output_tok_per_s"]
+    assert tps["ratio_b_over_a"] == pytest.approx(2.0) and tps["better"] == "b"
+    cost = rows["cost.per_1m_output_tokens"]
+    assert cost["ratio_b_over_a"] == pytest.approx(0.5) and cost["better"] == "b"
+    assert rows["latency_s.e2e.p50"]["better"] == "same"
+    assert rows["memory.kv_cache_bytes"]["better"] is None  # neutral: neither is better
+    assert get_path(a, "nope.deeper") is None
+
+
+# ---------------------------------------------------------------- pricing
+
+
+def test_price_table_matches_gpu_names_and_the_cpu_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("TOKENMILL_PRICES", raising=False)
+    assert price_for({"device_type": "gpu", "device": "NVIDIA H100 80GB HBM3"})[0] == 2.99
+    assert price_for({"device_type": "gpu", "device": "NVIDIA L40S"})[0] == 1.86  # not the "l4" entry
+    assert price_for({"device_type": "cpu", "device": "cpu (2 cores)"}) == (0.10, "price table entry 'cpu'")
+    assert price_for({"device_type": "cpu"}, override=0.5) == (0.5, "job spec price_per_hour")
+    prices = tmp_path / "prices.json"
+    prices.write_text(json.dumps({"cpu": 0.25, "h100": 2.0}))
+    monkeypatch.setenv("TOKENMILL_PRICES", str(prices))
+    assert price_for({"device_type": "cpu"})[0] == 0.25
+    assert price_for({"device_type": "gpu", "device": "NVIDIA H100"})[0] == 2.0
+
+
+# ---------------------------------------------------------------- utilization (NVML parsing with a fake)
+
+
+class FakeNVML:
+    """The slice of pynvml the sampler uses, for two GPUs."""
+
+    def __init__(self, power_mw=(300_000, 150_000)):
+        self.power_mw = power_mw
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(used=(h + 1) * 2**30, total=80 * 2**30, free=0)
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=90 if h == 0 else 10, memory=40)
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        if self.power_mw is None:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return self.power_mw[h]
+
+
+def test_nvml_sample_reads_memory_utilization_and_power_in_watts():
+    s = H.nvml_sample(FakeNVML())
+    assert s[0] == {"index": 0, "memory_used_bytes": 2**30, "memory_total_bytes": 80 * 2**30,
+                    "util_pct": 90.0, "memory_util_pct": 40.0, "power_w": 300.0}
+    assert s[1]["power_w"] == 150.0
+    assert H.nvml_sample(FakeNVML(power_mw=None))[0]["power_w"] is None  # unsupported figure, not a crash
+    assert H.nvml_sample(None) is None
+
+
+def test_sampler_summarizes_cpu_rss_and_gpus():
+    ticks = iter([0.0, 1.0, 2.0, 3.0])
+    cpu = iter([50.0, 100.0])
+    s = H.UtilizationSampler(nvml=FakeNVML(), cpu_percent=lambda: next(cpu), clock=lambda: next(ticks))
+    s.sample()
+    s.sample()
+    out = s.summary()
+    assert out["samples"] == 2 and out["cpu_util_pct_mean"] == 75.0 and out["cpu_util_pct_max"] == 100.0
+    assert out["peak_process_tree_rss_bytes"] > 0  # this test process itself
+    g0 = out["gpus"][0]
+    assert g0["memory_used_bytes_max"] == 2**30 and g0["util_pct_mean"] == 90.0 and g0["power_w_mean"] == 300.0
+    assert g0["energy_wh"] == pytest.approx(300.0 * out["sampled_wall_s"] / 3600)
+
+
+def test_sampler_without_nvml_reports_no_gpus_and_samples_once_on_stop():
+    s = H.UtilizationSampler(every_s=60, nvml=None, cpu_percent=lambda: 12.5)
+    s.start()
+    out = s.stop()  # shorter than one interval: stop() still takes a reading
+    assert out["gpus"] is None
+    assert out["samples"] == 1 and out["cpu_util_pct_mean"] == 12.5
+
+
+def test_no_nvml_on_a_machine_without_nvidia_driver():
+    import os
+
+    if os.path.exists("/dev/nvidiactl"):
+        assert H.load_nvml() is not None
+    else:
+        assert H.load_nvml() is None
+
+
+# ---------------------------------------------------------------- URL masking
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql+psycopg2://bob:s3cret@db.example:5432/prod",
+    "postgresql://bob:s3cret@db.example/prod?sslmode=require",
+    "not a url //bob:s3cret@host/x",
+])
+def test_mask_url_hides_the_password(url):
+    masked = mask_url(url)
+    assert "s3cret" not in masked
+    assert "bob" in masked and "***" in masked
+
+
+def test_mask_url_leaves_urls_without_password_alone():
+    assert mask_url("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
