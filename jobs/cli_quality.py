@@ -1,0 +1,155 @@
+"""CLI commands for quantized checkpoints, KV cache sizing and the quality gate:
+`tokenmill quantize`, `tokenmill kv-plan`, `tokenmill compare`."""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+from tokenmill.jobs.cli import (
+    CONTEXT_SETTINGS,
+    EXIT_QUALITY,
+    EXIT_USAGE,
+    Failure,
+    connect,
+    db_option,
+    emit_json,
+    json_option,
+    main,
+)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
+
+
+def parse_bytes(text: str) -> int:
+    """`4294967296`, `4GiB`, `512MiB`, `2G` (binary units) → bytes; Failure otherwise."""
+    m = _SIZE.match(text or "")
+    if not m:
+        raise Failure(f"--memory must be a byte count like 4294967296 or 4GiB, got {text!r}", EXIT_USAGE)
+    unit = (m.group(2) or "b")[0].lower()
+    return int(float(m.group(1)) * 1024 ** "bkmgt".index(unit))
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.option("--model", "-m", required=True, help="Short model name or full-precision model folder.")
+@click.option("--scheme", required=True, help="w8a8-int8 (int8 per-channel weights, dynamic int8 activations) or w4a16 (int4 grouped weights).")
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the quantized checkpoint.")
+@click.option("--group-size", type=int, default=None, help="w4a16 only: input columns per scale (default 128; must divide every layer's input dim).")
+@click.option("--calibration", type=click.Path(dir_okay=False), default=None, help="Job input Parquet with prompts (checked; RTN schemes do not need it).")
+@click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
+@json_option
+def quantize(model, scheme, out, group_size, calibration, force, as_json):
+    """Write a compressed-tensors checkpoint that vLLM loads directly.
+
+    \b
+    Examples:
+      tokenmill quantize --model smollm2-135m --scheme w8a8-int8 --out models/smollm2-w8a8
+      tokenmill quantize --model smollm2-135m --scheme w4a16 --group-size 64 --out models/smollm2-w4a16
+      tokenmill run --model models/smollm2-w8a8 --input data/eval_set.parquet --output runs/q8
+    """
+    from tokenmill.jobs.quantize import QuantizeError
+    from tokenmill.jobs.quantize import quantize as do_quantize
+
+    try:
+        res = do_quantize(model, scheme, out, group_size=group_size, calibration=calibration, force=force)
+    except QuantizeError as err:
+        raise Failure(str(err), EXIT_USAGE) from None
+    d = res.as_dict()
+    if as_json:
+        emit_json(d)
+        return
+    from tokenmill.jobs.kvplan import format_bytes
+
+    g = f", group size {d['group_size']}" if d["group_size"] else ""
+    click.echo(f"wrote {d['out']}: {d['scheme']}{g}, {d['layers']} layers quantized in {d['seconds']} s")
+    click.echo(f"  weights on disk {format_bytes(d['weights_bytes'])} (from {format_bytes(d['source_bytes'])}, {d['size_ratio']}× smaller)")
+    for n in d["notes"]:
+        click.echo(f"  note: {n}")
+
+
+@main.command("kv-plan", context_settings=CONTEXT_SETTINGS)
+@click.option("--model", "-m", default=None, help="Short model name or model folder (default: the --job's model).")
+@click.option("--max-model-len", "-l", type=int, default=None, help="Tokens per sequence (default: the --job's max_model_len).")
+@click.option("--batch", "-b", type=int, default=1, show_default=True, help="Sequences held at once.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, help="auto (= model dtype), fp8, bfloat16, float16, float32.")
+@click.option("--dtype", default="auto", show_default=True, help="Model dtype (auto = the checkpoint's; with --job, the job's).")
+@click.option("--scheme", default=None, help="Weights scheme for the weights line (w8a8-int8, w4a16; default: read from the checkpoint).")
+@click.option("--memory", default=None, metavar="BYTES", help="KV cache memory to fit (4GiB, 512MiB, or bytes).")
+@click.option("--job", "job_id", default=None, help="Compare with the KV capacity vLLM reported when this job started.")
+@db_option
+@json_option
+def kv_plan(model, max_model_len, batch, kv_cache_dtype, dtype, scheme, memory, job_id, db_url, as_json):
+    """Size the KV cache and weights from the model's config.json.
+
+    \b
+    KV bytes = 2 × layers × kv_heads × head_dim × max_model_len × batch × bytes/element.
+    Examples:
+      tokenmill kv-plan --model smollm2-135m --max-model-len 2048 --batch 64 --memory 4GiB
+      tokenmill kv-plan --job demo --batch 32 --json
+    """
+    from tokenmill.jobs import kvplan as K
+
+    info = None
+    if job_id:
+        from tokenmill.jobs import storage as S
+
+        eng = connect(db_url)
+        job = S.get_job(eng, job_id)
+        if job is None:
+            raise Failure(f"no job with id {job_id!r}")
+        info = K.engine_info_for_job(eng, job_id)
+        if info is None:
+            raise Failure(f"job {job_id!r} has no engine information (it never started an engine)")
+        model = model or job.get("model")
+        max_model_len = max_model_len or info.get("max_model_len")
+        if dtype == "auto" and info.get("dtype"):
+            dtype = info["dtype"]
+        if kv_cache_dtype == "auto" and info.get("kv_cache_dtype") and info["kv_cache_dtype"] != "auto":
+            kv_cache_dtype = info["kv_cache_dtype"]
+    if not model:
+        raise Failure("give --model (or --job to take the job's model)", EXIT_USAGE)
+    if not max_model_len:
+        raise Failure("give --max-model-len (or --job to take the job's)", EXIT_USAGE)
+    mem = parse_bytes(memory) if memory is not None else (info.get("kv_cache_bytes") if info else None)
+    try:
+        cfg, _ = K.load_config(model)
+        p = K.plan(cfg, max_model_len=max_model_len, batch=batch, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                   memory=mem, scheme=scheme)
+    except K.PlanError as err:
+        raise Failure(str(err), EXIT_USAGE) from None
+    if info is not None:
+        p["engine"] = K.compare_with_engine(p, info)
+    if as_json:
+        emit_json(p)
+    else:
+        click.echo(K.format_plan(p))
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("base_job")
+@click.argument("candidate_job")
+@click.option("--max-drop", type=float, default=None, help="Allowed accuracy drop (or disagreement without references) as a fraction; default 0.05.")
+@click.option("--show", type=int, default=5, show_default=True, help="How many of the most different rows to list.")
+@db_option
+@json_option
+def compare(base_job, candidate_job, max_drop, show, db_url, as_json):
+    """Quality gate: compare a candidate job's outputs with a base job's (exit 6 if worse than allowed).
+
+    \b
+    Example:
+      tokenmill compare eval-bf16 eval-w8a8 --max-drop 0.05
+    """
+    from tokenmill.jobs.compare import DEFAULT_MAX_DROP, CompareError, compare_jobs, format_comparison
+
+    try:
+        c = compare_jobs(connect(db_url), base_job, candidate_job,
+                         max_drop=DEFAULT_MAX_DROP if max_drop is None else max_drop, show=show)
+    except CompareError as err:
+        raise Failure(str(err)) from None
+    if as_json:
+        emit_json(c.as_dict())
+    else:
+        click.echo(format_comparison(c))
+    if not c.passed:
+        raise SystemExit(EXIT_QUALITY)
