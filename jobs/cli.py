@@ -391,7 +391,12 @@ def cancel(job_id, db_url):
 
 @main.group(context_settings=CONTEXT_SETTINGS)
 def models():
-    """Prepare and list local models (nothing is downloaded from a hub)."""
+    """Prepare and list local models (nothing is downloaded from a hub).
+
+    \b
+    Example:
+      tokenmill models prepare smollm2-135m && tokenmill models list
+    """
 
 
 @models.command("prepare", context_settings=CONTEXT_SETTINGS)
@@ -435,7 +440,12 @@ def models_list():
 
 @main.group(context_settings=CONTEXT_SETTINGS)
 def db():
-    """Database schema commands."""
+    """Database schema commands.
+
+    \b
+    Example:
+      tokenmill db upgrade --db sqlite:///jobs.db
+    """
 
 
 @db.command("upgrade", context_settings=CONTEXT_SETTINGS)

@@ -141,6 +141,9 @@ def row_id(row: dict[str, Any]) -> str:
 def validate_row(row: dict[str, Any], reference_column: str | None = None) -> PromptRecord | FailedRecord:
     ref = row["_input_ref"]
     rid = row_id(row)
+    if "_error" in row:  # the reader could not make a request of it (a malformed OpenAI batch line)
+        reason, message = row["_error"]
+        return FailedRecord(input_ref=ref, id=rid, reason=reason, message=message, raw=row.get("_raw"))
     try:
         prompt = messages = None
         if not _is_missing(row.get("messages")):

@@ -1,0 +1,170 @@
+"""The pending-job queue: `submit` records a job, `run_pending` runs the queue.
+
+The jobs table is the queue.  `submit` inserts a `pending` row holding the job
+spec and returns at once (no model, no engine: a terminal or a service can
+submit while the accelerators are busy elsewhere).  `run_pending` is what cron
+or Airflow calls: it takes the database lock `run-pending` (one runner at a
+time, across machines sharing the database), then runs pending jobs oldest
+first, each through the normal job lifecycle, so each is resumable and a
+second run of the same id refuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+
+from tokenmill.jobs import storage as S
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.config import JobSpec, SpecError, load_spec
+from tokenmill.schemas.db import mask_url
+
+LOCK_NAME = "run-pending"
+#: A job in one of these states may be submitted again: it goes back to the queue
+#: and its rerun resumes from what the database already holds.
+REQUEUABLE = ("failed", "cancelled")
+
+
+class QueueError(RuntimeError):
+    """A submit or run-pending that cannot proceed; the message is one line."""
+
+
+class QueueBusy(QueueError):
+    """Another live process holds the run-pending lock or runs the job."""
+
+
+@dataclass
+class Submitted:
+    job_id: str
+    status: str
+    """`pending` (newly queued or queued again) or `already pending`."""
+
+
+def stored_spec(spec: JobSpec) -> dict[str, Any]:
+    """The spec as stored on the job row: the job id fixed, credentials in the db URL masked."""
+    d = spec.model_dump(mode="json")
+    d["job_id"] = spec.derived_job_id()
+    if d.get("db"):
+        d["db"] = mask_url(d["db"])
+    return d
+
+
+def submit(eng: Engine, spec: JobSpec) -> Submitted:
+    """Queue a job.  Submitting an id that is already pending is a no-op (safe to
+    retry); a failed or cancelled id is queued again; a running, succeeded or
+    partial one is refused."""
+    job_id = spec.derived_job_id()
+    values = {
+        "id": job_id, "name": spec.name or job_id, "status": "pending", "spec": stored_spec(spec),
+        "model": spec.engine.model, "quantization": spec.engine.quantization,
+        "kv_cache_dtype": spec.engine.kv_cache_dtype, "engine_config": spec.engine.model_dump(mode="json"),
+        "runner": spec.runner.runner, "submitted_at": S.utcnow(), "cancel_requested": False,
+    }
+    try:
+        with eng.begin() as conn:
+            conn.execute(insert(T.jobs).values(**values))
+        return Submitted(job_id, "pending")
+    except IntegrityError:
+        pass
+    job = S.get_job(eng, job_id)
+    if job["status"] == "pending":
+        return Submitted(job_id, "already pending")
+    if job["status"] == "running" and S.is_live(job):
+        raise QueueBusy(f"job {job_id!r} is running now (owner {job['owner']}); not queueing it again")
+    if job["status"] not in REQUEUABLE and job["status"] != "running":
+        raise QueueError(
+            f"job {job_id!r} already exists with status {job['status']!r}; choose another --job-id "
+            "(or `tokenmill run` the same id to resume it)"
+        )
+    with eng.begin() as conn:  # compare-and-set: a racing submit or run sees the row change
+        res = conn.execute(
+            update(T.jobs).where(T.jobs.c.id == job_id, T.jobs.c.status == job["status"])
+            .values(status="pending", spec=values["spec"], submitted_at=values["submitted_at"], owner=None,
+                    heartbeat_at=None, finished_at=None, error=None, cancel_requested=False)
+        )
+    if res.rowcount != 1:
+        raise QueueBusy(f"job {job_id!r} changed while it was being queued again; try again")
+    return Submitted(job_id, "pending")
+
+
+def pending_jobs(eng: Engine) -> list[dict[str, Any]]:
+    """Pending jobs in submission order (oldest first; ties by id)."""
+    with eng.connect() as conn:
+        rows = conn.execute(
+            select(T.jobs).where(T.jobs.c.status == "pending").order_by(T.jobs.c.submitted_at, T.jobs.c.id)
+        ).mappings().all()
+    return [dict(r) for r in rows]
+
+
+def spec_of(job: dict[str, Any]) -> JobSpec:
+    """The JobSpec stored on a pending job row (its db key is not used: the queue's database is)."""
+    data = dict(job["spec"] or {})
+    data.pop("db", None)
+    data["job_id"] = job["id"]
+    try:
+        return load_spec(data, source=f"stored spec of job {job['id']}")
+    except SpecError as err:
+        raise QueueError(str(err)) from None
+
+
+@dataclass
+class Outcome:
+    job_id: str
+    status: str
+    """succeeded, partial, failed, cancelled, or busy (another live run holds the id)."""
+    error: str | None = None
+    result: Any = None
+
+
+def run_pending(
+    eng: Engine,
+    run: Callable[[JobSpec], Any],
+    *,
+    limit: int | None = None,
+    on_start: Callable[[dict[str, Any]], None] | None = None,
+    on_done: Callable[[Outcome], None] | None = None,
+) -> list[Outcome]:
+    """Run pending jobs oldest first under the `run-pending` database lock.
+
+    `run(spec)` runs one job (normally `runner.run_job`) and returns an object with
+    a `status`; its exceptions become a `failed` outcome for that job (or `busy`
+    for storage.JobBusy) and the queue moves on.  Jobs submitted while the queue
+    runs are picked up too.  Raises QueueBusy if another live process holds the lock.
+    """
+    outcomes: list[Outcome] = []
+    with S.named_lock(eng, LOCK_NAME) as got:
+        if not got:
+            raise QueueBusy("another `tokenmill run-pending` holds the queue lock; not starting a second runner")
+        tried: set[str] = set()
+        while limit is None or len(outcomes) < limit:
+            nxt = next((j for j in pending_jobs(eng) if j["id"] not in tried), None)
+            if nxt is None:
+                break
+            tried.add(nxt["id"])
+            if on_start:
+                on_start(nxt)
+            outcome = _run_one(eng, nxt, run)
+            outcomes.append(outcome)
+            if on_done:
+                on_done(outcome)
+    return outcomes
+
+
+def _run_one(eng: Engine, job: dict[str, Any], run: Callable[[JobSpec], Any]) -> Outcome:
+    job_id = job["id"]
+    try:
+        spec = spec_of(job)
+        result = run(spec)
+        return Outcome(job_id, result.status, getattr(result, "note", None), result)
+    except S.JobBusy as err:
+        return Outcome(job_id, "busy", str(err))
+    except Exception as err:  # one job's failure must not stop the queue
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        cur = S.get_job(eng, job_id)
+        if cur is not None and cur["status"] == "pending":  # failed before it was claimed
+            S.finish_job(eng, job_id, status="failed", error=msg[:1000])
+        return Outcome(job_id, "failed", msg)

@@ -1,0 +1,219 @@
+"""submit / run-pending / validate, exit codes, help examples, overlapping runs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import insert
+
+from tokenmill.jobs import queue as Q
+from tokenmill.jobs import storage as S
+from tokenmill.jobs.cli import main
+from tokenmill.jobs.runner import run_job
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.config import load_spec
+from tests.conftest import write_parquet
+from tests.fakes import FakeSession
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def prompts(tmp_path, n=3, name="in.parquet"):
+    return write_parquet(tmp_path / name, [{"id": f"r{i}", "prompt": f"question {i}"} for i in range(n)])
+
+
+def fake_run(db_url):
+    return lambda spec: run_job(spec, db_url=db_url, session_factory=FakeSession)
+
+
+def one_error_line(res) -> str:
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in res.output, res.output
+    return lines[0]
+
+
+# ---------------------------------------------------------------- submit
+
+
+def test_submit_prints_the_id_and_records_a_pending_job(runner, tmp_path, any_db_url):
+    inp = prompts(tmp_path)
+    res = runner.invoke(main, ["submit", "--input", str(inp), "--output", str(tmp_path / "o"), "--job-id", "nightly-1",
+                               "--max-tokens", "7", "--db", any_db_url])
+    assert res.exit_code == 0, res.output
+    assert res.output.strip() == "nightly-1"
+    job = S.get_job(S.connect(any_db_url), "nightly-1")
+    assert job["status"] == "pending" and job["submitted_at"] is not None and job["started_at"] is None
+    assert job["spec"]["sampling"]["max_tokens"] == 7 and job["spec"]["job_id"] == "nightly-1"
+
+
+def test_submit_twice_is_one_job_and_a_derived_id_is_stable(runner, tmp_path, sqlite_url):
+    inp = prompts(tmp_path)
+    args = ["submit", "--input", str(inp), "--output", str(tmp_path / "o"), "--db", sqlite_url, "--json"]
+    first = json.loads(runner.invoke(main, args).output)
+    second = json.loads(runner.invoke(main, args).output)
+    assert first["job_id"] == second["job_id"] and first["job_id"].startswith("job-")
+    assert (first["status"], second["status"]) == ("pending", "already pending")
+    assert [j["id"] for j in S.list_jobs(S.connect(sqlite_url))] == [first["job_id"]]
+
+
+def test_submit_refuses_a_finished_id_and_requeues_a_failed_one(tmp_path, sqlite_url):
+    eng = S.connect(sqlite_url)
+    spec = load_spec({"input": str(prompts(tmp_path)), "output": str(tmp_path / "o"), "job_id": "j"})
+    Q.submit(eng, spec)
+    S.finish_job(eng, "j", status="succeeded")
+    with pytest.raises(Q.QueueError, match="already exists with status 'succeeded'"):
+        Q.submit(eng, spec)
+    S.finish_job(eng, "j", status="failed")
+    assert Q.submit(eng, spec).status == "pending"
+    assert S.get_job(eng, "j")["status"] == "pending"
+
+
+def test_submit_invalid_spec_names_the_key_path(runner, tmp_path, sqlite_url):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("input: a.parquet\noutput: out\nbatching:\n  ordering: random\nrunner:\n  num_workers: 0\n")
+    res = runner.invoke(main, ["submit", str(spec), "--db", sqlite_url])
+    assert res.exit_code == 2
+    err = one_error_line(res)
+    assert "batching.ordering" in err and "runner.num_workers" in err
+    assert S.list_jobs(S.connect(sqlite_url)) == []
+
+
+# ---------------------------------------------------------------- run-pending
+
+
+def test_run_pending_runs_jobs_in_submission_order_and_resumes_none_twice(tmp_path, any_db_url):
+    eng = S.connect(any_db_url)
+    order = ["b-second", "a-first", "c-third"]  # ids sort differently from submission order
+    for i, jid in enumerate(order):
+        Q.submit(eng, load_spec({"input": str(prompts(tmp_path, 2 + i, f"{jid}.parquet")), "output": str(tmp_path / jid),
+                                 "job_id": jid, "sampling": {"max_tokens": 2}}))
+    seen = []
+    outcomes = Q.run_pending(eng, fake_run(any_db_url), on_start=lambda j: seen.append(j["id"]))
+    assert seen == order
+    assert [(o.job_id, o.status) for o in outcomes] == [(j, "succeeded") for j in order]
+    for i, jid in enumerate(order):
+        job = S.get_job(eng, jid)
+        assert (job["status"], job["total"], job["succeeded"]) == ("succeeded", 2 + i, 2 + i)
+        assert (tmp_path / jid / "_SUCCESS.json").exists()
+    assert Q.run_pending(eng, fake_run(any_db_url)) == []  # nothing left
+
+
+def test_one_failing_job_does_not_stop_the_queue(tmp_path, sqlite_url):
+    eng = S.connect(sqlite_url)
+    Q.submit(eng, load_spec({"input": str(tmp_path / "gone.parquet"), "output": str(tmp_path / "x"), "job_id": "bad"}))
+    Q.submit(eng, load_spec({"input": str(prompts(tmp_path)), "output": str(tmp_path / "y"), "job_id": "good"}))
+    outcomes = Q.run_pending(eng, fake_run(sqlite_url))
+    assert [(o.job_id, o.status) for o in outcomes] == [("bad", "failed"), ("good", "succeeded")]
+    assert "does not exist" in outcomes[0].error
+    assert S.get_job(eng, "bad")["status"] == "failed" and "does not exist" in S.get_job(eng, "bad")["error"]
+
+
+def test_run_pending_cli_exit_code_is_the_most_serious_outcome(runner, tmp_path, sqlite_url, monkeypatch):
+    import tokenmill.jobs.runner as runner_mod
+
+    real = runner_mod.run_job
+    monkeypatch.setattr(runner_mod, "run_job", lambda spec, **kw: real(spec, **kw, session_factory=FakeSession))
+    eng = S.connect(sqlite_url)
+    ok = prompts(tmp_path, 2)
+    partial = write_parquet(tmp_path / "p.parquet", [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": ""}])
+    Q.submit(eng, load_spec({"input": str(ok), "output": str(tmp_path / "o1"), "job_id": "ok"}))
+    Q.submit(eng, load_spec({"input": str(partial), "output": str(tmp_path / "o2"), "job_id": "part"}))
+    res = runner.invoke(main, ["run-pending", "--db", sqlite_url, "--json"])
+    assert res.exit_code == 3, res.output
+    out = json.loads(res.output)
+    assert [(j["job_id"], j["status"]) for j in out["jobs"]] == [("ok", "succeeded"), ("part", "partial")]
+    assert out["jobs"][1]["summary"]["failed"] == 1
+    res = runner.invoke(main, ["run-pending", "--db", sqlite_url])
+    assert res.exit_code == 0 and "no pending jobs" in res.output
+
+
+def test_second_runner_is_refused_while_the_lock_is_held(runner, sqlite_url):
+    eng = S.connect(sqlite_url)
+    with S.named_lock(eng, Q.LOCK_NAME) as got:
+        assert got
+        res = runner.invoke(main, ["run-pending", "--db", sqlite_url])
+        assert res.exit_code == 5
+        assert "holds the queue lock" in one_error_line(res)
+    res = runner.invoke(main, ["run-pending", "--db", sqlite_url])
+    assert res.exit_code == 0  # released
+
+
+def test_overlapping_run_of_a_live_job_id_refuses_cleanly(runner, tmp_path, sqlite_url):
+    """What cron needs: a run still going when the next one fires makes the second exit 5."""
+    eng = S.connect(sqlite_url)
+    now = dt.datetime.now(dt.timezone.utc)
+    with eng.begin() as conn:
+        conn.execute(insert(T.jobs).values(id="cron-job", status="running", spec={}, owner=S.owner_tag(),
+                                           heartbeat_at=now, started_at=now, submitted_at=now))
+    res = runner.invoke(main, ["run", "--input", str(prompts(tmp_path)), "--output", str(tmp_path / "o"),
+                               "--job-id", "cron-job", "--db", sqlite_url])
+    assert res.exit_code == 5
+    assert "already running" in one_error_line(res)
+    assert S.get_job(eng, "cron-job")["owner"] == S.owner_tag()  # untouched
+
+
+# ---------------------------------------------------------------- validate
+
+
+def test_validate_ok_reports_rows_and_model(runner, tmp_path):
+    res = runner.invoke(main, ["validate", "--input", str(prompts(tmp_path, 4)), "--output", str(tmp_path / "o"), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["valid"] and out["rows"] == 4 and out["model_path"].endswith("smollm2-135m")
+
+
+def test_validate_openai_batch_file_lists_endpoints_and_models(runner, tmp_path):
+    p = tmp_path / "b.jsonl"
+    p.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                             "body": {"model": "m", "prompt": "x"}}) + "\n")
+    res = runner.invoke(main, ["validate", "--input", str(p), "--output", str(tmp_path / "o"), "--json"])
+    out = json.loads(res.output)
+    assert out["input_format"] == "openai-jsonl" and out["output_format"] == "openai-jsonl"
+    assert out["endpoints"] == {"/v1/completions": 1} and out["models"] == {"m": 1}
+
+
+def test_validate_reports_every_problem_on_one_line(runner, tmp_path):
+    noprompt = write_parquet(tmp_path / "q.parquet", [{"question": "hi"}])
+    res = runner.invoke(main, ["validate", "--input", str(noprompt), "--output", str(tmp_path / "o"),
+                               "--model", "no-such-model"])
+    assert res.exit_code == 1
+    err = one_error_line(res)
+    assert "unknown model 'no-such-model'" in err and "no 'prompt' or 'messages' column" in err
+
+
+def test_validate_spec_file_unknown_key_and_range(runner, tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("input: a.parquet\noutput: o\nengine:\n  max_num_seqs: 0\n  gpu_memory_utilisation: 0.3\n")
+    res = runner.invoke(main, ["validate", str(spec)])
+    assert res.exit_code == 2
+    err = one_error_line(res)
+    assert "engine.max_num_seqs" in err and "greater than or equal to 1" in err
+    assert "engine.gpu_memory_utilisation: unknown key" in err
+
+
+# ---------------------------------------------------------------- help
+
+
+def _commands(cmd, path):
+    yield path, cmd
+    if isinstance(cmd, click.Group):
+        for name, sub in cmd.commands.items():
+            yield from _commands(sub, [*path, name])
+
+
+def test_every_command_has_help_with_an_example_under_h_and_help(runner):
+    names = []
+    for path, _ in _commands(main, []):
+        for flag in ("-h", "--help"):
+            res = runner.invoke(main, [*path, flag])
+            assert res.exit_code == 0, (path, res.output)
+            assert "Example" in res.output, f"`tokenmill {' '.join(path)} {flag}` shows no example"
+        names.append(" ".join(path))
+    assert {"run", "submit", "run-pending", "validate", "status", "jobs", "cancel"} <= set(names)
