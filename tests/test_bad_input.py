@@ -20,6 +20,7 @@ from tokenmill.jobs import storage as S
 from tokenmill.jobs.cli import main
 from tokenmill.jobs.runner import JobError, run_job
 from tokenmill.schemas import records as R
+from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import load_spec
 from tests.conftest import TEST_ENGINE, write_parquet
 from tests.fakes import FakeSession
@@ -230,3 +231,23 @@ def test_real_engine_poison_row_is_isolated_and_the_rest_answered(tmp_path, sqli
     out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
     assert sorted(r["id"] for r in out) == sorted(f"r{i}" for i in range(7))
     assert all(r["output_tokens"] > 0 and r["text"] for r in out)
+
+
+def test_row_count_mismatch_fails_the_job_loudly(tmp_path, sqlite_url):
+    # The same job id reused on a different input: a stale output makes the counts disagree.
+    eng = S.connect(sqlite_url)
+    S.claim_job(eng, "reused", {"spec": {}, "total": 1})
+    with eng.begin() as c:
+        c.execute(T.outputs.insert().values(job_id="reused", id="stale", input_ref="0:9", text="old",
+                                            prompt_tokens=1, output_tokens=1, cached_tokens=0))
+        c.execute(T.jobs.update().values(status="failed", owner=None, heartbeat_at=None))
+    inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": "yo"}])
+    res = run_job(load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "reused",
+                             "sampling": {"max_tokens": 2}}), db_url=sqlite_url, session_factory=FakeSession)
+    assert res.status == "failed"
+    msg = "row count mismatch: 2 input rows but 3 outputs + 0 dead letters = 3"
+    assert res.note == msg
+    job = S.get_job(eng, "reused")
+    assert (job["status"], job["error"]) == ("failed", msg)
+    st = CliRunner().invoke(main, ["status", "reused", "--json", "--db", sqlite_url])
+    assert json.loads(st.output)["reconciled"] is False
