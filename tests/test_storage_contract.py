@@ -1,0 +1,168 @@
+"""The storage contract: one suite, run against SQLite and the real PostgreSQL server.
+
+Every test takes `any_db_url`, so each runs once per backend (as Dagster's run
+storage tests do)."""
+
+import multiprocessing as mp
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import func, inspect, select, text
+
+from tokenmill.jobs import storage as S
+from tokenmill.jobs.cli import main
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.db import db_engine, insert_ignore
+from tests.conftest import write_parquet
+
+
+def _fresh(url):
+    """Forget what this process knows about the URL, as a new process would."""
+    S._READY.discard(url)
+
+
+def _job_values(**kw):
+    v = {"name": "n", "spec": {"input": "x"}, "model": "m", "engine_config": {"max_num_seqs": 8},
+         "versions": {"vllm": "0"}, "hardware": {"device": "cpu"}, "runner": "DirectRunner", "total": 3}
+    v.update(kw)
+    return v
+
+
+def _output(job_id, i, **kw):
+    r = {"job_id": job_id, "id": f"r{i}", "input_ref": f"0:{i}", "text": f"answer {i}", "finish_reason": "stop",
+         "prompt_tokens": 10, "output_tokens": 5, "cached_tokens": 0, "ttft_s": 0.1, "tpot_s": 0.01, "e2e_s": 0.2,
+         "queue_s": 0.0, "model": "m", "finished_at": 1000.0 + i}
+    r.update(kw)
+    return r
+
+
+def test_migrations_run_on_first_use(any_db_url):
+    _fresh(any_db_url)
+    eng = S.connect(any_db_url)
+    with eng.connect() as conn:
+        assert S.current_revision(conn) == S.head_revision()
+        tables = set(inspect(conn).get_table_names())
+    assert {"jobs", "outputs", "dead_letters", "batches", "workers", "locks"} <= tables
+
+
+def test_claim_finish_and_counts(any_db_url):
+    eng = S.connect(any_db_url)
+    assert S.claim_job(eng, "j1", _job_values()) == {"resumed": False}
+    job = S.get_job(eng, "j1")
+    assert job["status"] == "running" and job["owner"] == S.owner_tag() and S.is_live(job)
+    with pytest.raises(S.JobBusy):
+        S.claim_job(eng, "j1", _job_values())  # a live run holds it
+    with eng.begin() as conn:
+        insert_ignore(conn, T.outputs, [_output("j1", i) for i in range(2)])
+        insert_ignore(conn, T.dead_letters, [{"job_id": "j1", "input_ref": "0:2", "id": "r2", "reason": "empty_prompt",
+                                              "message": "empty"}])
+    assert S.counts(eng, "j1") == {"succeeded": 2, "failed": 1}
+    assert S.failure_reasons(eng, "j1") == {"empty_prompt": 1}
+    S.finish_job(eng, "j1", status="partial", heartbeat_at=None, owner=None, **S.counts(eng, "j1"))
+    job = S.get_job(eng, "j1")
+    assert (job["status"], job["total"], job["succeeded"], job["failed"]) == ("partial", 3, 2, 1)
+    assert job["finished_at"] is not None and not S.is_live(job)
+    assert S.claim_job(eng, "j1", _job_values())["resumed"] is True  # a finished job may be rerun
+    assert [j["id"] for j in S.list_jobs(eng)] == ["j1"]
+    assert [r["id"] for r in S.request_rows(eng, "j1")] == ["r0", "r1"]
+
+
+def test_inserts_are_idempotent(any_db_url):
+    eng = S.connect(any_db_url)
+    rows = [_output("j2", i) for i in range(5)]
+    with eng.begin() as conn:
+        insert_ignore(conn, T.outputs, rows[:3])
+    with eng.begin() as conn:  # a retried bundle: the first three again, plus two new
+        insert_ignore(conn, T.outputs, [dict(r, text="different") for r in rows])
+    with eng.connect() as conn:
+        got = dict(conn.execute(select(T.outputs.c.id, T.outputs.c.text).where(T.outputs.c.job_id == "j2")).all())
+    assert len(got) == 5
+    assert got["r0"] == "answer 0" and got["r4"] == "different"  # existing rows are kept, not overwritten
+
+
+def test_delete_job_removes_only_that_job(any_db_url):
+    eng = S.connect(any_db_url)
+    with eng.begin() as conn:
+        insert_ignore(conn, T.outputs, [_output("a", 0), _output("b", 0)])
+    S.delete_job(eng, "a")
+    assert S.counts(eng, "a")["succeeded"] == 0 and S.counts(eng, "b")["succeeded"] == 1
+
+
+def test_old_database_upgrades_without_losing_rows(any_db_url):
+    """A database made by the first release (revision 0001) with rows in it."""
+    from alembic import command
+
+    eng = db_engine(any_db_url)
+    with eng.begin() as conn:
+        command.upgrade(S._alembic_config(conn), "0001")
+    with eng.begin() as conn:
+        conn.execute(T.jobs.insert().values(id="old", status="succeeded", spec={"input": "x"}, total=2,
+                                            succeeded=2, failed=0, cancel_requested=False))
+        insert_ignore(conn, T.outputs, [_output("old", 0), _output("old", 1)])
+    _fresh(any_db_url)
+    eng = S.connect(any_db_url)  # migrates on first use
+    with eng.connect() as conn:
+        assert S.current_revision(conn) == S.head_revision()
+        n = conn.execute(select(func.count()).select_from(T.outputs).where(T.outputs.c.job_id == "old")).scalar()
+    assert n == 2
+    assert S.get_job(eng, "old")["succeeded"] == 2
+
+
+def test_newer_schema_gives_a_one_line_error(any_db_url):
+    eng = S.connect(any_db_url)
+    with eng.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '9999_from_the_future'"))
+    _fresh(any_db_url)
+    with pytest.raises(S.StorageError, match="newer than this tokenmill knows"):
+        S.connect(any_db_url)
+    _fresh(any_db_url)
+    for args in (["jobs"], ["status", "x"], ["report", "x", "--no-html"]):
+        res = CliRunner().invoke(main, [*args, "--db", any_db_url])
+        assert res.exit_code == 1, res.output
+        lines = res.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and "9999_from_the_future" in lines[0], res.output
+        assert "Traceback" not in res.output
+
+
+# ---------------------------------------------------------------- two jobs at once
+
+
+def _run_one(db_url, inp, out, job_id, barrier):
+    from tokenmill.jobs.runner import run_job
+    from tokenmill.schemas.config import load_spec
+    from tests.fakes import FakeSession
+
+    spec = load_spec({"input": inp, "output": out, "job_id": job_id, "sampling": {"max_tokens": 3},
+                      "batching": {"token_budget": 512}})
+    barrier.wait(timeout=120)  # both processes are imported and ready: start writing together
+    t0 = time.time()
+    res = run_job(spec, db_url=db_url, session_factory=FakeSession)
+    return res.status, res.succeeded, res.failed, t0, time.time()
+
+
+def test_two_jobs_writing_at_the_same_time_both_complete_with_every_row(any_db_url, tmp_path, model_path):
+    S.connect(any_db_url)  # migrated once up front, as `tokenmill db upgrade` would
+    n = 300
+    inputs = []
+    for k in ("a", "b"):
+        rows = [{"id": f"{k}{i}", "prompt": f"question {i} " * (1 + i % 5)} for i in range(n)]
+        inputs.append(str(write_parquet(tmp_path / f"{k}.parquet", rows)))
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as mgr, ProcessPoolExecutor(2, mp_context=ctx) as pool:
+        barrier = mgr.Barrier(2)
+        futs = [pool.submit(_run_one, any_db_url, inputs[i], str(tmp_path / f"out{i}"), f"job-{k}", barrier)
+                for i, k in enumerate("ab")]
+        results = [f.result(timeout=600) for f in futs]
+    assert [r[:3] for r in results] == [("succeeded", n, 0), ("succeeded", n, 0)]
+    (_, _, _, s0, e0), (_, _, _, s1, e1) = results
+    assert max(s0, s1) < min(e0, e1)  # the two runs really overlapped in time
+    eng = S.connect(any_db_url)
+    for k in "ab":
+        assert S.counts(eng, f"job-{k}") == {"succeeded": n, "failed": 0}
+        ids = {r["id"] for r in S.request_rows(eng, f"job-{k}")}
+        assert ids == {f"{k}{i}" for i in range(n)}
+        assert S.get_job(eng, f"job-{k}")["status"] == "succeeded"
+    assert Path(tmp_path / "out0" / "outputs.parquet").exists()
