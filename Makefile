@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_LOGGING_LEVEL ?= WARNING
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install prepare demo test test-fast bench bench-quant bench-load clean help
+.PHONY: install airflow prepare demo test test-fast bench bench-quant bench-load clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -40,6 +40,20 @@ $(STAMP): setup.cfg
 
 install: $(STAMP)
 
+# Airflow (examples/airflow, tests/test_airflow.py) pins SQLAlchemy 1.4, which clashes with
+# the project's 2.x, so it lives in a venv of its own.
+AIRFLOW_VENV    ?= .venv-airflow
+AIRFLOW_VERSION ?= 2.11.0
+AIRFLOW_STAMP   := $(AIRFLOW_VENV)/.installed-$(AIRFLOW_VERSION)
+
+$(AIRFLOW_STAMP):
+	@test -x $(AIRFLOW_VENV)/bin/python || $(PYTHON) -m venv $(AIRFLOW_VENV)
+	$(AIRFLOW_VENV)/bin/python -m pip install -q "apache-airflow==$(AIRFLOW_VERSION)"
+	@rm -f $(AIRFLOW_VENV)/.installed-*
+	@touch $@
+
+airflow: $(AIRFLOW_STAMP)
+
 prepare: install
 	$(BIN)/tokenmill models prepare smollm2-135m
 
@@ -47,7 +61,7 @@ demo: prepare
 	$(BIN)/tokenmill run --input data/sample_prompts.parquet --output runs/demo --job-id demo --name demo --max-tokens 64
 	$(BIN)/tokenmill status demo
 
-test: prepare
+test: prepare airflow
 	$(PY) -m tokenmill.jobs.envexec $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install

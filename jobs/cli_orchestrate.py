@@ -185,6 +185,7 @@ def check_spec(spec) -> dict[str, Any]:
 @main.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("spec_file", required=False, type=click.Path(dir_okay=False))
 @job_options
+@db_option
 @engine_options
 @sampling_options
 @json_option
@@ -193,7 +194,7 @@ def validate(spec_file, as_json, **kw):
     then the input (exists, has a prompt column), the model and the engine options.
 
     Exit code 0 when the job could run, 2 for an invalid spec, 1 when the input,
-    model or engine options are wrong.
+    model, engine options or the database (when --db is given) are wrong.
 
     \b
     Examples:
@@ -202,6 +203,8 @@ def validate(spec_file, as_json, **kw):
     """
     spec = build_spec(spec_file, spec_overrides(kw))
     found = check_spec(spec)
+    if kw.get("db_url") or spec.db:  # the job database must be reachable too (and is migrated)
+        connect(kw.get("db_url") or spec.db)
     if as_json:
         emit_json({"valid": True, **found})
         return
