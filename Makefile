@@ -70,5 +70,8 @@ test-fast: install
 bench: prepare
 	$(PY) -m tokenmill.jobs.envexec $(PY) -m bench.throughput
 
+bench-quant: prepare
+	$(PY) -m tokenmill.jobs.envexec $(PY) -m bench.quant
+
 clean:
 	rm -rf runs bench/work .pytest_cache

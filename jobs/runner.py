@@ -176,7 +176,7 @@ def run_job(
         raise JobError(str(err)) from None
     on_gpu = has_nvidia_gpu()
     try:
-        check_engine_config(spec.engine, on_gpu=on_gpu or session_factory is not None)
+        check_engine_config(spec.engine, on_gpu=on_gpu or session_factory is not None, model_path=model_path)
     except EngineStartError as err:
         raise JobError(str(err)) from None
     check_output_path(spec.output)

