@@ -167,7 +167,7 @@ def run_job(
 
     # 1. Everything checkable before any worker starts.
     from tokenmill.transforms.engine import EngineStartError, check_engine_config, effective_block_size, has_nvidia_gpu
-    from tokenmill.transforms.read import InputError, plan_input
+    from tokenmill.transforms.read import InputError, check_bucket, plan_input
 
     eng = S.connect(db_url)
     try:
@@ -183,6 +183,7 @@ def run_job(
     set_filesystem_options(spec)
     try:
         plan = plan_input(spec.input, spec.resolved_input_format())
+        check_bucket(spec.output, "output")  # a missing output bucket fails now, not after the work
     except InputError as err:
         raise JobError(str(err)) from None
 

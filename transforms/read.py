@@ -43,9 +43,47 @@ def _is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
+def s3_client():
+    """A boto3 S3 client built from the options Beam's S3 filesystem uses (endpoint,
+    keys, region: `FileSystems.set_options`), so checks see what the job will see."""
+    from apache_beam.io.aws.clients.s3.boto3_client import Client
+    from apache_beam.io.filesystems import FileSystems
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    return Client(getattr(FileSystems, "_pipeline_options", None) or PipelineOptions([])).client
+
+
+def check_bucket(url: str, what: str = "input") -> None:
+    """For an s3:// URL: the bucket exists and the credentials are accepted, else InputError.
+
+    Beam's S3 listing turns both into "no files", so ask S3 directly first."""
+    if not url.startswith("s3://"):
+        return
+    import botocore.exceptions as BE
+
+    bucket = url[len("s3://"):].split("/", 1)[0]
+    try:
+        s3_client().head_bucket(Bucket=bucket)
+    except BE.ClientError as err:
+        code = str(err.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchBucket"):
+            raise InputError(f"{what} {url!r}: bucket {bucket!r} does not exist") from None
+        if code in ("400", "401", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
+            raise InputError(
+                f"{what} {url!r}: access to bucket {bucket!r} denied (HTTP {code}); check the AWS credentials"
+            ) from None
+        raise InputError(f"{what} {url!r}: cannot use bucket {bucket!r}: {_first_line(err)}") from None
+    except BE.NoCredentialsError:
+        raise InputError(f"{what} {url!r}: no AWS credentials found (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)") from None
+    except BE.BotoCoreError as err:  # endpoint unreachable, bad endpoint URL
+        raise InputError(f"{what} {url!r}: cannot reach S3: {_first_line(err)}") from None
+
+
 def expand_input(path: str, patterns: tuple[str, ...] = ("*.parquet",)) -> list[str]:
     """Files for a file, folder or glob, local or on a Beam filesystem (s3://)."""
     from apache_beam.io.filesystems import FileSystems
+
+    check_bucket(path, "input")
 
     def match(p: str) -> list[str]:
         try:
