@@ -183,6 +183,8 @@ def run_job(
     set_filesystem_options(spec)
     try:
         plan = plan_input(spec.input, spec.resolved_input_format())
+        if hasattr(plan, "served_models"):  # OpenAI batch lines naming another model become dead letters
+            plan.served_models = (spec.engine.model, model_path, os.path.basename(model_path))
         check_bucket(spec.output, "output")  # a missing output bucket fails now, not after the work
     except InputError as err:
         raise JobError(str(err)) from None

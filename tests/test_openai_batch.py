@@ -111,7 +111,8 @@ def test_plan_counts_request_lines_not_blank_ones(tmp_path):
 def test_job_writes_one_output_or_error_line_per_input_line(tmp_path, sqlite_url):
     lines = [
         chat_line("chat-1", "hello", max_tokens=3),
-        completion_line("comp-1", "Once upon a time", max_tokens=2, model="my-alias"),
+        completion_line("comp-1", "Once upon a time", max_tokens=2),
+        chat_line("other-model", "hi", model="gpt-4o"),
         "{broken json",
         {**chat_line("wrong-url", "hi"), "url": "/v1/embeddings"},
         chat_line("chat-1", "a duplicate custom_id"),
@@ -122,7 +123,7 @@ def test_job_writes_one_output_or_error_line_per_input_line(tmp_path, sqlite_url
     inp = write_jsonl(tmp_path / "batch.jsonl", lines)
     spec = load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "oa"})
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
-    assert (res.total, res.succeeded, res.failed) == (7, 3, 4)
+    assert (res.total, res.succeeded, res.failed) == (8, 3, 5)
     assert res.status == "partial"
     outs = read_jsonl(tmp_path / "out" / "outputs.jsonl")
     errs = read_jsonl(tmp_path / "out" / "errors.jsonl")
@@ -136,18 +137,20 @@ def test_job_writes_one_output_or_error_line_per_input_line(tmp_path, sqlite_url
     assert chat["usage"]["completion_tokens"] == 3  # the line's max_tokens, honoured
     assert chat["usage"]["total_tokens"] == chat["usage"]["prompt_tokens"] + 3
     comp = by_id["comp-1"]["response"]["body"]
-    assert comp["object"] == "text_completion" and comp["model"] == "my-alias" and comp["usage"]["completion_tokens"] == 2
+    assert comp["object"] == "text_completion" and comp["model"] == "smollm2-135m" and comp["usage"]["completion_tokens"] == 2
     assert by_id["chat-2"]["response"]["body"]["usage"]["completion_tokens"] == 4
     codes = sorted((e["custom_id"], e["error"]["code"], e["response"]["status_code"]) for e in errs)
     assert codes == [
         ("bad-temp", "bad_sampling", 400),
         ("chat-1", "duplicate_id", 400),
-        ("row-0-2", "bad_request", 400),  # no custom_id: the 0-based line is named
+        ("other-model", "bad_request", 400),
+        ("row-0-3", "bad_request", 400),  # no custom_id: the 0-based line is named
         ("wrong-url", "bad_request", 400),
     ]
     assert len({o["id"] for o in outs + errs}) == len(outs) + len(errs)
     manifest = json.loads((tmp_path / "out" / "_SUCCESS.json").read_text())
-    assert (manifest["format"], manifest["outputs"], manifest["dead_letters"]) == ("openai-jsonl", 3, 4)
+    assert (manifest["format"], manifest["outputs"], manifest["dead_letters"]) == ("openai-jsonl", 3, 5)
+    assert "not served by this job" in next(e for e in errs if e["custom_id"] == "other-model")["error"]["message"]
 
 
 def test_rerun_resumes_and_export_is_identical(tmp_path, sqlite_url):

@@ -73,6 +73,9 @@ class JsonlPlan(InputPlan):
     """Request lines per `url` seen at planning (malformed lines count under `?`)."""
     models: dict[str, int] = field(default_factory=dict)
     """Request lines per body `model`."""
+    served_models: tuple[str, ...] = ()
+    """Names the job's engine answers to (set by the job runner); a line whose body names
+    another model is a `bad_request` dead letter, as the OpenAI API answers 404.  Empty: any."""
 
 
 def _open(path: str):
@@ -215,11 +218,13 @@ def _short(v: Any) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def line_row(line: bytes, file_index: int, line_no: int) -> dict[str, Any]:
+def line_row(line: bytes, file_index: int, line_no: int, served_models: tuple[str, ...] = ()) -> dict[str, Any]:
     """The row dict Validate expects (the Parquet reader's shape) for one input line."""
     row: dict[str, Any] = {"_input_ref": f"{file_index}:{line_no}", "_row": line_no, "_file_index": file_index}
     try:
         req = parse_request(line)
+        if served_models and req["model"] is not None and req["model"] not in served_models:
+            raise LineError(f"body.model {req['model']!r} is not served by this job (it serves {served_models[0]!r})")
     except LineError as err:
         row[ERROR_KEY] = (R.BAD_REQUEST, str(err))
         row[RAW_KEY] = line.decode("utf-8", errors="replace").rstrip("\n")[:2000]
@@ -237,7 +242,7 @@ def line_row(line: bytes, file_index: int, line_no: int) -> dict[str, Any]:
     return row
 
 
-def read_jsonl_shard(shard: JsonlShard) -> Iterator[dict[str, Any]]:
+def read_jsonl_shard(shard: JsonlShard, served_models: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
     with _open(shard.path) as fh:
         first = shard.start_line
         if shard.offset is not None:
@@ -250,12 +255,15 @@ def read_jsonl_shard(shard: JsonlShard) -> Iterator[dict[str, Any]]:
             if not line:
                 break
             if line.strip():
-                yield line_row(line, shard.file_index, first + k)
+                yield line_row(line, shard.file_index, first + k, served_models)
 
 
 class ReadJsonlShardFn(beam.DoFn):
+    def __init__(self, served_models: tuple[str, ...] = ()):
+        self._served = tuple(served_models)
+
     def process(self, shard: JsonlShard):
-        yield from read_jsonl_shard(shard)
+        yield from read_jsonl_shard(shard, self._served)
 
 
 class ReadOpenAIBatch(beam.PTransform):
@@ -270,7 +278,7 @@ class ReadOpenAIBatch(beam.PTransform):
             pbegin
             | "Shards" >> beam.Create(self._plan.shards, reshuffle=False)
             | "Spread" >> beam.Reshuffle()
-            | "ReadLines" >> beam.ParDo(ReadJsonlShardFn())
+            | "ReadLines" >> beam.ParDo(ReadJsonlShardFn(getattr(self._plan, "served_models", ())))
         )
 
 
