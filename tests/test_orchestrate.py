@@ -217,3 +217,42 @@ def test_every_command_has_help_with_an_example_under_h_and_help(runner):
             assert "Example" in res.output, f"`tokenmill {' '.join(path)} {flag}` shows no example"
         names.append(" ".join(path))
     assert {"run", "submit", "run-pending", "validate", "status", "jobs", "cancel"} <= set(names)
+
+
+# ---------------------------------------------------------------- run: --json, --quiet, progress
+
+
+def test_run_json_and_quiet_outputs(runner, tmp_path, sqlite_url, monkeypatch):
+    import tokenmill.jobs.runner as runner_mod
+
+    real = runner_mod.run_job
+    monkeypatch.setattr(runner_mod, "run_job", lambda spec, **kw: real(spec, **kw, session_factory=FakeSession))
+    inp = prompts(tmp_path, 3)
+    res = runner.invoke(main, ["run", "--input", str(inp), "--output", str(tmp_path / "o"), "--job-id", "j1",
+                               "--db", sqlite_url, "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)  # nothing but the JSON document on stdout
+    assert (out["job_id"], out["status"], out["rows_in"], out["succeeded"]) == ("j1", "succeeded", 3, 3)
+    res = runner.invoke(main, ["run", "--input", str(inp), "--output", str(tmp_path / "o2"), "--job-id", "j2",
+                               "--db", sqlite_url, "--quiet"])
+    assert res.exit_code == 0 and res.output == ""
+
+
+def test_progress_bar_shows_rows_tok_s_and_eta(monkeypatch):
+    import io
+    import sys
+
+    from tokenmill.jobs.cli import Progress
+
+    buf = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", buf)
+    p = Progress(enabled=True)
+    p(0, 10, 0)
+    p(4, 10, 120)
+    p.close()
+    text = buf.getvalue()
+    assert "4/10" in text and "out tok/s" in text
+    assert "<" in text.split("4/10", 1)[1]  # tqdm's [elapsed<remaining]: the ETA
+    silent = Progress(enabled=False)
+    silent(4, 10, 120)
+    assert silent.bar is None
