@@ -50,10 +50,14 @@ def test_credentials_never_reach_db_rows_logs_outputs_or_cli(tmp_path, pg_url_wi
     res = run_job(spec, db_url=url, session_factory=FakeSession)
     assert (res.succeeded, res.failed) == (5, 1)
     texts = [caplog.text, capsys.readouterr().out]
-    for cmd in (["status", "secure", "--json"], ["jobs", "--json"], ["status", "secure"]):
+    reports = tmp_path / "reports"
+    for cmd in (["status", "secure", "--json"], ["jobs", "--json"], ["status", "secure"],
+                ["report", "secure", "--json", "--out", str(reports)]):
         r = CliRunner().invoke(main, [*cmd, "--db", url])
         assert r.exit_code == 0, r.output
         texts.append(r.output)
+    texts += [p.read_text(errors="replace") for p in files_under(reports)]
+    assert texts[-1], "the HTML report was written"
     eng = S.connect(url)
     with eng.connect() as conn:
         for t in (T.jobs, T.outputs, T.dead_letters, T.batches, T.workers):
