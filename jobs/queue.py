@@ -11,6 +11,7 @@ second run of the same id refuses.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -53,10 +54,21 @@ def stored_spec(spec: JobSpec) -> dict[str, Any]:
     return d
 
 
+def absolute_paths(spec: JobSpec) -> JobSpec:
+    """Local input/output paths made absolute: run-pending may run in another directory."""
+    update = {}
+    for key in ("input", "output"):
+        v = getattr(spec, key)
+        if "://" not in v and not os.path.isabs(v):
+            update[key] = os.path.abspath(v)
+    return spec.model_copy(update=update) if update else spec
+
+
 def submit(eng: Engine, spec: JobSpec) -> Submitted:
     """Queue a job.  Submitting an id that is already pending is a no-op (safe to
     retry); a failed or cancelled id is queued again; a running, succeeded or
-    partial one is refused."""
+    partial one is refused.  Local paths are stored absolute."""
+    spec = absolute_paths(spec)
     job_id = spec.derived_job_id()
     values = {
         "id": job_id, "name": spec.name or job_id, "status": "pending", "spec": stored_spec(spec),

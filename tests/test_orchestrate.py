@@ -53,6 +53,15 @@ def test_submit_prints_the_id_and_records_a_pending_job(runner, tmp_path, any_db
     assert job["spec"]["sampling"]["max_tokens"] == 7 and job["spec"]["job_id"] == "nightly-1"
 
 
+def test_submit_stores_local_paths_absolute(runner, tmp_path, sqlite_url, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    prompts(tmp_path)
+    res = runner.invoke(main, ["submit", "--input", "in.parquet", "--output", "out", "--job-id", "rel", "--db", sqlite_url])
+    assert res.exit_code == 0, res.output
+    spec = S.get_job(S.connect(sqlite_url), "rel")["spec"]
+    assert (spec["input"], spec["output"]) == (str(tmp_path / "in.parquet"), str(tmp_path / "out"))
+
+
 def test_submit_twice_is_one_job_and_a_derived_id_is_stable(runner, tmp_path, sqlite_url):
     inp = prompts(tmp_path)
     args = ["submit", "--input", str(inp), "--output", str(tmp_path / "o"), "--db", sqlite_url, "--json"]
