@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_LOGGING_LEVEL ?= WARNING
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install airflow prepare demo test test-fast bench bench-quant bench-load clean help
+.PHONY: install airflow prepare demo test test-fast bench bench-quant bench-load bench-db clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -72,6 +72,14 @@ bench: prepare
 
 bench-quant: prepare
 	$(PY) -m tokenmill.jobs.envexec $(PY) -m bench.quant
+
+# 2k and 20k rows, max_tokens 2: every row accounted for; launcher peak RSS (docs/BENCHMARKS.md).
+bench-load: prepare
+	$(PY) -m bench.load
+
+# 100k output rows through the job's write path into SQLite and the local PostgreSQL.
+bench-db: install
+	$(PY) -m bench.db_writes
 
 clean:
 	rm -rf runs bench/work .pytest_cache

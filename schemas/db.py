@@ -88,5 +88,12 @@ def insert_ignore(conn, table: Table, rows: Iterable[dict[str, Any]]) -> int:
                 pass
         return n
     stmt = insert(table).on_conflict_do_nothing()
+    if dialect == "postgresql":
+        # SQLAlchemy batches an ON CONFLICT executemany into multi-row INSERTs
+        # ("insertmanyvalues") only with RETURNING; without it psycopg2 sends one
+        # statement per row (bench/db_writes.py: several times slower).  RETURNING
+        # yields only the rows actually inserted, which is the count we want.
+        res = conn.execute(stmt.returning(*table.primary_key.columns), rows)
+        return len(res.all())
     res = conn.execute(stmt, rows)
     return res.rowcount if res.rowcount is not None and res.rowcount >= 0 else len(rows)

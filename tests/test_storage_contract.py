@@ -74,9 +74,9 @@ def test_inserts_are_idempotent(any_db_url):
     eng = S.connect(any_db_url)
     rows = [_output("j2", i) for i in range(5)]
     with eng.begin() as conn:
-        insert_ignore(conn, T.outputs, rows[:3])
+        assert insert_ignore(conn, T.outputs, rows[:3]) == 3
     with eng.begin() as conn:  # a retried bundle: the first three again, plus two new
-        insert_ignore(conn, T.outputs, [dict(r, text="different") for r in rows])
+        assert insert_ignore(conn, T.outputs, [dict(r, text="different") for r in rows]) == 2  # rows added
     with eng.connect() as conn:
         got = dict(conn.execute(select(T.outputs.c.id, T.outputs.c.text).where(T.outputs.c.job_id == "j2")).all())
     assert len(got) == 5

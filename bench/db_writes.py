@@ -1,0 +1,108 @@
+"""Database write benchmark: 100k output rows through the job's own write path.
+
+Each finished batch of the pipeline is one `WriteOutputsFn.process` call = one
+transaction with an idempotent bulk insert; this drives that same DoFn method
+with realistic rows (a ~400-character answer each) into SQLite (a file, WAL)
+and the PostgreSQL server on 127.0.0.1:5432 (a fresh schema), then writes the
+same rows a second time (a resumed job: every key exists, nothing is added).
+
+    python -m bench.db_writes [--rows 100000] [--batch 256] [--pg URL] [--json FILE]
+
+Prints one line per backend and the whole result as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+import uuid
+
+from sqlalchemy import create_engine, func, select, text
+
+from tokenmill.jobs import storage as S
+from tokenmill.schemas import tables as T
+from tokenmill.transforms.write import WriteOutputsFn
+
+PG_URL = os.environ.get("TOKENMILL_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+ANSWER = ("The capital of France is Paris, a city on the Seine known for its museums, cafés and long history. " * 4)[:400]
+
+
+def make_batches(job_id: str, rows: int, batch: int) -> list[list[dict]]:
+    out, cur = [], []
+    t = time.time()
+    for i in range(rows):
+        cur.append({
+            "job_id": job_id, "id": f"req-{i:07d}", "input_ref": f"{i // 100_000}:{i % 100_000}", "text": ANSWER,
+            "finish_reason": "stop", "prompt_tokens": 80 + i % 50, "output_tokens": 100 + i % 30, "cached_tokens": 64,
+            "ttft_s": 0.05 + (i % 100) / 1000, "tpot_s": 0.02, "e2e_s": 2.0 + (i % 10) / 10, "queue_s": 0.001,
+            "model": "smollm2-135m", "batch_id": f"b{i // batch}", "worker": "bench:1", "finished_at": t + i / 1000,
+            "reference": None, "error": None,
+        })
+        if len(cur) == batch:
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return out
+
+
+def run_backend(name: str, url: str, batches: list[list[dict]], job_id: str) -> dict:
+    eng = S.connect(url)  # schema at head before timing
+    fn = WriteOutputsFn(url)
+    t0 = time.perf_counter()
+    for b in batches:
+        list(fn.process(b))
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for b in batches:
+        list(fn.process(b))
+    again = time.perf_counter() - t0
+    with eng.connect() as conn:
+        n = conn.execute(select(func.count()).select_from(T.outputs).where(T.outputs.c.job_id == job_id)).scalar()
+    rows = sum(len(b) for b in batches)
+    assert n == rows, f"{name}: {n} rows in the table, expected {rows}"
+    return {"backend": name, "rows": rows, "transactions": len(batches), "insert_s": round(first, 2),
+            "rows_per_s": round(rows / first), "rerun_insert_s": round(again, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--batch", type=int, default=256, help="rows per transaction (one finished batch)")
+    ap.add_argument("--pg", default=PG_URL, help="PostgreSQL URL; 'none' to skip")
+    ap.add_argument("--json", dest="json_path", default=None, help="also write the result here")
+    args = ap.parse_args()
+    job_id = f"bench-{uuid.uuid4().hex[:8]}"
+    batches = make_batches(job_id, args.rows, args.batch)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        results.append(run_backend("sqlite", f"sqlite:///{tmp}/bench.db", batches, job_id))
+    if args.pg != "none":
+        schema = f"bench_{uuid.uuid4().hex[:8]}"
+        admin = create_engine(args.pg)
+        with admin.begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        try:
+            sep = "&" if "?" in args.pg else "?"
+            results.append(run_backend("postgresql", f"{args.pg}{sep}options=-csearch_path%3D{schema}", batches, job_id))
+        finally:
+            with admin.begin() as conn:
+                conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+            admin.dispose()
+    for r in results:
+        print(f"{r['backend']:<11} {r['rows']:>7} rows in {r['transactions']} transactions: {r['insert_s']:.2f} s "
+              f"({r['rows_per_s']:,} rows/s); rerun (all keys exist) {r['rerun_insert_s']:.2f} s")
+    doc = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "batch_rows": args.batch,
+           "results": results}
+    print(json.dumps(doc))
+    if args.json_path:
+        with open(args.json_path, "w") as fh:
+            json.dump(doc, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
