@@ -304,6 +304,26 @@ def job_summary_row(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def headline_metrics(m: dict[str, Any]) -> dict[str, Any]:
+    """The figures `status` adds to the counts (full set: `tokenmill report`)."""
+    lat, th = m.get("latency_s") or {}, m.get("throughput") or {}
+    out = {
+        "ttft_p50_s": (lat.get("ttft") or {}).get("p50"),
+        "ttft_p99_s": (lat.get("ttft") or {}).get("p99"),
+        "tpot_p50_s": (lat.get("tpot") or {}).get("p50"),
+        "e2e_p99_s": (lat.get("e2e") or {}).get("p99"),
+        "total_tok_per_s": th.get("total_tok_per_s"),
+        "requests_per_s": th.get("requests_per_s"),
+        "generation_wall_s": th.get("generation_wall_s"),
+        "model_load_s": th.get("model_load_s"),
+        "prefix_cache_hit_rate": (m.get("prefix_cache") or {}).get("hit_rate"),
+        "failures_by_reason": (m.get("failures") or {}).get("by_reason") or None,
+        "cost_per_1m_total_tokens": (m.get("cost") or {}).get("per_1m_total_tokens"),
+        "cost_per_successful_request": (m.get("cost") or {}).get("per_successful_request"),
+    }
+    return out
+
+
 @main.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("job_id")
 @db_option
@@ -329,12 +349,17 @@ def status(job_id, db_url, as_json):
         else job["total"] == (job["succeeded"] or 0) + (job["failed"] or 0)
     )
     row["error"] = job.get("error")
+    row.update(headline_metrics(job.get("metrics") or {}))
     if as_json:
         emit_json(row)
         return
     for k, v in row.items():
         if v is not None:
-            click.echo(f"{k:>26}: {v}")
+            if isinstance(v, float):
+                v = f"{v:.4g}"
+            elif isinstance(v, dict):
+                v = ", ".join(f"{a}: {n}" for a, n in v.items())
+            click.echo(f"{k:>28}: {v}")
 
 
 @main.command(name="jobs", context_settings=CONTEXT_SETTINGS)
