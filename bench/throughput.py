@@ -36,12 +36,12 @@ MiB = 1 << 20
 #: Workload sizes per scale; `full` is sized to ~15 minutes on a 2-core CPU.
 SCALES: dict[str, dict[str, Any]] = {
     "smoke": dict(chat=24, chat_max_tokens=8, long=6, long_out=(16, 48), docs=8, questions=3, doc_words=250,
-                  b_max_tokens=4, b_kv_mib=72, b_max_model_len=512, reps=1, sub_reps=1, ablation=("prefix", "none")),
+                  b_max_tokens=4, b_kv_mib=72, b_max_model_len=512, reps=1, sub_reps=1, none_reps=1, ablation=("prefix", "none")),
     "full": dict(chat=96, chat_max_tokens=32, long=24, long_out=(32, 256), docs=24, questions=4, doc_words=250,
-                 b_max_tokens=8, b_kv_mib=72, b_max_model_len=512, reps=2, sub_reps=1,
+                 b_max_tokens=8, b_kv_mib=72, b_max_model_len=512, reps=2, sub_reps=1, none_reps=2,
                  ablation=("prefix", "none", "length")),
     "gpu": dict(chat=4000, chat_max_tokens=128, long=1000, long_out=(128, 1024), docs=2000, questions=4,
-                doc_words=250, b_max_tokens=16, b_kv_mib=4096, b_max_model_len=1024, reps=2, sub_reps=2,
+                doc_words=250, b_max_tokens=16, b_kv_mib=4096, b_max_model_len=1024, reps=2, sub_reps=2, none_reps=2,
                 ablation=("prefix", "none", "length")),
 }
 
@@ -164,6 +164,8 @@ def run(args) -> dict[str, Any]:
         run_ac(out, sc, args, eng_ac, model_path, rows, wa, wc, work, record, sections)
     if "b" in sections:
         run_b(out, sc, eng_b, kwargs, wb, work, record)
+    if "a" in sections and not args.quick_arms:
+        subprocess_arms(sc, model_path, kwargs, rows[wa.name], wa.max_tokens, work, record)
     out["medians"] = {k: median_of(v) for k, v in out["runs"].items()}
     out["ratios"] = ratios(out["medians"])
     out["finished_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -179,26 +181,17 @@ def run_ac(out, sc, args, eng_ac, model_path, rows, wa, wc, work, record, sectio
     kwargs = dict(session.kwargs)
     out["engine_args"]["a_c"] = {k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")}
     log(f"engine loaded in {out['engine_load_s_in_process']:.1f}s: {out['engine_args']['a_c']}")
-    max_tokens_a = wa.max_tokens
-    # Subprocess arms start an engine each time (~45-90 s here), so on CPU they
-    # run `sub_reps` times; raw and tokenmill share one engine and run `reps` times.
-    arms_a = abba(["raw", "tokenmill"], sc["reps"])
-    if not args.quick_arms:
-        sub = abba(["beam_stock", "run_batch"], sc["sub_reps"])
-        half = len(arms_a) // 2
-        arms_a = arms_a[:half] + sub + arms_a[half:] if sc["reps"] > 1 else arms_a + sub
-    for arm in arms_a if "a" in sections else []:
+    # raw and tokenmill share this engine (A B B A); the subprocess arms, which
+    # start an engine each (~45-90 s here), run after (b) in `subprocess_arms`.
+    for arm in abba(["raw", "tokenmill"], sc["reps"]) if "a" in sections else []:
         if arm == "raw":
             record("chat/raw", attempt(lambda: A.raw(session, rows[wa.name])))
-        elif arm == "tokenmill":
+        else:
             record("chat/tokenmill", attempt(lambda: A.tokenmill(wa, eng_ac, work, label="a", session=session)))
-        elif arm == "beam_stock":
-            record("chat/beam_stock", attempt(lambda: A.beam_stock(rows[wa.name], model_path, kwargs, max_tokens_a)))
-        elif arm == "run_batch":
-            record("chat/run_batch", attempt(lambda: A.run_batch(rows[wa.name], model_path, kwargs, work / "run_batch")))
-    # the length ordering on (a): prefix ordering must not lose where little is shared
-    for _ in range(sc["reps"] if "a" in sections else 0):
-        record("chat/tokenmill_length", attempt(lambda: A.tokenmill(wa, eng_ac, work, label="a-len", ordering="length", session=session)))
+    # ordering none on (a): prefix ordering must not lose where little is shared
+    for _ in range(sc["none_reps"] if "a" in sections else 0):
+        record("chat/tokenmill_none", attempt(lambda: A.tokenmill(wa, eng_ac, work, label="a-none", ordering="none",
+                                                                  session=session)))
     for arm in abba(["raw", "tokenmill"], sc["reps"]) if "c" in sections else []:
         if arm == "raw":
             record("long_output/raw", attempt(lambda: A.raw(session, rows[wc.name])))
@@ -207,14 +200,23 @@ def run_ac(out, sc, args, eng_ac, model_path, rows, wa, wc, work, record, sectio
     E.shutdown_all()  # free the cores and memory before the two-worker runs
 
 
+def subprocess_arms(sc, model_path, kwargs, rows, max_tokens, work, record) -> None:
+    """Beam's stock handler and run-batch on (a), with the in-process engine's arguments."""
+    for arm in abba(["beam_stock", "run_batch"], sc["sub_reps"]):
+        if arm == "beam_stock":
+            record("chat/beam_stock", attempt(lambda: A.beam_stock(rows, model_path, kwargs, max_tokens)))
+        else:
+            record("chat/run_batch", attempt(lambda: A.run_batch(rows, model_path, kwargs, work / "run_batch")))
+
+
 def run_b(out, sc, eng_b, kwargs, wb, work, record) -> None:
     """(b): two workers, a small KV cache each, ordering ablation."""
     out["engine_args"]["b"] = {**{k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")},
                                "max_num_seqs": eng_b.max_num_seqs, "max_model_len": eng_b.max_model_len,
                                "kv_cache_memory_bytes": eng_b.kv_cache_memory_bytes, "num_workers": 2}
-    for ordering in abba(list(sc["ablation"]), sc["reps"]):
-        if ordering == "length" and any(r.get("ordering") == "length" for r in out["runs"]["shared_prefix/length"]):
-            continue  # once is enough for the third arm
+    # prefix / none A B B A (the target), then length once
+    orderings = abba([o for o in sc["ablation"] if o != "length"], sc["reps"])
+    for ordering in orderings + (["length"] if "length" in sc["ablation"] else []):
         res = attempt(lambda: A.tokenmill(wb, eng_b, work, label=f"b-{ordering}", ordering=ordering, num_workers=2))
         if isinstance(res, dict):
             res["ordering"] = ordering
@@ -242,7 +244,7 @@ def ratios(m: dict[str, Any]) -> dict[str, Any]:
         ("tokenmill / run-batch on (a)", "chat/tokenmill", "chat/run_batch", 1.1),
         ("prefix / none on (b)", "shared_prefix/prefix", "shared_prefix/none", 1.5),
         ("prefix / length on (b)", "shared_prefix/prefix", "shared_prefix/length", None),
-        ("prefix / length on (a)", "chat/tokenmill", "chat/tokenmill_length", 0.98),
+        ("prefix / none on (a)", "chat/tokenmill", "chat/tokenmill_none", 0.98),
     ]
     out = {}
     for name, a, b, target in spec:
@@ -332,7 +334,18 @@ def main(argv=None) -> int:
     ap.add_argument("--quick-arms", action="store_true", help="only raw and tokenmill on (a)")
     ap.add_argument("--sections", default="a,c,b", help="workloads to run, of a,b,c (default all)")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    ap.add_argument("--report-only", metavar="JSON", help="rebuild the docs table from a results file (e.g. a run cut short)")
     args = ap.parse_args(argv)
+    if args.report_only:
+        src = Path(args.report_only)
+        res = json.loads(src.read_text())
+        res["medians"] = {k: median_of(v) for k, v in res["runs"].items()}
+        res["ratios"] = ratios(res["medians"])
+        res.setdefault("finished_at", "(cut short)")
+        name = src.name if src.suffix == ".json" else f"throughput-{res['scale']}-partial.json"
+        (ROOT / "bench" / "results" / name).write_text(json.dumps(res, indent=1, default=str))
+        write_docs(markdown(res, name), ROOT / "docs" / "BENCHMARKS.md")
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.WARNING)
