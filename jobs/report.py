@@ -25,6 +25,8 @@ from tokenmill.transforms.accounting import CLOCKS, compare_metrics, get_path, j
 LATENCY_BINS = 40
 #: Bins of the output-tokens-over-time figure.
 TIME_BINS = 120
+#: Job A and job B in every figure.
+JOB_COLORS = ("#1f77b4", "#ff7f0e")
 
 
 class ReportError(RuntimeError):
@@ -239,7 +241,7 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
     if m.get("cost"):
         sections.append(("Cost (USD; device-hours × hourly price)", [
             ("price", f"{fmt(g('cost.price_per_hour'), 'usd')}/device-hour ({g('cost.price_source') or '-'})"),
-            ("device-hours (generation)", f"{g('cost.device_hours'):.6f}"),
+            ("device-hours (generation)", f"{g('cost.device_hours'):.3g}"),
             ("generation", fmt(g("cost.total"), "usd")),
             ("model load (not in unit costs)", fmt(g("cost.model_load"), "usd")),
             ("per 1M output tokens", fmt(g("cost.per_1m_output_tokens"), "usd")),
@@ -319,7 +321,7 @@ def latency_figure(datas: list[dict[str, Any]], names: list[str]):
 
     panels = (("ttft_s", "TTFT (ms)", 1e3), ("tpot_s", "TPOT (ms)", 1e3), ("e2e_s", "E2E (s)", 1.0))
     fig = make_subplots(rows=1, cols=3, subplot_titles=[p[1] for p in panels])
-    colors = ("#1f77b4", "#ff7f0e")
+    colors = JOB_COLORS
     for ci, (col, title, scale) in enumerate(panels, start=1):
         every = [v * scale for d in datas for v in _values(d["requests"], col)]
         edges = _edges(every, LATENCY_BINS)
@@ -392,12 +394,12 @@ def cost_figure(datas: list[dict[str, Any]], names: list[str]):
             fig.add_trace(go.Bar(x=[name], y=[c.get("model_load")], name="model load"), row=1, col=1)
         else:
             fig.add_trace(go.Bar(x=["generation", "model load"], y=[c.get("total"), c.get("model_load")], name=name,
-                                 legendgroup=name, offsetgroup=str(i)), row=1, col=1)
+                                 legendgroup=name, offsetgroup=str(i), marker_color=JOB_COLORS[i % 2]), row=1, col=1)
         units = ["per 1M output tokens", "per 1M total tokens", "per 1k successful requests"]
         vals = [c.get("per_1m_output_tokens"), c.get("per_1m_total_tokens"),
                 (c["per_successful_request"] * 1000) if c.get("per_successful_request") is not None else None]
-        fig.add_trace(go.Bar(x=units, y=vals, name=f"{name} unit costs", legendgroup=name, offsetgroup=str(i),
-                             showlegend=len(datas) > 1), row=1, col=2)
+        fig.add_trace(go.Bar(x=units, y=vals, name=name, legendgroup=name, offsetgroup=str(i), showlegend=False,
+                             marker_color=JOB_COLORS[i % 2] if len(datas) > 1 else "#2ca02c"), row=1, col=2)
     fig.update_layout(barmode="stack" if len(datas) == 1 else "group", title="Cost", height=380,
                       margin=dict(t=70, b=40))
     return fig

@@ -117,6 +117,11 @@ def test_jobs_and_status_show_counts_tok_s_and_cost(jobs_db):
     res = invoke("status", "job-a", "--db", jobs_db, "--json")
     st = json.loads(res.output)
     assert st["status"] == "partial" and st["reconciled"] is True and st["failed"] == 1
+    assert st["failures_by_reason"] == {"empty_prompt": 1}
+    assert st["ttft_p50_s"] > 0 and st["tpot_p50_s"] == pytest.approx(0.001)  # FakeSession's fixed TPOT
+    assert st["cost_per_1m_total_tokens"] > 0
+    res = invoke("status", "job-a", "--db", jobs_db)
+    assert "ttft_p99_s" in res.output and "failures_by_reason: empty_prompt: 1" in res.output
 
 
 def test_report_of_a_running_job_computes_metrics_from_committed_rows(sqlite_url, tmp_path):
@@ -162,3 +167,4 @@ def test_database_password_never_reaches_jobs_table_report_or_logs(pg_url, tmp_p
         assert "hunter2secret" not in res.output
     assert "hunter2secret" not in (tmp_path / "report-pw.html").read_text()
     assert "hunter2secret" not in caplog.text
+
