@@ -546,4 +546,9 @@ def cli_entry() -> None:
 
 
 if __name__ == "__main__":
-    cli_entry()
+    # `python -m tokenmill.jobs.cli` (also the re-exec above) runs this file as __main__, a
+    # second copy of the module; the command modules register on tokenmill.jobs.cli.main,
+    # so run that one, or `run-pending`, `report`, ... would be unknown commands.
+    from tokenmill.jobs.cli import cli_entry as _package_entry
+
+    _package_entry()

@@ -265,3 +265,16 @@ def test_progress_bar_shows_rows_tok_s_and_eta(monkeypatch):
     silent = Progress(enabled=False)
     silent(4, 10, 120)
     assert silent.bar is None
+
+
+def test_module_commands_work_through_python_m_and_the_reexec(tmp_path):
+    """`tokenmill run-pending` re-executes itself as `python -m tokenmill.jobs.cli`; the
+    commands that live in jobs/cli_*.py must be known there too."""
+    import subprocess
+    import sys
+
+    db = f"sqlite:///{tmp_path / 'q.db'}"
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.jobs.cli", "run-pending", "--db", db],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no pending jobs" in proc.stdout
