@@ -175,6 +175,13 @@ def check_spec(spec) -> dict[str, Any]:
         for key in ("endpoints", "models"):
             if getattr(plan, key, None):
                 found[key] = getattr(plan, key)
+        if "models" in found and "model_path" in found:  # such lines would become dead letters
+            import os
+
+            served = {spec.engine.model, found["model_path"], os.path.basename(found["model_path"])}
+            unserved = {m: n for m, n in found["models"].items() if m not in served}
+            if unserved:
+                found["unserved_models"] = unserved
     except InputError as err:
         problems.append(str(err))
     if problems:
@@ -212,3 +219,6 @@ def validate(spec_file, as_json, **kw):
         f"ok: job {found['job_id']}: {found['rows']:,} rows in {found['files']} file(s) "
         f"({found['input_format']} -> {found['output_format']}), model {found['model_path']}"
     )
+    if found.get("unserved_models"):
+        names = ", ".join(f"{m!r} ({n} lines)" for m, n in found["unserved_models"].items())
+        click.echo(f"warning: lines naming another model will be dead letters: {names}")

@@ -186,6 +186,9 @@ def test_validate_openai_batch_file_lists_endpoints_and_models(runner, tmp_path)
     out = json.loads(res.output)
     assert out["input_format"] == "openai-jsonl" and out["output_format"] == "openai-jsonl"
     assert out["endpoints"] == {"/v1/completions": 1} and out["models"] == {"m": 1}
+    assert out["unserved_models"] == {"m": 1}  # the job serves smollm2-135m: that line would be a dead letter
+    res = runner.invoke(main, ["validate", "--input", str(p), "--output", str(tmp_path / "o")])
+    assert res.exit_code == 0 and "warning: lines naming another model will be dead letters: 'm' (1 lines)" in res.output
 
 
 def test_validate_reports_every_problem_on_one_line(runner, tmp_path):
