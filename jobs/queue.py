@@ -6,7 +6,8 @@ submit while the accelerators are busy elsewhere).  `run_pending` is what cron
 or Airflow calls: it takes the database lock `run-pending` (one runner at a
 time, across machines sharing the database), then runs pending jobs oldest
 first, each through the normal job lifecycle, so each is resumable and a
-second run of the same id refuses.
+second run of the same id refuses; a job whose runner died (killed host or
+process) is picked up again and resumes.
 """
 
 from __future__ import annotations
@@ -104,12 +105,14 @@ def submit(eng: Engine, spec: JobSpec) -> Submitted:
 
 
 def pending_jobs(eng: Engine) -> list[dict[str, Any]]:
-    """Pending jobs in submission order (oldest first; ties by id)."""
+    """Jobs to run, in submission order (oldest first; ties by id): pending ones, and
+    `running` ones whose runner died (stale heartbeat or gone process), which resume."""
     with eng.connect() as conn:
         rows = conn.execute(
-            select(T.jobs).where(T.jobs.c.status == "pending").order_by(T.jobs.c.submitted_at, T.jobs.c.id)
+            select(T.jobs).where(T.jobs.c.status.in_(("pending", "running")))
+            .order_by(T.jobs.c.submitted_at, T.jobs.c.id)
         ).mappings().all()
-    return [dict(r) for r in rows]
+    return [dict(r) for r in rows if r["status"] == "pending" or not S.is_live(dict(r))]
 
 
 def spec_of(job: dict[str, Any]) -> JobSpec:

@@ -114,6 +114,26 @@ def test_run_pending_runs_jobs_in_submission_order_and_resumes_none_twice(tmp_pa
     assert Q.run_pending(eng, fake_run(any_db_url)) == []  # nothing left
 
 
+def test_run_pending_resumes_a_job_whose_runner_died(tmp_path, sqlite_url):
+    eng = S.connect(sqlite_url)
+    spec = load_spec({"input": str(prompts(tmp_path, 3)), "output": str(tmp_path / "o"), "job_id": "orphan"})
+    Q.submit(eng, spec)
+    Q.submit(eng, load_spec({"input": str(prompts(tmp_path, 2, "b.parquet")), "output": str(tmp_path / "p"),
+                             "job_id": "live"}))
+    stale = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=S.STALE_AFTER_S + 5)
+    now = dt.datetime.now(dt.timezone.utc)
+    from sqlalchemy import update
+
+    with eng.begin() as conn:  # `orphan`: killed mid-run; `live`: another runner is on it right now
+        conn.execute(update(T.jobs).where(T.jobs.c.id == "orphan").values(status="running", owner="gone:1",
+                                                                          heartbeat_at=stale))
+        conn.execute(update(T.jobs).where(T.jobs.c.id == "live").values(status="running", owner=S.owner_tag(),
+                                                                        heartbeat_at=now))
+    outcomes = Q.run_pending(eng, fake_run(sqlite_url))
+    assert [(o.job_id, o.status) for o in outcomes] == [("orphan", "succeeded")]
+    assert S.get_job(eng, "live")["status"] == "running"
+
+
 def test_one_failing_job_does_not_stop_the_queue(tmp_path, sqlite_url):
     eng = S.connect(sqlite_url)
     Q.submit(eng, load_spec({"input": str(tmp_path / "gone.parquet"), "output": str(tmp_path / "x"), "job_id": "bad"}))
