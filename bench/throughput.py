@@ -33,12 +33,13 @@ from bench import workloads as W
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 
-#: Workload sizes per scale; `full` is sized to ~15 minutes on a 2-core CPU.
+#: Workload sizes per scale; `full` is sized to ~15 minutes on the shared 2-core CPU
+#: (where other jobs' tests keep the load average well above 2).
 SCALES: dict[str, dict[str, Any]] = {
     "smoke": dict(chat=24, chat_max_tokens=8, long=6, long_out=(16, 48), docs=8, questions=3, doc_words=250,
                   b_max_tokens=4, b_kv_mib=72, b_max_model_len=512, reps=1, sub_reps=1, none_reps=1, ablation=("prefix", "none")),
-    "full": dict(chat=96, chat_max_tokens=32, long=24, long_out=(32, 256), docs=24, questions=4, doc_words=250,
-                 b_max_tokens=8, b_kv_mib=72, b_max_model_len=512, reps=2, sub_reps=1, none_reps=2,
+    "full": dict(chat=64, chat_max_tokens=32, long=16, long_out=(32, 256), docs=16, questions=4, doc_words=250,
+                 b_max_tokens=8, b_kv_mib=48, b_max_model_len=512, reps=2, sub_reps=1, none_reps=1,
                  ablation=("prefix", "none", "length")),
     "gpu": dict(chat=4000, chat_max_tokens=128, long=1000, long_out=(128, 1024), docs=2000, questions=4,
                 doc_words=250, b_max_tokens=16, b_kv_mib=4096, b_max_model_len=1024, reps=2, sub_reps=2, none_reps=2,
