@@ -1,0 +1,100 @@
+"""A real `tokenmill run` killed with kill -9 (its whole process tree, engine core
+included) mid-run resumes with `--job-id`: answered rows are skipped, the rest
+are answered, every id ends up exactly once.  Real engine, real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import select
+
+from tokenmill.jobs import storage as S
+from tokenmill.schemas import tables as T
+from tests.conftest import TEST_ENGINE, write_parquet
+
+pytestmark = pytest.mark.engine
+ROWS = 600
+JOB = "killed-job"
+
+
+def cli(inp, out, db):
+    return [
+        sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(inp), "--output", str(out), "--db", db,
+        "--job-id", JOB, "--max-tokens", "8", "--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]),
+        "--max-model-len", str(TEST_ENGINE["max_model_len"]),
+        "--gpu-memory-utilization", str(TEST_ENGINE["gpu_memory_utilization"]), "--token-budget", "256",
+    ]
+
+
+def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, model_path):
+    inp = write_parquet(tmp_path / "in.parquet",
+                        [{"id": f"q{i:04d}", "prompt": f"Write one word about the number {i}."} for i in range(ROWS)])
+    out = tmp_path / "out"
+    proc = subprocess.Popen(cli(inp, out, sqlite_url), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    eng = S.connect(sqlite_url)
+    deadline = time.monotonic() + 900  # a bound against a hung test, not a speed assertion
+    done = 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        if S.get_job(eng, JOB) is not None:
+            done = S.counts(eng, JOB)["succeeded"]
+            if done >= 40:
+                break
+        time.sleep(0.2)
+    assert proc.poll() is None, f"the run ended before the kill: {proc.communicate()[1][-2000:]}"
+
+    # A second run of the same job id while the first is live refuses (overlapping cron).
+    second = subprocess.run(cli(inp, tmp_path / "out2", sqlite_url), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 5, second.stderr[-2000:]
+    assert second.stderr.strip().splitlines()[-1].startswith(f"error: job '{JOB}' is already running")
+
+    launcher = psutil.Process(proc.pid)
+    tree = [launcher] + launcher.children(recursive=True)
+    assert len(tree) >= 2  # the launcher and vLLM's engine core process at least
+    os.killpg(proc.pid, signal.SIGKILL)
+    for p in tree[1:]:  # children that left the process group go too
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.communicate(timeout=60)
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    assert all(_is_zombie(p) for p in alive), alive
+
+    before = S.counts(eng, JOB)["succeeded"]
+    assert 40 <= before < ROWS
+    assert S.get_job(eng, JOB)["status"] == "running"  # nobody finished it
+    assert not (out / "_SUCCESS.json").exists() and not (out / "outputs.parquet").exists()
+    with eng.connect() as c:
+        first_run = dict(c.execute(select(T.outputs.c.id, T.outputs.c.batch_id).where(T.outputs.c.job_id == JOB)).all())
+
+    rerun = subprocess.run(cli(inp, out, sqlite_url), capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"job {JOB}: succeeded (resumed)" in rerun.stdout
+    assert f"rows in {ROWS} / succeeded {ROWS} / failed 0" in rerun.stdout
+
+    rows = pq.read_table(out / "outputs.parquet").to_pylist()
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == ROWS and set(ids) == {f"q{i:04d}" for i in range(ROWS)}
+    # rows answered before the kill were skipped, not answered again (their batch ids are the first run's)
+    with eng.connect() as c:
+        final = dict(c.execute(select(T.outputs.c.id, T.outputs.c.batch_id).where(T.outputs.c.job_id == JOB)).all())
+    assert all(final[i] == b for i, b in first_run.items())
+    assert sum(b not in set(first_run.values()) for b in final.values()) == ROWS - before
+    assert all(r["output_tokens"] > 0 for r in rows)
+    job = S.get_job(eng, JOB)
+    assert (job["status"], job["total"], job["succeeded"], job["failed"]) == ("succeeded", ROWS, ROWS, 0)
+
+
+def _is_zombie(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE  # dead, waiting for its parent (gone) to be reaped
+    except psutil.NoSuchProcess:
+        return True
