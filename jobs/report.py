@@ -319,7 +319,11 @@ def latency_figure(datas: list[dict[str, Any]], names: list[str]):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    panels = (("ttft_s", "TTFT (ms)", 1e3), ("tpot_s", "TPOT (ms)", 1e3), ("e2e_s", "E2E (s)", 1.0))
+    panels = []
+    for col, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
+        top = max((v for d in datas for v in _values(d["requests"], col)), default=0.0)
+        # seconds once figures reach seconds, else milliseconds: axis labels stay short
+        panels.append((col, f"{name} (s)", 1.0) if top >= 2 else (col, f"{name} (ms)", 1e3))
     fig = make_subplots(rows=1, cols=3, subplot_titles=[p[1] for p in panels])
     colors = JOB_COLORS
     for ci, (col, title, scale) in enumerate(panels, start=1):
