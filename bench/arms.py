@@ -39,7 +39,7 @@ def prompt_rows(workload, model_path: str, engine: EngineConfig) -> list[dict[st
         t = tokenize_record(tok, rec, max_model_len=engine.max_model_len, default_max_tokens=workload.max_tokens)
         # run-batch's completions schema takes text only: the same tokens, decoded
         out.append({"id": t.id, "token_ids": t.token_ids, "max_tokens": t.max_tokens,
-                    "text": tok.decode(t.token_ids)})
+                    "messages": rec.messages, "text": tok.decode(t.token_ids)})
     return out
 
 
@@ -256,8 +256,10 @@ def run_batch(rows: list[dict[str, Any]], model_path: str, kwargs: dict[str, Any
     with inp.open("w") as f:
         for r in rows:
             f.write(json.dumps({
-                "custom_id": r["id"], "method": "POST", "url": "/v1/completions",
-                "body": {"model": model_path, "prompt": r["text"], "max_tokens": r["max_tokens"],
+                # vLLM 0.32's run-batch takes chat completions, not completions: the
+                # server applies the same chat template tokenmill does.
+                "custom_id": r["id"], "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": model_path, "messages": r["messages"], "max_tokens": r["max_tokens"],
                          "temperature": 0.0, "ignore_eos": True},
             }) + "\n")
     outp.unlink(missing_ok=True)
