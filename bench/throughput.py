@@ -97,7 +97,10 @@ def run(args) -> dict[str, Any]:
     from tokenmill.schemas.models import resolve_model
     from tokenmill.transforms import engine as E
 
-    sc = SCALES[args.scale]
+    sc = dict(SCALES[args.scale])
+    if args.reps:
+        sc.update(reps=args.reps, none_reps=min(sc["none_reps"], args.reps))
+    sc["sub_arms"] = [a for a in args.sub_arms.split(",") if a]
     on_gpu = E.has_nvidia_gpu()
     work = ROOT / "bench" / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -203,7 +206,7 @@ def run_ac(out, sc, args, eng_ac, model_path, rows, wa, wc, work, record, sectio
 
 def subprocess_arms(sc, model_path, kwargs, rows, max_tokens, work, record) -> None:
     """Beam's stock handler and run-batch on (a), with the in-process engine's arguments."""
-    for arm in abba(["beam_stock", "run_batch"], sc["sub_reps"]):
+    for arm in abba(sc.get("sub_arms", ["beam_stock", "run_batch"]), sc["sub_reps"]):
         if arm == "beam_stock":
             record("chat/beam_stock", attempt(lambda: A.beam_stock(rows, model_path, kwargs, max_tokens)))
         else:
@@ -334,6 +337,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", default=None, choices=sorted(SCALES), help="default: full on CPU, gpu on a GPU")
     ap.add_argument("--quick-arms", action="store_true", help="only raw and tokenmill on (a)")
     ap.add_argument("--sections", default="a,c,b", help="workloads to run, of a,b,c (default all)")
+    ap.add_argument("--sub-arms", default="beam_stock,run_batch", help="subprocess arms on (a)")
+    ap.add_argument("--reps", type=int, default=None, help="override the scale's repetitions")
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
     ap.add_argument("--report-only", metavar="JSON", help="rebuild the docs table from a results file (e.g. a run cut short)")
     args = ap.parse_args(argv)
