@@ -108,10 +108,12 @@ def _pipeline_options(spec: JobSpec):
     endpoint = spec.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         flags.append(f"--s3_endpoint_url={endpoint}")
-    for env, flag in (("AWS_ACCESS_KEY_ID", "s3_access_key_id"), ("AWS_SECRET_ACCESS_KEY", "s3_secret_access_key"),
-                      ("AWS_DEFAULT_REGION", "s3_region_name"), ("AWS_REGION", "s3_region_name")):
-        if os.environ.get(env) and not any(f.startswith(f"--{flag}=") for f in flags):
-            flags.append(f"--{flag}={os.environ[env]}")
+    # Credentials stay in the environment (boto3's default chain reads them on every
+    # worker): as pipeline flags they would travel inside the pipeline proto to remote
+    # workers and job services.  Only the region is passed.
+    region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+    if region:
+        flags.append(f"--s3_region_name={region}")
     flags += list(spec.runner.pipeline_options)
     return PipelineOptions(flags)
 
