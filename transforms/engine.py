@@ -493,8 +493,17 @@ def _register_atexit() -> None:
     if not _ATEXIT:
         import atexit
 
-        atexit.register(shutdown_all)
+        atexit.register(_shutdown_at_exit)
         _ATEXIT = True
+
+
+def _shutdown_at_exit() -> None:
+    # At interpreter exit the handlers' streams (pytest's capture, a closed pipe)
+    # may already be gone; vLLM's shutdown messages must not print logging errors.
+    import logging
+
+    logging.raiseExceptions = False
+    shutdown_all()
 
 
 def drop_session(cfg: EngineConfig, model_path: str, factory=None) -> None:
