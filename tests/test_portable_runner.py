@@ -41,7 +41,10 @@ def free_port() -> int:
 def worker_pool():
     """A Beam SDK worker pool in its own process, with the CPU runtime env (tcmalloc, OpenMP)."""
     port = free_port()
-    env = {**os.environ, "TOKENMILL_NO_REEXEC": "1"}
+    # The pool starts SDK workers as plain `python`: put this venv's first on PATH, or
+    # (under `make test`, venv not activated) they start without Beam and die at once.
+    env = {**os.environ, "TOKENMILL_NO_REEXEC": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenmill.jobs.envexec", sys.executable, "-m",
          "apache_beam.runners.worker.worker_pool_main", f"--service_port={port}"],
