@@ -258,14 +258,25 @@ def execute_job(spec, db_url, quiet: bool, as_json: bool) -> int:
     return STATUS_EXIT.get(result.status, EXIT_FAILED)
 
 
+def job_options(f):
+    """Where a job reads and writes and what it is called (run, submit, validate)."""
+    opts = [
+        click.option("--input", "-i", "input", default=None,
+                     help="Parquet file, folder or glob (local or s3://), or OpenAI batch .jsonl."),
+        click.option("--input-format", type=click.Choice(["auto", "parquet", "openai-jsonl"]), default=None),
+        click.option("--output", "-o", default=None, help="Output folder (local or s3://)."),
+        click.option("--job-id", default=None, help="Stable job id (default: derived from the spec); rerunning an id resumes."),
+        click.option("--name", default=None, help="A human name for the job."),
+        click.option("--s3-endpoint-url", default=None, envvar="AWS_ENDPOINT_URL_S3", help="S3-compatible endpoint."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
 @main.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("spec_file", required=False, type=click.Path(dir_okay=False))
-@click.option("--input", "-i", "input", default=None, help="Parquet file, folder or glob (local or s3://), or OpenAI batch .jsonl.")
-@click.option("--input-format", type=click.Choice(["auto", "parquet", "openai-jsonl"]), default=None)
-@click.option("--output", "-o", default=None, help="Output folder (local or s3://).")
-@click.option("--job-id", default=None, help="Stable job id; rerunning the same id resumes.")
-@click.option("--name", default=None, help="A human name for the job.")
-@click.option("--s3-endpoint-url", default=None, envvar="AWS_ENDPOINT_URL_S3", help="S3-compatible endpoint.")
+@job_options
 @db_option
 @engine_options
 @sampling_options

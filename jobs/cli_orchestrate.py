@@ -27,6 +27,7 @@ from tokenmill.jobs.cli import (
     db_option,
     emit_json,
     engine_options,
+    job_options,
     json_option,
     main,
     sampling_options,
@@ -35,20 +36,6 @@ from tokenmill.jobs.cli import (
 
 #: run-pending's exit code: the most serious outcome among the jobs it ran.
 SEVERITY = [("failed", EXIT_FAILED), ("busy", EXIT_BUSY), ("cancelled", EXIT_CANCELLED), ("partial", EXIT_PARTIAL)]
-
-
-def job_options(f):
-    opts = [
-        click.option("--input", "-i", "input", default=None, help="Parquet file, folder or glob, or OpenAI batch .jsonl."),
-        click.option("--input-format", type=click.Choice(["auto", "parquet", "openai-jsonl"]), default=None),
-        click.option("--output", "-o", default=None, help="Output folder (local or s3://)."),
-        click.option("--job-id", default=None, help="Stable job id (default: derived from the spec)."),
-        click.option("--name", default=None, help="A human name for the job."),
-        click.option("--s3-endpoint-url", default=None, envvar="AWS_ENDPOINT_URL_S3", help="S3-compatible endpoint."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
