@@ -100,6 +100,13 @@ def main(verbose: bool) -> None:
 # ---------------------------------------------------------------- run
 
 
+def apply_options(f, opts):
+    """Apply click decorators so they show in --help in the order listed."""
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
 def sampling_options(f):
     opts = [
         click.option("--max-tokens", type=int, default=None, help="Default max output tokens per row."),
@@ -109,9 +116,7 @@ def sampling_options(f):
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
         click.option("--ignore-eos", is_flag=True, default=None, help="Generate max_tokens regardless of EOS."),
     ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    return apply_options(f, opts)
 
 
 def build_spec(spec_file, overrides: dict[str, Any]):
@@ -163,9 +168,7 @@ def engine_options(f):
         click.option("--runner", default=None, help="Beam runner (DirectRunner, PortableRunner, DataflowRunner, ...)."),
         click.option("--pipeline-option", "pipeline_options", multiple=True, help="Extra Beam pipeline flag (repeatable)."),
     ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    return apply_options(f, opts)
 
 
 def spec_overrides(kw: dict[str, Any]) -> dict[str, Any]:
@@ -269,17 +272,17 @@ def job_options(f):
         click.option("--name", default=None, help="A human name for the job."),
         click.option("--s3-endpoint-url", default=None, envvar="AWS_ENDPOINT_URL_S3", help="S3-compatible endpoint."),
     ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    return apply_options(f, opts)
+
+
+def job_spec_options(f):
+    """SPEC_FILE plus every flag that overrides a job spec key (run, submit, validate)."""
+    f = apply_options(f, [job_options, db_option, engine_options, sampling_options])
+    return click.argument("spec_file", required=False, type=click.Path(dir_okay=False))(f)
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
-@click.argument("spec_file", required=False, type=click.Path(dir_okay=False))
-@job_options
-@db_option
-@engine_options
-@sampling_options
+@job_spec_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress or summary.")
 @json_option
 def run(spec_file, quiet, as_json, **kw):

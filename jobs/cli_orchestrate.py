@@ -19,18 +19,15 @@ from tokenmill.jobs.cli import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_PARTIAL,
-    EXIT_USAGE,
     Failure,
     Progress,
     build_spec,
     connect,
     db_option,
     emit_json,
-    engine_options,
-    job_options,
+    job_spec_options,
     json_option,
     main,
-    sampling_options,
     spec_overrides,
 )
 
@@ -39,11 +36,7 @@ SEVERITY = [("failed", EXIT_FAILED), ("busy", EXIT_BUSY), ("cancelled", EXIT_CAN
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
-@click.argument("spec_file", required=False, type=click.Path(dir_okay=False))
-@job_options
-@db_option
-@engine_options
-@sampling_options
+@job_spec_options
 @json_option
 def submit(spec_file, as_json, **kw):
     """Queue a job as pending and print its id at once (run it later with run-pending).
@@ -177,11 +170,7 @@ def check_spec(spec) -> dict[str, Any]:
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
-@click.argument("spec_file", required=False, type=click.Path(dir_okay=False))
-@job_options
-@db_option
-@engine_options
-@sampling_options
+@job_spec_options
 @json_option
 def validate(spec_file, as_json, **kw):
     """Check a job spec without running it: keys, types and ranges (with the key path),
