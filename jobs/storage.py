@@ -172,6 +172,7 @@ def claim_job(eng: Engine, job_id: str, values: dict[str, Any]) -> dict[str, Any
     both win."""
     me = owner_tag()
     now = utcnow()
+    inserted_first: IntegrityError | None = None
     with eng.begin() as conn:
         row = conn.execute(select(T.jobs).where(T.jobs.c.id == job_id)).mappings().first()
         if row is None:
@@ -183,10 +184,13 @@ def claim_job(eng: Engine, job_id: str, values: dict[str, Any]) -> dict[str, Any
                     )
                 )
                 return {"resumed": False}
-            except IntegrityError:
-                pass  # someone inserted it first: fall through to the take-over path
+            except IntegrityError as err:
+                inserted_first = err  # someone inserted it first: fall through to the take-over path
     with eng.begin() as conn:
-        row = dict(conn.execute(select(T.jobs).where(T.jobs.c.id == job_id)).mappings().first())
+        found = conn.execute(select(T.jobs).where(T.jobs.c.id == job_id)).mappings().first()
+        if found is None:  # the insert failed for another reason (a NOT NULL column, say), or a delete raced
+            raise inserted_first or JobBusy(f"job {job_id!r} vanished while being claimed; run it again")
+        row = dict(found)
         if is_live(row):
             raise JobBusy(f"job {job_id!r} is already running (owner {row['owner']}); not starting a second run")
         q = update(T.jobs).where(T.jobs.c.id == job_id, T.jobs.c.status == row["status"])

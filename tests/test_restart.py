@@ -50,20 +50,23 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
         time.sleep(0.2)
     assert proc.poll() is None, f"the run ended before the kill: {proc.communicate()[1][-2000:]}"
 
+    # Freeze the first run (its whole tree) so it cannot finish while the second one
+    # starts: its heartbeat stays younger than STALE_AFTER_S for the second run's
+    # claim, which comes ~3 s after start.  (Unfrozen, the first run could finish its
+    # remaining rows before the second run's claim on a slow machine.)
+    launcher = psutil.Process(proc.pid)
+    tree = [launcher] + launcher.children(recursive=True)
+    assert len(tree) >= 2  # the launcher and vLLM's engine core process at least
+    _signal_tree(proc.pid, tree, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+
     # A second run of the same job id while the first is live refuses (overlapping cron).
     second = subprocess.run(cli(inp, tmp_path / "out2", sqlite_url), capture_output=True, text=True, timeout=300)
     assert second.returncode == 5, second.stderr[-2000:]
     assert second.stderr.strip().splitlines()[-1].startswith(f"error: job '{JOB}' is already running")
+    assert time.monotonic() - frozen_at < S.STALE_AFTER_S  # else the refusal above proved nothing
 
-    launcher = psutil.Process(proc.pid)
-    tree = [launcher] + launcher.children(recursive=True)
-    assert len(tree) >= 2  # the launcher and vLLM's engine core process at least
-    os.killpg(proc.pid, signal.SIGKILL)
-    for p in tree[1:]:  # children that left the process group go too
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    _signal_tree(proc.pid, tree, signal.SIGKILL)
     proc.communicate(timeout=60)
     _, alive = psutil.wait_procs(tree, timeout=60)
     assert all(_is_zombie(p) for p in alive), alive
@@ -91,6 +94,15 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
     assert all(r["output_tokens"] > 0 for r in rows)
     job = S.get_job(eng, JOB)
     assert (job["status"], job["total"], job["succeeded"], job["failed"]) == ("succeeded", ROWS, ROWS, 0)
+
+
+def _signal_tree(pgid: int, tree: list[psutil.Process], sig: int) -> None:
+    os.killpg(pgid, sig)
+    for p in tree[1:]:  # children that left the process group too
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _is_zombie(p: psutil.Process) -> bool:

@@ -70,6 +70,16 @@ def test_claim_finish_and_counts(any_db_url):
     assert [r["id"] for r in S.request_rows(eng, "j1")] == ["r0", "r1"]
 
 
+def test_a_claim_whose_insert_breaks_a_constraint_raises_that_error(any_db_url):
+    # An IntegrityError that is not "someone inserted it first" must not be taken for a race.
+    from sqlalchemy.exc import IntegrityError
+
+    eng = S.connect(any_db_url)
+    with pytest.raises(IntegrityError):
+        S.claim_job(eng, "j-bad", {"total": 3})  # name, spec, model… are NOT NULL
+    assert S.get_job(eng, "j-bad") is None
+
+
 def test_inserts_are_idempotent(any_db_url):
     eng = S.connect(any_db_url)
     rows = [_output("j2", i) for i in range(5)]
