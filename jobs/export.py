@@ -105,7 +105,9 @@ def write_jsonl(dest: str, lines: Iterator[list[str]]) -> int:
 
 
 def _input_order(table):
-    return (table.c.input_ref,)
+    from tokenmill.schemas.db import input_order
+
+    return input_order(table.c.input_ref)
 
 
 def export_job(eng: Engine, job_id: str, output_root: str, fmt: str = "parquet") -> dict[str, Any]:

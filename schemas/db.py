@@ -11,8 +11,10 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from sqlalchemy import Table, create_engine, event
+from sqlalchemy import BigInteger, Table, create_engine, event
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
 
 DEFAULT_DB_ENV = "TOKENMILL_DB_URL"
 
@@ -97,3 +99,47 @@ def insert_ignore(conn, table: Table, rows: Iterable[dict[str, Any]]) -> int:
         return len(res.all())
     res = conn.execute(stmt, rows)
     return res.rowcount if res.rowcount is not None and res.rowcount >= 0 else len(rows)
+
+
+# ---------------------------------------------------------------- input order
+
+
+
+class _RefPart(FunctionElement):
+    """Part `n` (1: file index, 2: row) of an `input_ref` ("<file>:<row>") as an integer,
+    so that exports sort "0:2" before "0:10" in every dialect."""
+
+    type = BigInteger()
+    inherit_cache = True
+    name = "ref_part"
+
+    def __init__(self, col, n: int):
+        self.n = n
+        super().__init__(col)
+
+
+@compiles(_RefPart)
+def _ref_part_default(el, compiler, **kw):  # SQLite
+    col = compiler.process(list(el.clauses)[0], **kw)
+    if el.n == 1:
+        return f"CAST(substr({col}, 1, instr({col}, ':') - 1) AS INTEGER)"
+    return f"CAST(substr({col}, instr({col}, ':') + 1) AS INTEGER)"
+
+
+@compiles(_RefPart, "postgresql")
+def _ref_part_pg(el, compiler, **kw):
+    col = compiler.process(list(el.clauses)[0], **kw)
+    return f"CAST(split_part({col}, ':', {el.n}) AS BIGINT)"
+
+
+@compiles(_RefPart, "mysql")
+@compiles(_RefPart, "mariadb")
+def _ref_part_mysql(el, compiler, **kw):
+    col = compiler.process(list(el.clauses)[0], **kw)
+    part = f"SUBSTRING_INDEX({col}, ':', 1)" if el.n == 1 else f"SUBSTRING_INDEX({col}, ':', -1)"
+    return f"CAST({part} AS UNSIGNED)"
+
+
+def input_order(col) -> tuple:
+    """ORDER BY terms that put rows back in input order (file, then row number)."""
+    return (_RefPart(col, 1), _RefPart(col, 2))

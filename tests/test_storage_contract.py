@@ -176,3 +176,23 @@ def test_two_jobs_writing_at_the_same_time_both_complete_with_every_row(any_db_u
         assert ids == {f"{k}{i}" for i in range(n)}
         assert S.get_job(eng, f"job-{k}")["status"] == "succeeded"
     assert Path(tmp_path / "out0" / "outputs.parquet").exists()
+
+
+def test_exports_come_back_in_input_order(any_db_url, tmp_path):
+    # input_ref is "<file>:<row>" text; the export orders by the numbers, so "0:2" comes before "0:10".
+    import pyarrow.parquet as pq
+
+    from tokenmill.jobs.export import export_job
+
+    eng = S.connect(any_db_url)
+    S.claim_job(eng, "j-order", _job_values(total=14))
+    refs = ["1:0", "0:10", "0:2", "1:11", "0:1", "1:3", "0:0", "0:11", "0:3", "1:1", "1:2", "1:10"]
+    with eng.begin() as conn:
+        insert_ignore(conn, T.outputs, [_output("j-order", i, id=f"r-{ref}", input_ref=ref) for i, ref in enumerate(refs)])
+        insert_ignore(conn, T.dead_letters, [{"job_id": "j-order", "input_ref": ref, "id": f"d-{ref}", "reason": "empty_prompt",
+                                              "message": "empty"} for ref in ("0:20", "0:9")])
+    export_job(eng, "j-order", str(tmp_path / "out"))
+    key = lambda ref: tuple(int(x) for x in ref.split(":"))  # noqa: E731
+    assert pq.read_table(tmp_path / "out" / "outputs.parquet").column("id").to_pylist() == [
+        f"r-{ref}" for ref in sorted(refs, key=key)]
+    assert pq.read_table(tmp_path / "out" / "dead_letters.parquet").column("id").to_pylist() == ["d-0:9", "d-0:20"]
