@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -12,15 +13,19 @@ class FakeSession:
     """Answers each request with `echo:<first prompt token>` after `max_tokens` steps or fewer.
 
     `poison_token`: a prompt containing this token id makes `step` raise (an engine
-    crash), and the session then reports itself dead until replaced."""
+    crash), and the session then reports itself dead until replaced.
+    `block_token`: a prompt containing it makes `step` block (a frozen engine core)
+    until `kill()`, then raise."""
 
     instances: list["FakeSession"] = []
 
     def __init__(self, cfg=None, model_path: str = "", *, max_num_seqs: int = 8, poison_token: int | None = None,
-                 reject_token: int | None = None):
+                 reject_token: int | None = None, block_token: int | None = None):
         self.max_num_seqs = getattr(cfg, "max_num_seqs", None) or max_num_seqs
         self.poison_token = poison_token
         self.reject_token = reject_token
+        self.block_token = block_token
+        self.killed = threading.Event()
         self.reqs: dict[str, dict[str, Any]] = {}
         self.added: list[str] = []
         self.steps = 0
@@ -46,6 +51,10 @@ class FakeSession:
         if self.poison_token is not None and any(self.poison_token in self.reqs[r]["ids"] for r in running):
             self.dead = True
             raise RuntimeError("EngineCore died")
+        if self.block_token is not None and any(self.block_token in self.reqs[r]["ids"] for r in running):
+            if not self.killed.wait(60):
+                raise AssertionError("nobody killed the blocked fake engine within 60 s")
+            raise RuntimeError("EngineDeadError: engine core died")
         out = []
         now = time.time()
         for rid in running:
@@ -73,6 +82,10 @@ class FakeSession:
 
     def alive(self):
         return not self.dead
+
+    def kill(self):
+        self.dead = True
+        self.killed.set()
 
     def info(self):
         return {"device": "fake", "load_s": 0.0, "kv_cache_tokens": 1000}

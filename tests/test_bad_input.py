@@ -233,6 +233,62 @@ def test_real_engine_poison_row_is_isolated_and_the_rest_answered(tmp_path, sqli
     assert all(r["output_tokens"] > 0 and r["text"] for r in out)
 
 
+@pytest.mark.engine
+@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
+def test_real_engine_core_that_freezes_or_dies_mid_batch_is_restarted_and_the_batch_answered(
+        tmp_path, sqlite_url, model_path, sig, caplog):
+    # SIGSTOP on vLLM's engine core: the step in progress never returns (no deadline check
+    # between steps can see it); the watchdog kills the engine after batch_timeout_s.
+    # SIGKILL (the OOM killer, a segfault): vLLM's own client would wait for ever; the
+    # death watch fails the step at once.  Either way a fresh engine starts and the
+    # batch is answered there: nothing is lost or doubled.
+    import signal
+    import threading
+    import time
+
+    from tokenmill.transforms import engine as E
+
+    signum = getattr(signal, sig)
+
+    rows = [{"id": f"f{i}", "prompt": f"Name a colour, number {i}."} for i in range(24)]
+    inp = write_parquet(tmp_path / "in.parquet", rows)
+    spec = load_spec({
+        "input": str(inp), "output": str(tmp_path / "out"), "job_id": "frozen",
+        "engine": TEST_ENGINE, "sampling": {"max_tokens": 32, "ignore_eos": True},
+        "batching": {"ordering": "none", "batch_timeout_s": 8 if sig == "SIGSTOP" else 600},
+    })
+    frozen: list[int] = []
+
+    def freeze_when_busy():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not frozen:
+            for sess in list(E._SESSIONS.values()):
+                if getattr(sess, "_procs", None) and sess.num_unfinished() > 0:
+                    for proc in sess._procs:
+                        proc.send_signal(signum)
+                        frozen.append(proc.pid)
+                    break
+            time.sleep(0.01)
+
+    t = threading.Thread(target=freeze_when_busy, daemon=True)
+    t.start()
+    caplog.set_level("WARNING", logger="tokenmill")
+    res = run_job(spec, db_url=sqlite_url)
+    t.join(timeout=5)
+    assert frozen, "the engine was never seen busy"
+    said = caplog.text
+    if sig == "SIGSTOP":  # the watchdog ended the step
+        assert "engine step blocked past batch_timeout_s; killing the engine" in said
+    else:  # the death watch failed the step (not the 600 s batch deadline)
+        assert "exited; failing the step in progress" in said and "blocked past" not in said
+    assert (res.status, res.total, res.succeeded, res.failed) == ("succeeded", 24, 24, 0)
+    out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
+    assert sorted(r["id"] for r in out) == sorted(r["id"] for r in rows)
+    assert all(r["output_tokens"] == 32 for r in out)
+    live = next(iter(E._SESSIONS.values()))
+    assert not set(frozen) & {p.pid for p in live._procs}  # a new engine answered the batch
+
+
 def test_row_count_mismatch_fails_the_job_loudly(tmp_path, sqlite_url):
     # The same job id reused on a different input: a stale output makes the counts disagree.
     eng = S.connect(sqlite_url)

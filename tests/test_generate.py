@@ -115,3 +115,28 @@ def test_engine_idle_is_measured_when_a_batch_waits_behind_a_tail():
     _, _, stats2 = run(fed, straggler_batches())
     # every batch admitted up front: no batch ever waited while the engine had free slots
     assert sum(st["engine_idle_s"] for st in stats2) == 0
+
+
+def test_a_step_that_never_returns_is_ended_by_the_watchdog_and_the_row_isolated():
+    # The frozen engine blocks inside step(), where the between-steps deadline check never
+    # runs; the watchdog kills it, the batch is bisected on fresh engines, and only the
+    # row that froze it becomes an engine_timeout dead letter.
+    sessions = []
+
+    def make():
+        s = FakeSession(max_num_seqs=8, block_token=1002)
+        sessions.append(s)
+        return s
+
+    holder = {"s": make()}
+
+    def restart():
+        holder["s"] = make()
+        return holder["s"]
+
+    runner = BatchRunner(cfg(batch_timeout_s=0.3), lambda: holder["s"], restart)
+    rows, dead, _ = run(runner, pack(prompts(6), token_budget=100))
+    assert sorted(r["id"] for r in rows) == ["p0", "p1", "p3", "p4", "p5"]
+    assert [(d.id, d.reason) for d in dead] == [("p2", R.ENGINE_TIMEOUT)]
+    assert "blocked past 0.3 s" in dead[0].message
+    assert sum(s.killed.is_set() for s in sessions) >= 2  # the batch's engine, then each retry holding p2

@@ -28,7 +28,7 @@ CLOCKS: dict[str, str] = {
     "e2e_s": "vLLM front end, wall clock: finish time - arrival time",
     "queue_s": "vLLM engine core, monotonic: scheduled - queued",
     "generation_wall_s": "worker wall clock (time.time): first batch admitted -> last batch finished",
-    "model_load_s": "worker wall clock: engine construction (slowest worker)",
+    "model_load_s": "worker wall clock: importing vLLM and constructing the engine (slowest worker)",
     "job_wall_s": "launcher wall clock: job start -> accounting (includes checks, load, export)",
     "outputs.finished_at": "worker wall clock (time.time) when the request finished",
     "utilization": "launcher monotonic clock, one sample per interval",

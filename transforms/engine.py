@@ -325,19 +325,28 @@ class VllmSession:
             apply_cpu_env()
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        import psutil
+
+        t = time.perf_counter()  # load time counts importing vLLM (seconds on a cold worker)
         from vllm import LLM
 
         self.kwargs = engine_kwargs(cfg, model_path, on_gpu=on_gpu)
-        t = time.perf_counter()
+        me = psutil.Process()
+        before = {c.pid for c in me.children(recursive=True)}
         try:
             self.llm = LLM(**self.kwargs)
         except Exception as err:
             raise EngineStartError(f"vLLM engine failed to start: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
         self.load_s = time.perf_counter() - t
+        #: the engine core and its workers (not multiprocessing's resource tracker,
+        #: which the process keeps for later engines), which `kill` stops
+        self._procs = [c for c in me.children(recursive=True) if c.pid not in before and not _is_resource_tracker(c)]
+        self._closing = False
+        self._dead = False
         self.engine = self.llm.llm_engine
+        self._start_death_watch()
         self.max_num_seqs = cfg.max_num_seqs
         self.device = "cuda" if on_gpu else "cpu"
-        self._dead = False
 
     def add(self, request_id: str, token_ids: list[int], sampling: dict[str, Any]) -> None:
         from vllm.inputs import TokensPrompt
@@ -348,7 +357,7 @@ class VllmSession:
         try:
             outs = self.engine.step()
         except Exception:
-            self._dead = not self._engine_core_alive()
+            self._dead = self._dead or not self._engine_core_alive()
             raise
         now = time.time()
         done = []
@@ -404,6 +413,43 @@ class VllmSession:
     def alive(self) -> bool:
         return not self._dead and self._engine_core_alive()
 
+    def kill(self) -> None:
+        """Stop the engine's processes at once (a step that never returns); the death
+        watch then makes the blocked `step()` raise."""
+        import psutil
+
+        self._dead = True
+        for p in self._procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+    def _start_death_watch(self) -> None:
+        """vLLM's sync client blocks for ever in `step()` when its engine core dies
+        without a word (SIGKILL, the OOM killer, a segfault): its monitor marks the
+        engine dead but nothing wakes the reader.  This thread does: when an engine
+        process is gone, it puts EngineDeadError where `step()` waits."""
+        core = getattr(self.engine, "engine_core", None)
+        q = getattr(core, "outputs_queue", None)
+        if q is None or not self._procs:  # in-process engine core: its crash is ours
+            return
+
+        def watch() -> None:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            while not self._closing:
+                gone = [p for p in self._procs if not _running(p)]
+                if gone:
+                    if not self._closing:
+                        self._dead = True
+                        log.warning("vLLM engine process %s exited; failing the step in progress", gone[0].pid)
+                        q.put_nowait(EngineDeadError())
+                    return
+                time.sleep(0.25)
+
+        threading.Thread(target=watch, name="tokenmill-engine-death-watch", daemon=True).start()
+
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
         try:
@@ -446,10 +492,46 @@ class VllmSession:
         }
 
     def shutdown(self) -> None:
+        """Stop the engine now.  Every result is committed by the time this runs, so
+        nothing is lost by not waiting: vLLM's own graceful path waited ~5 s per
+        worker here for an engine core that had nothing left to do (and Beam stops
+        its workers one after another)."""
+        import psutil
+
+        self._closing = True
+        procs = [p for p in getattr(self, "_procs", []) if p.is_running()]
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=1.0)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=5.0)
         try:
-            self.engine.engine_core.shutdown()
+            self.engine.engine_core.shutdown()  # the client side: sockets, monitor thread
         except Exception:
             pass
+
+
+def _is_resource_tracker(p) -> bool:
+    try:
+        return any("resource_tracker" in part for part in p.cmdline())
+    except Exception:
+        return False
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 # ---------------------------------------------------------------- one engine per process

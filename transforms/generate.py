@@ -9,7 +9,10 @@ committed by the Write step) as soon as all of its requests are done.
 A row the engine rejects is a dead letter (`bad_request`).  If a step fails,
 the batches in flight are retried by bisection on a fresh engine until the
 poison row is alone; it becomes a dead letter (`engine_error`) and the rest is
-answered.
+answered.  A batch older than `batch_timeout_s` counts as hung: between steps
+the runner sees it; a step that never returns (an engine core that froze) is
+ended by a watchdog thread that kills the engine's processes, so the same
+restart-and-bisect path runs and the row that hangs becomes `engine_timeout`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -75,6 +79,55 @@ class BatchTimeout(RuntimeError):
     """A batch stayed in the engine longer than `batching.batch_timeout_s` (a hung request)."""
 
 
+class StepWatchdog:
+    """Kills the engine (its `kill()`) when one `step()` outlives its deadline.
+
+    The runner's own deadline check runs between steps; a step that blocks (an
+    engine core that hangs or froze) never gets there.  One daemon thread per
+    runner, armed around each step; `fired` tells the runner it was a timeout."""
+
+    GRACE_S = 1.0
+
+    def __init__(self, poll_s: float = 0.2):
+        self.poll_s = poll_s
+        self._deadline: float | None = None
+        self._kill: Callable[[], None] | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.fired = False
+        self._thread: threading.Thread | None = None
+
+    def arm(self, seconds_left: float, kill: Callable[[], None]) -> None:
+        with self._lock:
+            self.fired = False
+            self._deadline = time.monotonic() + max(0.0, seconds_left) + self.GRACE_S
+            self._kill = kill
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tokenmill-step-watchdog", daemon=True)
+            self._thread.start()
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._deadline = self._kill = None
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                due = self._deadline is not None and time.monotonic() > self._deadline
+                kill = self._kill if due else None
+                if due:
+                    self.fired, self._deadline, self._kill = True, None, None
+            if kill is not None:
+                log.warning("engine step blocked past batch_timeout_s; killing the engine to recover")
+                try:
+                    kill()
+                except Exception as err:  # the step may still return; the runner sees `fired`
+                    log.warning("killing the engine failed: %s", _one_line(err))
+
+
 class BatchRunner:
     """Drives one engine session over a list of batches. Pure of Beam: tested with a fake session."""
 
@@ -94,6 +147,7 @@ class BatchRunner:
         self._clock = clock
         self.worker = worker
         self.cancelled = False
+        self._watchdog = StepWatchdog()
 
     # -- helpers
     def _output_row(self, p: TokenizedPrompt, f: E.Finished, batch_id: str) -> dict[str, Any]:
@@ -131,7 +185,35 @@ class BatchRunner:
         return None
 
     def run(self, batches: list[Batch]):
-        """Yield ("out", batch_id, rows, dead, stats) per finished batch, then none."""
+        """Yield (rows, dead, stats) per finished batch."""
+        self._watchdog = StepWatchdog()
+        try:
+            yield from self._run(batches)
+        finally:
+            self._watchdog.close()
+
+    def _step(self, s: E.EngineSession, started: float) -> list[E.Finished]:
+        """One engine step, with the batch deadline enforced before it and, for a
+        session that can be killed, during it."""
+        self._check_deadline(started)
+        kill = getattr(s, "kill", None)
+        if kill is None:
+            return s.step()
+        limit = self.cfg.batching.batch_timeout_s
+        self._watchdog.arm(limit - (self._clock() - started), kill)
+        try:
+            out = s.step()
+        except Exception as err:
+            if self._watchdog.fired:
+                raise BatchTimeout(f"engine step blocked past {limit:g} s (batch_timeout_s); engine killed") from err
+            raise
+        finally:
+            self._watchdog.disarm()
+        if self._watchdog.fired:  # killed just as the step returned: the engine is gone anyway
+            raise BatchTimeout(f"engine step blocked past {limit:g} s (batch_timeout_s); engine killed")
+        return out
+
+    def _run(self, batches: list[Batch]):
         s = self._session_fn()
         pending = deque(batches)
         active: dict[str, dict[str, Any]] = {}
@@ -166,7 +248,7 @@ class BatchRunner:
                     continue
                 # the test hook fired: behave as a failed step
                 yield from self._recover(s, active, owner)
-                s = self._session_fn()
+                s = self._live_session()
                 active.clear()
                 owner.clear()
                 break
@@ -179,12 +261,11 @@ class BatchRunner:
             underfed = bool(pending) and s.num_unfinished() < s.max_num_seqs
             t_step = self._clock()
             try:
-                self._check_deadline(min(st["started"] for st in active.values()))
-                finished = s.step()
+                finished = self._step(s, min(st["started"] for st in active.values()))
             except Exception as err:
                 log.warning("engine step failed (%s); isolating the batches in flight", _one_line(err))
                 yield from self._recover(s, active, owner)
-                s = self._session_fn()
+                s = self._live_session()
                 active.clear()
                 owner.clear()
                 continue
@@ -202,6 +283,10 @@ class BatchRunner:
                 st = active.pop(bid)
                 yield self._emit(st)
         self.drain_s = (self._clock() - drain_started) if drain_started else 0.0
+
+    def _live_session(self) -> E.EngineSession:
+        s = self._session_fn()
+        return s if s.alive() else self._restart_fn()
 
     def _check_deadline(self, started: float) -> None:
         # Checked between engine steps: a request that never finishes trips it.
@@ -260,8 +345,7 @@ class BatchRunner:
         started = self._clock()
         try:
             while owner:
-                self._check_deadline(started)
-                for f in s.step():
+                for f in self._step(s, started):
                     p = owner.pop(f.request_id, None)
                     if p is not None:
                         rows.append(self._output_row(p, f, bid))
