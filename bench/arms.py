@@ -234,16 +234,21 @@ def beam_stock(rows: list[dict[str, Any]], model_path: str, kwargs: dict[str, An
     m = result.metrics().query(MetricsFilter())
     counters = {c.key.metric.name: c.committed for c in m["counters"]}
     load_ms = None
+    batches = None
     for d in m["distributions"]:
         if d.key.metric.name.endswith("load_model_latency_milli_secs"):
             load_ms = d.committed.sum
+        if d.key.metric.name.endswith("inference_request_batch_size") and d.committed.count:
+            # RunInference's batches run one after another, each waiting for its slowest request
+            batches = {"count": d.committed.count, "mean_requests": d.committed.sum / d.committed.count,
+                       "min_requests": d.committed.min, "max_requests": d.committed.max}
     for g in m.get("gauges", []):
         if load_ms is None and g.key.metric.name.endswith("load_model_latency_milli_secs"):
             load_ms = g.committed.value
     load_s = (load_ms or 0) / 1000.0
     res = _rates(counters.get("prompt_tokens", 0), counters.get("output_tokens", 0), counters.get("requests", 0), wall - load_s)
     res.update({"engine_load_s": load_s, "job_wall_s": wall, "prefix_cache_hit_rate": None,
-                "leftover_processes_stopped": len(killed)})
+                "leftover_processes_stopped": len(killed), "batches": batches})
     return res
 
 
@@ -271,10 +276,19 @@ def run_batch(rows: list[dict[str, Any]], model_path: str, kwargs: dict[str, Any
     tail: list[str] = []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
 
+    done: list[float] = []
+
     def pump():
+        # Text mode turns tqdm's carriage returns into line ends, so the progress bar's
+        # first frame arrives as a line of its own.  run_batch.py logs "Reading batch
+        # from" through a logger named `__main__` (run with -m), which vLLM's logging
+        # set-up does not configure, so that line never shows: the bar marks the start.
         for line in proc.stdout:
-            if not ready and "Reading batch from" in line:
-                ready.append(time.perf_counter())  # the engine is up; the batch starts here
+            now = time.perf_counter()
+            if not ready and ("Running batch:" in line or "Reading batch from" in line):
+                ready.append(now)  # engine up, every request parsed: the batch starts here
+            if ready and not done and "[shutdown]" in line:
+                done.append(now)  # outputs written, engine stopping: the batch is over
             tail.append(line)
             del tail[:-40]
 
@@ -294,6 +308,10 @@ def run_batch(rows: list[dict[str, Any]], model_path: str, kwargs: dict[str, Any
             prompt += u.get("prompt_tokens", 0)
             output += u.get("completion_tokens", 0)
     load_s = (ready[0] - t) if ready else None
-    res = _rates(prompt, output, n, wall - (load_s or 0.0))
-    res.update({"engine_load_s": load_s, "job_wall_s": wall, "prefix_cache_hit_rate": None})
+    if not ready:
+        raise RuntimeError("run_batch never showed its progress bar: cannot split engine start from the work")
+    end = done[0] if done else t + wall
+    res = _rates(prompt, output, n, end - ready[0])
+    res.update({"engine_load_s": load_s, "job_wall_s": wall, "prefix_cache_hit_rate": None,
+                "shutdown_s": (t + wall - done[0]) if done else None})
     return res
