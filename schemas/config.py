@@ -105,7 +105,9 @@ class BatchingConfig(_Strict):
     """Batches handed to the engine ahead of the one finishing (keeps the engine fed at batch tails)."""
     batch_timeout_s: float = Field(1800.0, gt=0)
     """The longest a batch may stay in the engine; past it the batch counts as hung
-    and is retried by bisection until the row that hangs is an `engine_timeout` dead letter."""
+    and is retried by bisection until the row that hangs is an `engine_timeout` dead letter.
+    Checked between engine steps and, for a step that never returns, by a watchdog
+    that kills the engine (it is restarted)."""
 
 
 class RunnerConfig(_Strict):

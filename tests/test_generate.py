@@ -49,24 +49,26 @@ def test_next_batch_is_admitted_while_the_current_tail_decodes():
     assert sorted(st["requests"] for st in stats) == sorted(len(b.prompts) for b in batches)
 
 
+class Restarting:
+    """An engine slot that starts a fresh FakeSession(**kw) on restart, keeping them all."""
+
+    def __init__(self, **kw):
+        self.kw = kw
+        self.sessions = []
+        self.restart()
+
+    def current(self):
+        return self.sessions[-1]
+
+    def restart(self):
+        self.sessions.append(FakeSession(**self.kw))
+        return self.sessions[-1]
+
+
 def test_poison_row_is_isolated_and_the_rest_answered():
-    sessions = []
-
-    def make():
-        s = FakeSession(max_num_seqs=8, poison_token=1003)
-        sessions.append(s)
-        return s
-
-    holder = {"s": make()}
-
-    def current():
-        return holder["s"]
-
-    def restart():
-        holder["s"] = make()
-        return holder["s"]
-
-    runner = BatchRunner(cfg(), lambda: current() if current().alive() else restart(), restart)
+    slot = Restarting(max_num_seqs=8, poison_token=1003)
+    sessions = slot.sessions
+    runner = BatchRunner(cfg(), lambda: slot.current() if slot.current().alive() else slot.restart(), slot.restart)
     rows, dead, _ = run(runner, pack(prompts(8), token_budget=1000))
     assert sorted(r["id"] for r in rows) == sorted(f"p{i}" for i in range(8) if i != 3)
     assert [(d.id, d.reason) for d in dead] == [("p3", R.ENGINE_ERROR)]
@@ -121,20 +123,9 @@ def test_a_step_that_never_returns_is_ended_by_the_watchdog_and_the_row_isolated
     # The frozen engine blocks inside step(), where the between-steps deadline check never
     # runs; the watchdog kills it, the batch is bisected on fresh engines, and only the
     # row that froze it becomes an engine_timeout dead letter.
-    sessions = []
-
-    def make():
-        s = FakeSession(max_num_seqs=8, block_token=1002)
-        sessions.append(s)
-        return s
-
-    holder = {"s": make()}
-
-    def restart():
-        holder["s"] = make()
-        return holder["s"]
-
-    runner = BatchRunner(cfg(batch_timeout_s=0.3), lambda: holder["s"], restart)
+    slot = Restarting(max_num_seqs=8, block_token=1002)
+    sessions = slot.sessions
+    runner = BatchRunner(cfg(batch_timeout_s=0.3), slot.current, slot.restart)
     rows, dead, _ = run(runner, pack(prompts(6), token_budget=100))
     assert sorted(r["id"] for r in rows) == ["p0", "p1", "p3", "p4", "p5"]
     assert [(d.id, d.reason) for d in dead] == [("p2", R.ENGINE_TIMEOUT)]
