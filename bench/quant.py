@@ -34,7 +34,7 @@ ENGINE = dict(max_num_seqs=64, max_model_len=1024, gpu_memory_utilization=0.3)
 #: name → (engine overrides, weights scheme or None)
 CONFIGS: dict[str, tuple[dict[str, Any], str | None]] = {
     "bf16": ({"dtype": "bfloat16"}, None),
-    "fp32 (auto)": ({"dtype": "auto"}, None),
+    "fp32": ({"dtype": "float32"}, None),
     "w8a8-int8": ({"dtype": "auto"}, "w8a8-int8"),
     "w4a16": ({"dtype": "auto"}, "w4a16"),
     "kv fp8": ({"dtype": "auto", "kv_cache_dtype": "fp8"}, None),
@@ -145,19 +145,20 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         print(f"config {name}", flush=True)
-        # bf16 matmuls run ~70× slower than fp32 on this AVX2 CPU (cpu_dtype.json): bf16 runs the
-        # eval set only (its quality is the baseline); speed vs bf16 is compared on the eval set
-        ins = {"eval": inputs["eval"]} if name == "bf16" and not args.bf16_chat else inputs
+        # On a CPU without bf16 units (AVX2) bf16 matmuls ran ~70× slower than fp32
+        # (cpu_dtype.json): there bf16 runs the eval set only (its quality is the baseline)
+        ins = {"eval": inputs["eval"]} if name == "bf16" and auto_dtype != "bfloat16" and not args.bf16_chat else inputs
         results.append(run_one(name, eng, ckpt[scheme] if scheme else str(src), ins, db, args.max_tokens))
     spec_res = None
     if not args.no_spec:
-        print("config fp32 + ngram speculative decoding", flush=True)
-        spec_res = run_one("fp32 + ngram spec", {"dtype": "auto", "speculative_config": SPEC}, str(src),
+        print("config auto dtype + ngram speculative decoding", flush=True)
+        spec_res = run_one("auto + ngram spec", {"dtype": "auto", "speculative_config": SPEC}, str(src),
                            {"chat": chat}, db, args.max_tokens)
 
     eng = S.connect(db)
     by = {r["name"]: r for r in results}
-    base_fp32 = by.get("fp32 (auto)", {}).get("chat", {}).get("output_tok_per_s")
+    base_name = "bf16" if auto_dtype == "bfloat16" else "fp32"  # what `dtype: auto` runs here
+    base_fp32 = by.get(base_name, {}).get("chat", {}).get("output_tok_per_s")
     base_bf16 = by.get("bf16", {}).get("eval", {}).get("output_tok_per_s")
     for r in results:
         dtype = auto_dtype if r["engine"].get("dtype") == "auto" else r["engine"]["dtype"]
@@ -173,7 +174,7 @@ def main() -> None:
         etps = r.get("eval", {}).get("output_tok_per_s")
         r["speedup_vs_bf16"] = etps / base_bf16 if etps and base_bf16 else None
         if "eval" in r:
-            for base in ("bf16", "fp32 (auto)"):
+            for base in ("bf16", "fp32"):
                 b = by.get(base, {}).get("eval")
                 if b and base != r["name"]:
                     c = compare_jobs(eng, b["job_id"], r["eval"]["job_id"]).as_dict()
@@ -192,7 +193,7 @@ def main() -> None:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = {"stamp": stamp, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                        "auto_dtype": auto_dtype},
-           "engine": ENGINE, "chat_rows": args.chat_rows, "max_tokens": args.max_tokens, "results": results,
+           "base": base_name, "engine": ENGINE, "chat_rows": args.chat_rows, "max_tokens": args.max_tokens, "results": results,
            "speculative": spec_res}
     res_dir = ROOT / "bench" / "results"
     res_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +207,7 @@ def markdown(out: dict[str, Any]) -> str:
 
     mib = 1 << 20
     lines = [
-        "| config | output tok/s (chat) | total tok/s (chat) | output tok/s (eval) | speedup vs fp32 (chat) | speedup vs bf16 (eval) | weights (planned) | "
+        f"| config | output tok/s (chat) | total tok/s (chat) | output tok/s (eval) | speedup vs {out.get('base', 'fp32')} (chat) | speedup vs bf16 (eval) | weights (planned) | "
         "weights ratio vs fp32 | KV B/token | KV ratio vs fp32 | KV tokens in budget | eval accuracy | exact match vs bf16 | accuracy drop vs bf16 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -234,7 +235,7 @@ def markdown(out: dict[str, Any]) -> str:
             c = s.get("chat", {})
             lines.append(
                 f"\nSpeculative decoding (n-gram, {SPEC}): output {f(c.get('output_tok_per_s'))} tok/s "
-                f"({f(s.get('speedup_vs_fp32'), '{:.2f}×')} of fp32 without it), acceptance rate "
+                f"({f(s.get('speedup_vs_fp32'), '{:.2f}×')} of {out.get('base', 'fp32')} without it), acceptance rate "
                 f"{f(s.get('acceptance_rate'), '{:.1%}')} (metrics: {s.get('spec_decode')})"
             )
     return "\n".join(lines)
