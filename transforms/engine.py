@@ -498,29 +498,25 @@ class VllmSession:
 
     def shutdown(self) -> None:
         """Stop the engine now.  Every result is committed by the time this runs, so
-        nothing is lost by not waiting: vLLM's own graceful path waited ~5 s per
-        worker here for an engine core that had nothing left to do (and Beam stops
-        its workers one after another)."""
+        nothing is lost by not waiting: vLLM's default graceful stop waited ~5 s per
+        worker here for an engine core with nothing left to do (and Beam stops its
+        workers one after another).  vLLM's own shutdown with a 1 s timeout, then a
+        kill for any engine process still there."""
         import psutil
 
         self._closing = True
-        procs = [p for p in getattr(self, "_procs", []) if p.is_running()]
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=1.0)
+        try:
+            self.engine.engine_core.shutdown(timeout=1.0)
+        except Exception:
+            pass
+        alive = [p for p in getattr(self, "_procs", []) if _running(p)]
         for p in alive:
             try:
                 p.kill()
             except psutil.Error:
                 pass
         psutil.wait_procs(alive, timeout=5.0)
-        try:
-            self.engine.engine_core.shutdown()  # the client side: sockets, monitor thread
-        except Exception:
-            pass
+
 
 
 def _is_resource_tracker(p) -> bool:
