@@ -74,6 +74,9 @@ def _quiet_logs(verbose: bool) -> None:
     level = logging.INFO if verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
+    # vLLM logs to stdout by default (its engine processes too); stdout is the
+    # summary or, with --json, the machine-readable result.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for name in ("apache_beam", "root", "alembic"):
         logging.getLogger(name).setLevel(logging.ERROR if not verbose else logging.INFO)

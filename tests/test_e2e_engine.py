@@ -1,5 +1,7 @@
 """End to end with the real vLLM engine on the real model (SmolLM2-135M-Instruct)."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -75,3 +77,19 @@ def test_cli_run_prints_summary_and_exits(tmp_path, sqlite_url, model_path):
     assert "job cli-e2e: succeeded" in proc.stdout
     assert "rows in 2 / succeeded 2 / failed 0" in proc.stdout
     assert "output" in proc.stdout and "tok/s" in proc.stdout
+
+
+def test_cli_run_json_keeps_stdout_clean_of_engine_logs(tmp_path, sqlite_url, model_path):
+    # With vLLM warnings on (as `make` sets VLLM_LOGGING_LEVEL=WARNING), stdout must still be one JSON document.
+    inp = write_parquet(tmp_path / "in.parquet", rows()[:2])
+    cmd = [
+        sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(inp), "--output", str(tmp_path / "o"),
+        "--db", sqlite_url, "--job-id", "cli-json", "--max-tokens", "4", "--max-num-seqs", "8",
+        "--max-model-len", "512", "--gpu-memory-utilization", "0.3", "--json",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_STREAM"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**env, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert (summary["status"], summary["rows_in"], summary["succeeded"]) == ("succeeded", 2, 2)
+    assert "WARNING" in proc.stderr  # the engine did log, on stderr
