@@ -104,7 +104,6 @@ def insert_ignore(conn, table: Table, rows: Iterable[dict[str, Any]]) -> int:
 # ---------------------------------------------------------------- input order
 
 
-
 class _RefPart(FunctionElement):
     """Part `n` (1: file index, 2: row) of an `input_ref` ("<file>:<row>") as an integer,
     so that exports sort "0:2" before "0:10" in every dialect."""

@@ -421,14 +421,8 @@ class VllmSession:
     def kill(self) -> None:
         """Stop the engine's processes at once (a step that never returns); the death
         watch then makes the blocked `step()` raise."""
-        import psutil
-
         self._dead = True
-        for p in self._procs:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        _kill(self._procs)
 
     def _start_death_watch(self) -> None:
         """vLLM's sync client blocks for ever in `step()` when its engine core dies
@@ -510,13 +504,18 @@ class VllmSession:
         except Exception:
             pass
         alive = [p for p in getattr(self, "_procs", []) if _running(p)]
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        _kill(alive)
         psutil.wait_procs(alive, timeout=5.0)
 
+
+def _kill(procs) -> None:
+    import psutil
+
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def _is_resource_tracker(p) -> bool:

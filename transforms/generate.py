@@ -201,16 +201,17 @@ class BatchRunner:
             return s.step()
         limit = self.cfg.batching.batch_timeout_s
         self._watchdog.arm(limit - (self._clock() - started), kill)
+        failure: Exception | None = None
         try:
             out = s.step()
         except Exception as err:
-            if self._watchdog.fired:
-                raise BatchTimeout(f"engine step blocked past {limit:g} s (batch_timeout_s); engine killed") from err
-            raise
+            if not self._watchdog.fired:
+                raise
+            failure = err
         finally:
             self._watchdog.disarm()
-        if self._watchdog.fired:  # killed just as the step returned: the engine is gone anyway
-            raise BatchTimeout(f"engine step blocked past {limit:g} s (batch_timeout_s); engine killed")
+        if self._watchdog.fired:  # also when killed just as the step returned: the engine is gone anyway
+            raise BatchTimeout(f"engine step blocked past {limit:g} s (batch_timeout_s); engine killed") from failure
         return out
 
     def _run(self, batches: list[Batch]):
@@ -331,9 +332,7 @@ class BatchRunner:
             yield self._emit(st)
 
     def _run_sync(self, prompts: list[TokenizedPrompt], bid: str):
-        s = self._session_fn()
-        if not s.alive():
-            s = self._restart_fn()
+        s = self._live_session()
         owner, rows, dead = {}, [], []
         for i, p in enumerate(prompts):
             rid = f"{bid}.r{time.monotonic_ns()}.{i}"
@@ -360,9 +359,7 @@ class BatchRunner:
         try:
             return self._run_sync(prompts, bid)
         except Exception as err:
-            s = self._session_fn()
-            if not s.alive():
-                self._restart_fn()
+            self._live_session()  # restart a dead engine now, before the halves run
             if len(prompts) == 1:
                 p = prompts[0]
                 if isinstance(err, BatchTimeout):
