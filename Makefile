@@ -62,16 +62,16 @@ demo: prepare
 	$(BIN)/tokenmill status demo
 
 test: prepare airflow
-	$(PY) -m tokenmill.jobs.envexec $(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not engine" $(PYTEST_ARGS)
 
 bench: prepare
-	$(PY) -m tokenmill.jobs.envexec $(PY) -m bench.throughput
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.throughput
 
 bench-quant: prepare
-	$(PY) -m tokenmill.jobs.envexec $(PY) -m bench.quant
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant
 
 # 2k and 20k rows, max_tokens 2: every row accounted for; launcher peak RSS (docs/BENCHMARKS.md).
 bench-load: prepare

@@ -84,7 +84,7 @@ def raw(session, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def tokenmill(workload, engine: EngineConfig, work: Path, *, label: str, ordering: str = "prefix",
               num_workers: int = 1, session=None, batching: dict | None = None) -> dict[str, Any]:
-    from tokenmill.jobs.runner import run_job
+    from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.config import load_spec
 
     if session is not None:
@@ -121,7 +121,7 @@ def tokenmill(workload, engine: EngineConfig, work: Path, *, label: str, orderin
 def _batch_summary(db: str, job: str) -> dict[str, Any]:
     from sqlalchemy import select
 
-    from tokenmill.jobs import storage as S
+    from tokenmill.schemas import storage as S
     from tokenmill.schemas import tables as T
 
     eng = S.connect(db)

@@ -23,7 +23,7 @@ import uuid
 
 from sqlalchemy import create_engine, func, select, text
 
-from tokenmill.jobs import storage as S
+from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
 from tokenmill.transforms.write import WriteOutputsFn
 

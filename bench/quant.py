@@ -3,7 +3,7 @@ speculative decoding.  A program, not a timed test: it writes
 `bench/results/quant-<stamp>.json` and prints the Markdown tables for
 docs/BENCHMARKS.md.
 
-    python -m tokenmill.jobs.envexec python -m bench.quant          # ~10 min, 2-core CPU
+    python -m tokenmill.jobs.lifecycle.envexec python -m bench.quant          # ~10 min, 2-core CPU
 
 Each configuration runs two tokenmill jobs on one engine (one engine load):
 the evaluation set (data/eval_set.parquet, greedy, max_tokens 32, quality
@@ -45,7 +45,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, 
 
 def _spec_metrics(names=("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens",
                          "vllm:spec_decode_num_drafts")) -> dict[str, float]:
-    from tokenmill.transforms import engine as E
+    from tokenmill.transforms.engines import registry as E
 
     out: dict[str, float] = {}
     for s in list(E._SESSIONS.values()):
@@ -60,9 +60,9 @@ def _spec_metrics(names=("vllm:spec_decode_num_accepted_tokens", "vllm:spec_deco
 
 def run_one(name: str, engine: dict[str, Any], model: str, inputs: dict[str, Path], db: str,
             max_tokens: int) -> dict[str, Any]:
-    from tokenmill.jobs import storage as S
-    from tokenmill.jobs.kvplan import engine_info_for_job
-    from tokenmill.jobs.runner import run_job
+    from tokenmill.schemas import storage as S
+    from tokenmill.jobs.modeltools.kvplan import engine_info_for_job
+    from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.config import load_spec
 
     slug = name.replace(" ", "").replace("+", "-").replace("(", "").replace(")", "")
@@ -97,7 +97,7 @@ def run_one(name: str, engine: dict[str, Any], model: str, inputs: dict[str, Pat
         print(f"  {name} {wl}: {res[wl]}", flush=True)
     if engine.get("speculative_config"):
         res["spec_decode"] = _spec_metrics()
-    from tokenmill.transforms.engine import shutdown_all
+    from tokenmill.transforms.engines.registry import shutdown_all
 
     shutdown_all()
     return res
@@ -116,12 +116,12 @@ def main() -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from bench import workloads as W
-    from tokenmill.jobs import kvplan as K
-    from tokenmill.jobs.compare import compare_jobs
-    from tokenmill.jobs import storage as S
-    from tokenmill.jobs.quantize import quantize
+    from tokenmill.jobs.modeltools import kvplan as K
+    from tokenmill.jobs.modeltools.compare import compare_jobs
+    from tokenmill.schemas import storage as S
+    from tokenmill.jobs.modeltools.quantize import quantize
     from tokenmill.schemas.models import resolve_model
-    from tokenmill.transforms.engine import cpu_dtype
+    from tokenmill.transforms.engines.cpu import cpu_dtype
 
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)

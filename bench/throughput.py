@@ -3,8 +3,8 @@
 a timed test: it writes `bench/results/throughput-<stamp>.json` and the Throughput
 section of docs/BENCHMARKS.md.
 
-    python -m tokenmill.jobs.envexec python -m bench.throughput            # ~15 min, 2-core CPU
-    python -m tokenmill.jobs.envexec python -m bench.throughput --scale smoke
+    python -m tokenmill.jobs.lifecycle.envexec python -m bench.throughput            # ~15 min, 2-core CPU
+    python -m tokenmill.jobs.lifecycle.envexec python -m bench.throughput --scale smoke
     python -m bench.throughput --model bench/configs/llama-3.1-8b --load-format dummy   # a GPU
 
 Throughput mode: fixed max_tokens (per row on workload c), ignore_eos, greedy.
@@ -84,7 +84,7 @@ def shared_token_share(rows: list[dict[str, Any]], block: int) -> float:
 
 
 def machine() -> dict[str, Any]:
-    from tokenmill.jobs.runner import hardware, versions
+    from tokenmill.jobs.lifecycle.runner import hardware, versions
 
     return {"hardware": hardware(), "versions": versions()}
 
@@ -96,13 +96,15 @@ def log(msg: str) -> None:
 def run(args) -> dict[str, Any]:
     from tokenmill.schemas.config import EngineConfig
     from tokenmill.schemas.models import resolve_model
-    from tokenmill.transforms import engine as E
+    from tokenmill.transforms.engines.checks import effective_block_size
+    from tokenmill.transforms.engines.device import has_nvidia_gpu
+    from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
     sc = dict(SCALES[args.scale])
     if args.reps:
         sc.update(reps=args.reps, none_reps=min(sc["none_reps"], args.reps))
     sc["sub_arms"] = [a for a in args.sub_arms.split(",") if a]
-    on_gpu = E.has_nvidia_gpu()
+    on_gpu = has_nvidia_gpu()
     work = ROOT / "bench" / "work"
     work.mkdir(parents=True, exist_ok=True)
     model_path = str(resolve_model(args.model, need_weights=args.load_format != "dummy"))
@@ -119,7 +121,7 @@ def run(args) -> dict[str, Any]:
                           **({} if on_gpu else {"kv_cache_memory_bytes": 2048 * MiB}))
     eng_b = EngineConfig(**base, max_num_seqs=16, max_model_len=sc["b_max_model_len"],
                          kv_cache_memory_bytes=sc["b_kv_mib"] * MiB)
-    block = E.effective_block_size(eng_b, on_gpu=on_gpu)
+    block = effective_block_size(eng_b, on_gpu=on_gpu)
     out: dict[str, Any] = {
         "command": " ".join(["python -m bench.throughput", *sys.argv[1:]]),
         "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -164,7 +166,7 @@ def run(args) -> dict[str, Any]:
     # subprocess arms start their own with the same arguments.
     sections = set(args.sections.split(","))
     out["engine_args"] = {}
-    kwargs = E.engine_kwargs(eng_ac, model_path, on_gpu=on_gpu)
+    kwargs = engine_kwargs(eng_ac, model_path, on_gpu=on_gpu)
     if sections & {"a", "c"}:
         run_ac(out, sc, args, eng_ac, model_path, rows, wa, wc, work, record, sections)
     if "b" in sections:
@@ -185,7 +187,7 @@ def run(args) -> dict[str, Any]:
 
 
 def run_ac(out, sc, args, eng_ac, model_path, rows, wa, wc, work, record, sections) -> None:
-    from tokenmill.transforms import engine as E
+    from tokenmill.transforms.engines import registry as E
 
     t = time.perf_counter()
     session = E.get_session(eng_ac, model_path)
@@ -282,7 +284,7 @@ def markdown(res: dict[str, Any], json_name: str) -> str:
     lines = [
         "## Throughput",
         "",
-        f"Command: `{res['command']}` (through `python -m tokenmill.jobs.envexec`, i.e. `make bench`), "
+        f"Command: `{res['command']}` (through `python -m tokenmill.jobs.lifecycle.envexec`, i.e. `make bench`), "
         f"under the engine lock; {res['started_at']} → {res['finished_at']}. Raw results: `bench/results/{json_name}`.",
         "",
         f"Machine: {hw.get('cpu_model') or hw.get('cpu') or hw}; versions: "
@@ -365,7 +367,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.WARNING)
     if args.scale is None:
-        from tokenmill.transforms.engine import has_nvidia_gpu
+        from tokenmill.transforms.engines.device import has_nvidia_gpu
 
         args.scale = "gpu" if has_nvidia_gpu() else "full"
     res = run(args)

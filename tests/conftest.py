@@ -88,7 +88,7 @@ TEST_ENGINE = dict(max_num_seqs=32, max_model_len=1024, gpu_memory_utilization=0
 def _fresh_fake_sessions():
     """Fakes are per test; the real engine stays loaded for the whole session."""
     yield
-    from tokenmill.transforms import engine as E
+    from tokenmill.transforms.engines import registry as E
 
     with E._LOCK:
         for k in [k for k in E._SESSIONS if not k.startswith('["vllm"')]:

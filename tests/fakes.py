@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any
 
-from tokenmill.transforms.engine import Finished
+from tokenmill.transforms.engines.protocol import Finished
 
 
 class FakeSession:

@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokenmill.jobs import hardware as H
-from tokenmill.jobs.pricing import price_for
+from tokenmill.jobs.metrics import hardware as H
+from tokenmill.jobs.metrics.pricing import price_for
 from tokenmill.schemas.db import mask_url
-from tokenmill.transforms.accounting import CLOCKS, compare_metrics, get_path, job_metrics, percentile
+from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path, job_metrics, percentile
 
 
 def _rows():

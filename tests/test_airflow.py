@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.jobs import storage as S
+from tokenmill.schemas import storage as S
 from tests.conftest import TEST_ENGINE, write_parquet
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from tokenmill.jobs import storage as S
+from tokenmill.schemas import storage as S
 from tokenmill.jobs.cli import main
-from tokenmill.jobs.runner import JobError, run_job
+from tokenmill.jobs.lifecycle.runner import JobError, run_job
 from tokenmill.schemas import records as R
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import load_spec
@@ -246,7 +246,7 @@ def test_real_engine_core_that_freezes_or_dies_mid_batch_is_restarted_and_the_ba
     import threading
     import time
 
-    from tokenmill.transforms import engine as E
+    from tokenmill.transforms.engines import registry as E
 
     signum = getattr(signal, sig)
 

@@ -48,7 +48,7 @@ def test_same_prefix_routes_to_same_shard():
 
 
 def test_cpu_slots_split_cores_without_overlap():
-    from tokenmill.transforms.engine import cpu_slot_cores
+    from tokenmill.transforms.engines.cpu import cpu_slot_cores
 
     assert [cpu_slot_cores(i, 2, [0, 1]) for i in range(2)] == [[0], [1]]
     assert [cpu_slot_cores(i, 3, [0, 1, 2, 3, 4, 5, 6]) for i in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
@@ -62,7 +62,7 @@ def test_each_worker_process_claims_its_own_slot_and_binds_its_cores(tmp_path):
     import sys
 
     code = (
-        "import json,os,sys,time;from tokenmill.transforms.engine import claim_cpu_slot;"
+        "import json,os,sys,time;from tokenmill.transforms.engines.cpu import claim_cpu_slot;"
         f"s,c=claim_cpu_slot(2,'g',{str(tmp_path)!r});print(json.dumps([s,c,os.environ['VLLM_CPU_OMP_THREADS_BIND']]),flush=True);"
         "time.sleep(3)"
     )
@@ -77,7 +77,7 @@ def test_each_worker_process_claims_its_own_slot_and_binds_its_cores(tmp_path):
 
 def test_worker_engine_config_splits_kv_memory_between_engines():
     from tokenmill.schemas.config import EngineConfig
-    from tokenmill.transforms.engine import worker_engine_config
+    from tokenmill.transforms.engines.cpu import worker_engine_config
 
     cfg = EngineConfig(gpu_memory_utilization=0.4)
     assert worker_engine_config(cfg, 1) is cfg

@@ -8,9 +8,9 @@ import time
 import pyarrow.parquet as pq
 from click.testing import CliRunner
 
-from tokenmill.jobs import storage as S
+from tokenmill.schemas import storage as S
 from tokenmill.jobs.cli import main
-from tokenmill.jobs.runner import run_job
+from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas.config import load_spec
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession

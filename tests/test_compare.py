@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from sqlalchemy import update
 
 from tokenmill.jobs.cli import EXIT_QUALITY, main
-from tokenmill.jobs.compare import CompareError, compare_rows, is_correct, word_similarity
+from tokenmill.jobs.modeltools.compare import CompareError, compare_rows, is_correct, word_similarity
 from tests.conftest import TEST_ENGINE
 
 
@@ -73,7 +73,7 @@ def test_no_common_ids_is_an_error():
 
 def _fake_job(tmp_path, db, job_id):
     from tests.fakes import FakeSession
-    from tokenmill.jobs.runner import run_job
+    from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.config import load_spec
 
     spec = load_spec({"input": "data/eval_set.parquet", "output": str(tmp_path / job_id), "job_id": job_id,
@@ -82,7 +82,7 @@ def _fake_job(tmp_path, db, job_id):
 
 
 def test_cli_gate_exit_codes_on_both_backends(tmp_path, any_db_url, monkeypatch):
-    from tokenmill.jobs import storage as S
+    from tokenmill.schemas import storage as S
     from tokenmill.schemas import tables as T
 
     monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parent.parent)
@@ -112,7 +112,7 @@ def test_real_eval_set_gate_and_kv_plan_against_the_engine(tmp_path, sqlite_url,
     token loses accuracy and fails the gate; kv-plan agrees with the engine's cache."""
     from pathlib import Path
 
-    from tokenmill.jobs.runner import run_job
+    from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.config import load_spec
 
     root = Path(__file__).resolve().parent.parent

@@ -8,9 +8,9 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.jobs import storage as S
-from tokenmill.jobs.datasets import SYSTEM_PROMPTS
-from tokenmill.jobs.runner import run_job
+from tokenmill.schemas import storage as S
+from bench.datasets import SYSTEM_PROMPTS
+from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas.config import load_spec
 from tests.conftest import TEST_ENGINE, write_parquet
 

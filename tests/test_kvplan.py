@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tokenmill.jobs import kvplan as K
+from tokenmill.jobs.modeltools import kvplan as K
 from tokenmill.jobs.cli import main
 
 SMOL = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
@@ -92,7 +92,7 @@ def test_cli_bad_memory_and_missing_args_are_one_line(model_path):
 def test_cli_job_option_reads_the_engine_info_of_a_job(tmp_path, sqlite_url):
     from tests.conftest import write_parquet
     from tests.fakes import FakeSession
-    from tokenmill.jobs.runner import run_job
+    from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.config import load_spec
 
     inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])

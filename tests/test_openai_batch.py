@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.jobs.runner import run_job
+from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas.config import load_spec
 from tokenmill.transforms.openai_batch import LineError, line_row, parse_request, plan_jsonl
 from tokenmill.transforms.validate import validate_row

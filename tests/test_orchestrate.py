@@ -10,10 +10,10 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import insert
 
-from tokenmill.jobs import queue as Q
-from tokenmill.jobs import storage as S
+from tokenmill.jobs.lifecycle import queue as Q
+from tokenmill.schemas import storage as S
 from tokenmill.jobs.cli import main
-from tokenmill.jobs.runner import run_job
+from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import load_spec
 from tests.conftest import write_parquet
@@ -145,7 +145,7 @@ def test_one_failing_job_does_not_stop_the_queue(tmp_path, sqlite_url):
 
 
 def test_run_pending_cli_exit_code_is_the_most_serious_outcome(runner, tmp_path, sqlite_url, monkeypatch):
-    import tokenmill.jobs.runner as runner_mod
+    import tokenmill.jobs.lifecycle.runner as runner_mod
 
     real = runner_mod.run_job
     monkeypatch.setattr(runner_mod, "run_job", lambda spec, **kw: real(spec, **kw, session_factory=FakeSession))
@@ -255,7 +255,7 @@ def test_every_command_has_help_with_an_example_under_h_and_help(runner):
 
 
 def test_run_json_and_quiet_outputs(runner, tmp_path, sqlite_url, monkeypatch):
-    import tokenmill.jobs.runner as runner_mod
+    import tokenmill.jobs.lifecycle.runner as runner_mod
 
     real = runner_mod.run_job
     monkeypatch.setattr(runner_mod, "run_job", lambda spec, **kw: real(spec, **kw, session_factory=FakeSession))

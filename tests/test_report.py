@@ -8,10 +8,10 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import select
 
-from tokenmill.jobs import report as R
-from tokenmill.jobs import storage as S
+from tokenmill.jobs.metrics import report as R
+from tokenmill.schemas import storage as S
 from tokenmill.jobs.cli import main
-from tokenmill.jobs.runner import run_job
+from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import load_spec
 from tests.conftest import write_parquet

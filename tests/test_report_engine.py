@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from tokenmill.jobs.cli import main
-from tokenmill.jobs.runner import run_job
+from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas.config import load_spec
 from tests.conftest import TEST_ENGINE, write_parquet
 

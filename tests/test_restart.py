@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import select
 
-from tokenmill.jobs import storage as S
+from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
 from tests.conftest import TEST_ENGINE, write_parquet
 

@@ -23,9 +23,9 @@ import pytest
 import requests
 from click.testing import CliRunner
 
-from tokenmill.jobs import storage as S
+from tokenmill.schemas import storage as S
 from tokenmill.jobs.cli import main
-from tokenmill.jobs.runner import run_job
+from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import records as R
 from tokenmill.schemas.config import load_spec
 from tests.fakes import FakeSession
@@ -122,7 +122,7 @@ def test_missing_output_bucket_fails_before_any_work(s3, sqlite_url):
     FakeSession.instances.clear()
     spec = load_spec({"input": f"s3://{s3.buckets['in']}/p.parquet", "output": "s3://no-such-out-bucket/o",
                       "job_id": "s3-noout"})
-    from tokenmill.jobs.runner import JobError
+    from tokenmill.jobs.lifecycle.runner import JobError
 
     with pytest.raises(JobError) as err:
         run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
@@ -147,7 +147,7 @@ def test_bad_credentials_are_one_clear_line(s3, sqlite_url):
 DRIVER = textwrap.dedent("""
     import sys, time
     from tests.fakes import FakeSession
-    from tokenmill.jobs.runner import run_job
+    from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.config import load_spec
 
     class Slow(FakeSession):

@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import inspect, select
 
-from tokenmill.jobs import storage as S
+from tokenmill.schemas import storage as S
 from tokenmill.jobs.cli import main
-from tokenmill.jobs.export import OutputPathError, check_output_root, join
-from tokenmill.jobs.runner import JobError, run_job
+from tokenmill.jobs.lifecycle.export import OutputPathError, check_output_root, join
+from tokenmill.jobs.lifecycle.runner import JobError, run_job
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import load_spec
 from tests.conftest import PG_URL, write_parquet

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import func, inspect, select, text
 
-from tokenmill.jobs import storage as S
+from tokenmill.schemas import storage as S
 from tokenmill.jobs.cli import main
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.db import db_engine, insert_ignore
@@ -141,7 +141,7 @@ def test_newer_schema_gives_a_one_line_error(any_db_url):
 
 
 def _run_one(db_url, inp, out, job_id, barrier):
-    from tokenmill.jobs.runner import run_job
+    from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.config import load_spec
     from tests.fakes import FakeSession
 
@@ -182,7 +182,7 @@ def test_exports_come_back_in_input_order(any_db_url, tmp_path):
     # input_ref is "<file>:<row>" text; the export orders by the numbers, so "0:2" comes before "0:10".
     import pyarrow.parquet as pq
 
-    from tokenmill.jobs.export import export_job
+    from tokenmill.jobs.lifecycle.export import export_job
 
     eng = S.connect(any_db_url)
     S.claim_job(eng, "j-order", _job_values(total=14))

@@ -31,7 +31,10 @@ import apache_beam as beam
 from tokenmill.schemas import records as R
 from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
 from tokenmill.schemas.records import Batch, FailedRecord, TokenizedPrompt
-from tokenmill.transforms import engine as E
+from tokenmill.transforms.engines import registry
+from tokenmill.transforms.engines.cpu import claim_cpu_slot, worker_engine_config
+from tokenmill.transforms.engines.device import has_nvidia_gpu
+from tokenmill.transforms.engines.protocol import EngineSession, Finished
 from tokenmill.transforms.batching import plan_batches
 from tokenmill.transforms.validate import DEAD
 
@@ -134,8 +137,8 @@ class BatchRunner:
     def __init__(
         self,
         cfg: GenerateConfig,
-        session_fn: Callable[[], E.EngineSession],
-        restart_fn: Callable[[], E.EngineSession],
+        session_fn: Callable[[], EngineSession],
+        restart_fn: Callable[[], EngineSession],
         cancelled: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.time,
         worker: str = "",
@@ -150,7 +153,7 @@ class BatchRunner:
         self._watchdog = StepWatchdog()
 
     # -- helpers
-    def _output_row(self, p: TokenizedPrompt, f: E.Finished, batch_id: str) -> dict[str, Any]:
+    def _output_row(self, p: TokenizedPrompt, f: Finished, batch_id: str) -> dict[str, Any]:
         return {
             "job_id": self.cfg.job_id,
             "id": p.id,
@@ -172,7 +175,7 @@ class BatchRunner:
             "error": None,
         }
 
-    def _add(self, s: E.EngineSession, p: TokenizedPrompt, rid: str) -> FailedRecord | None:
+    def _add(self, s: EngineSession, p: TokenizedPrompt, rid: str) -> FailedRecord | None:
         try:
             marker = os.environ.get(POISON_ENV)
             s.add(rid, p.token_ids, request_sampling(self.cfg.sampling, p))
@@ -192,7 +195,7 @@ class BatchRunner:
         finally:
             self._watchdog.close()
 
-    def _step(self, s: E.EngineSession, started: float) -> list[E.Finished]:
+    def _step(self, s: EngineSession, started: float) -> list[Finished]:
         """One engine step, with the batch deadline enforced before it and, for a
         session that can be killed, during it."""
         self._check_deadline(started)
@@ -285,7 +288,7 @@ class BatchRunner:
                 yield self._emit(st)
         self.drain_s = (self._clock() - drain_started) if drain_started else 0.0
 
-    def _live_session(self) -> E.EngineSession:
+    def _live_session(self) -> EngineSession:
         s = self._session_fn()
         return s if s.alive() else self._restart_fn()
 
@@ -388,17 +391,17 @@ class GenerateFn(beam.DoFn):
         self._engine_cfg = cfg.engine
 
     def _session(self):
-        return E.get_session(self._engine_cfg, self.cfg.model_path, self._factory)
+        return registry.get_session(self._engine_cfg, self.cfg.model_path, self._factory)
 
     def _restart(self):
-        E.drop_session(self._engine_cfg, self.cfg.model_path, self._factory)
+        registry.drop_session(self._engine_cfg, self.cfg.model_path, self._factory)
         return self._session()
 
     def setup(self):
         self._worker = f"{socket.gethostname()}:{os.getpid()}"
-        if self.cfg.num_workers > 1 and self._factory is None and not E.has_nvidia_gpu():
-            slot, cores = E.claim_cpu_slot(self.cfg.num_workers, f"{self.cfg.job_id}-{self.cfg.run_id}")
-            self._engine_cfg = E.worker_engine_config(self.cfg.engine, self.cfg.num_workers)
+        if self.cfg.num_workers > 1 and self._factory is None and not has_nvidia_gpu():
+            slot, cores = claim_cpu_slot(self.cfg.num_workers, f"{self.cfg.job_id}-{self.cfg.run_id}")
+            self._engine_cfg = worker_engine_config(self.cfg.engine, self.cfg.num_workers)
             log.info("worker %s: CPU slot %d of %d, cores %s", self._worker, slot, self.cfg.num_workers, cores)
         t = time.time()
         s = self._session()

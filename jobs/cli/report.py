@@ -31,7 +31,7 @@ def report(job_id, out_dir, other, no_html, db_url, as_json):
       tokenmill report demo --out reports/
       tokenmill report job-a --compare job-b --json
     """
-    from tokenmill.jobs import report as R
+    from tokenmill.jobs.metrics import report as R
 
     eng = connect(db_url)
     try:

@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tokenmill.jobs import storage as S
-from tokenmill.transforms.accounting import CLOCKS, compare_metrics, get_path, job_metrics
+from tokenmill.schemas import storage as S
+from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path, job_metrics
 
 #: Histogram bins per latency figure.
 LATENCY_BINS = 40
@@ -87,7 +87,7 @@ def job_info(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _live_metrics(eng, job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    from tokenmill.jobs.pricing import price_for
+    from tokenmill.jobs.metrics.pricing import price_for
 
     spec = job.get("spec") or {}
     hw = job.get("hardware") or {}

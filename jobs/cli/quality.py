@@ -48,8 +48,8 @@ def quantize(model, scheme, out, group_size, calibration, force, as_json):
       tokenmill quantize --model smollm2-135m --scheme w4a16 --group-size 64 --out models/smollm2-w4a16
       tokenmill run --model models/smollm2-w8a8 --input data/eval_set.parquet --output runs/q8
     """
-    from tokenmill.jobs.quantize import QuantizeError
-    from tokenmill.jobs.quantize import quantize as do_quantize
+    from tokenmill.jobs.modeltools.quantize import QuantizeError
+    from tokenmill.jobs.modeltools.quantize import quantize as do_quantize
 
     try:
         res = do_quantize(model, scheme, out, group_size=group_size, calibration=calibration, force=force)
@@ -59,7 +59,7 @@ def quantize(model, scheme, out, group_size, calibration, force, as_json):
     if as_json:
         emit_json(d)
         return
-    from tokenmill.jobs.kvplan import format_bytes
+    from tokenmill.jobs.modeltools.kvplan import format_bytes
 
     g = f", group size {d['group_size']}" if d["group_size"] else ""
     click.echo(f"wrote {d['out']}: {d['scheme']}{g}, {d['layers']} layers quantized in {d['seconds']} s")
@@ -88,11 +88,11 @@ def kv_plan(model, max_model_len, batch, kv_cache_dtype, dtype, scheme, memory, 
       tokenmill kv-plan --model smollm2-135m --max-model-len 2048 --batch 64 --memory 4GiB
       tokenmill kv-plan --job demo --batch 32 --json
     """
-    from tokenmill.jobs import kvplan as K
+    from tokenmill.jobs.modeltools import kvplan as K
 
     info = None
     if job_id:
-        from tokenmill.jobs import storage as S
+        from tokenmill.schemas import storage as S
 
         eng = connect(db_url)
         job = S.get_job(eng, job_id)
@@ -140,7 +140,7 @@ def compare(base_job, candidate_job, max_drop, show, db_url, as_json):
     Example:
       tokenmill compare eval-bf16 eval-w8a8 --max-drop 0.05
     """
-    from tokenmill.jobs.compare import DEFAULT_MAX_DROP, CompareError, compare_jobs, format_comparison
+    from tokenmill.jobs.modeltools.compare import DEFAULT_MAX_DROP, CompareError, compare_jobs, format_comparison
 
     try:
         c = compare_jobs(connect(db_url), base_job, candidate_job,

@@ -20,7 +20,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from tokenmill.jobs import storage as S
+from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import JobSpec, SpecError, load_spec
 from tokenmill.schemas.db import mask_url

@@ -49,7 +49,7 @@ def submit(spec_file, as_json, **kw):
       tokenmill submit job.yaml --job-id nightly-2026-11-29
       tokenmill submit --input prompts.parquet --output out/ --max-tokens 64 --json
     """
-    from tokenmill.jobs.queue import QueueBusy, QueueError, submit as submit_job
+    from tokenmill.jobs.lifecycle.queue import QueueBusy, QueueError, submit as submit_job
 
     spec = build_spec(spec_file, spec_overrides(kw))
     eng = connect(kw.get("db_url") or spec.db)
@@ -82,8 +82,8 @@ def run_pending(db_url, limit, quiet, as_json):
     Example:
       tokenmill run-pending --db postgresql://tokenmill@db/tokenmill
     """
-    from tokenmill.jobs.queue import QueueBusy, run_pending as run_queue
-    from tokenmill.jobs.runner import run_job
+    from tokenmill.jobs.lifecycle.queue import QueueBusy, run_pending as run_queue
+    from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.db import default_db_url
 
     url = db_url or default_db_url()
@@ -111,7 +111,7 @@ def run_pending(db_url, limit, quiet, as_json):
     except QueueBusy as err:
         raise Failure(str(err), EXIT_BUSY) from None
     finally:
-        from tokenmill.transforms.engine import shutdown_all
+        from tokenmill.transforms.engines.registry import shutdown_all
 
         shutdown_all()
     code = next((c for status, c in SEVERITY if any(o.status == status for o in outcomes)), EXIT_OK)
@@ -129,9 +129,11 @@ def check_spec(spec) -> dict[str, Any]:
     (exists, readable, has a prompt column), the model (resolves to a local folder)
     and the engine options for this machine.  Returns what was found; raises Failure
     with every problem on one line."""
-    from tokenmill.jobs.runner import check_output_path, set_filesystem_options
+    from tokenmill.jobs.lifecycle.runner import check_output_path, set_filesystem_options
     from tokenmill.schemas.models import ModelNotFound, resolve_model
-    from tokenmill.transforms.engine import EngineStartError, check_engine_config, has_nvidia_gpu
+    from tokenmill.transforms.engines.protocol import EngineStartError
+    from tokenmill.transforms.engines.checks import check_engine_config
+    from tokenmill.transforms.engines.device import has_nvidia_gpu
     from tokenmill.transforms.read import InputError, plan_input
 
     problems, found = [], {"job_id": spec.derived_job_id(), "input_format": spec.resolved_input_format(),

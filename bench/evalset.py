@@ -5,7 +5,7 @@ Short arithmetic, capital cities and one-word facts: questions the default model
 run can be checked against the full-precision one with `tokenmill compare`.
 References use `a|b` for accepted alternatives (see jobs/compare.py).
 
-Regenerate with `python -m tokenmill.jobs.evalset [OUT]`; the rows are fixed
+Regenerate with `python -m bench.evalset [OUT]`; the rows are fixed
 (seeded), so the file is reproducible.
 """
 

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 from sqlalchemy import select
 
-from tokenmill.jobs import storage as S
-from tokenmill.jobs.export import export_job
+from tokenmill.schemas import storage as S
+from tokenmill.jobs.lifecycle.export import export_job
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.db import default_db_url, mask_url
@@ -84,7 +84,7 @@ def versions() -> dict[str, str]:
 
 
 def hardware() -> dict[str, Any]:
-    from tokenmill.jobs.hardware import describe
+    from tokenmill.jobs.metrics.hardware import describe
 
     return describe()
 
@@ -126,7 +126,7 @@ def set_filesystem_options(spec: JobSpec) -> None:
 
 
 def check_output_path(output: str) -> None:
-    from tokenmill.jobs.export import OutputPathError, check_output_root
+    from tokenmill.jobs.lifecycle.export import OutputPathError, check_output_root
 
     try:
         check_output_root(output)
@@ -168,7 +168,9 @@ def run_job(
     job_id = spec.derived_job_id()
 
     # 1. Everything checkable before any worker starts.
-    from tokenmill.transforms.engine import EngineStartError, check_engine_config, effective_block_size, has_nvidia_gpu
+    from tokenmill.transforms.engines.protocol import EngineStartError
+    from tokenmill.transforms.engines.checks import check_engine_config, effective_block_size
+    from tokenmill.transforms.engines.device import has_nvidia_gpu
     from tokenmill.transforms.read import InputError, check_bucket, plan_input
 
     eng = S.connect(db_url)
@@ -218,7 +220,7 @@ def run_job(
 
     hb = _Heartbeat(eng, job_id, tick if progress else None)
     hb.start()
-    from tokenmill.jobs.hardware import UtilizationSampler
+    from tokenmill.jobs.metrics.hardware import UtilizationSampler
 
     sampler = UtilizationSampler()  # CPU utilization, process-tree RSS, NVML on GPU; launcher-side
     sampler.start()
@@ -316,8 +318,8 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
 
 def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, Any], job_wall_s: float | None = None,
                     utilization: dict[str, Any] | None = None):
-    from tokenmill.jobs.pricing import price_for
-    from tokenmill.transforms.accounting import job_metrics
+    from tokenmill.jobs.metrics.pricing import price_for
+    from tokenmill.jobs.metrics.accounting import job_metrics
 
     cols = [T.outputs.c[k] for k in ("prompt_tokens", "output_tokens", "cached_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s")]
     with eng.connect() as conn:

@@ -61,7 +61,7 @@ def emit_json(obj: Any) -> None:
 
 
 def connect(db_url: str | None):
-    from tokenmill.jobs import storage as S
+    from tokenmill.schemas import storage as S
     from tokenmill.schemas.db import default_db_url
 
     try:
@@ -240,8 +240,8 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def execute_job(spec, db_url, quiet: bool, as_json: bool) -> int:
-    from tokenmill.jobs import storage as S
-    from tokenmill.jobs.runner import JobError, run_job
+    from tokenmill.schemas import storage as S
+    from tokenmill.jobs.lifecycle.runner import JobError, run_job
 
     progress = Progress(enabled=not quiet and not as_json and sys.stderr.isatty())
     try:
@@ -252,7 +252,7 @@ def execute_job(spec, db_url, quiet: bool, as_json: bool) -> int:
         raise Failure(str(err)) from None
     finally:
         progress.close()
-        from tokenmill.transforms.engine import shutdown_all
+        from tokenmill.transforms.engines.registry import shutdown_all
 
         shutdown_all()
     summary = result.summary()
@@ -352,7 +352,7 @@ def status(job_id, db_url, as_json):
     Example:
       tokenmill status job-1a2b3c4d5e6f --json
     """
-    from tokenmill.jobs import storage as S
+    from tokenmill.schemas import storage as S
 
     eng = connect(db_url)
     job = S.get_job(eng, job_id)
@@ -390,7 +390,7 @@ def jobs_cmd(limit, db_url, as_json):
     Example:
       tokenmill jobs --limit 5
     """
-    from tokenmill.jobs import storage as S
+    from tokenmill.schemas import storage as S
 
     rows = [job_summary_row(j) for j in S.list_jobs(connect(db_url), limit)]
     if as_json:
@@ -418,7 +418,7 @@ def cancel(job_id, db_url):
     Example:
       tokenmill cancel job-1a2b3c4d5e6f
     """
-    from tokenmill.jobs import storage as S
+    from tokenmill.schemas import storage as S
 
     eng = connect(db_url)
     try:
@@ -451,7 +451,7 @@ def models_prepare(name, force):
     Example:
       tokenmill models prepare smollm2-135m
     """
-    from tokenmill.jobs.models import PrepareError, prepare
+    from tokenmill.jobs.modeltools.prepare import PrepareError, prepare
 
     try:
         path = prepare(name, force=force)
@@ -499,7 +499,7 @@ def db_upgrade(db_url):
     Example:
       tokenmill db upgrade --db postgresql://user@127.0.0.1/test
     """
-    from tokenmill.jobs import storage as S
+    from tokenmill.schemas import storage as S
     from tokenmill.schemas.db import default_db_url, mask_url
 
     url = db_url or default_db_url()
@@ -510,16 +510,16 @@ def db_upgrade(db_url):
 
 # ---------------------------------------------------------------- command modules
 
-#: Further commands live in their own modules (jobs/cli_<area>.py), each adding
+#: Further commands live in their own modules (jobs/cli/<area>.py), each adding
 #: commands to `main` with @main.command(); listed here so they load with the CLI.
-COMMAND_MODULES = ("cli_report", "cli_quality", "cli_orchestrate")
+COMMAND_MODULES = ("report", "quality", "orchestrate")
 
 
 def _load_command_modules() -> None:
     import importlib
 
     for mod in COMMAND_MODULES:
-        name = f"tokenmill.jobs.{mod}"
+        name = f"tokenmill.jobs.cli.{mod}"
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as err:
@@ -543,7 +543,7 @@ def _maybe_reexec() -> None:
         return
     if any(a in ("-h", "--help") for a in args):
         return
-    from tokenmill.transforms.engine import cpu_runtime_env
+    from tokenmill.transforms.engines.cpu import cpu_runtime_env
 
     env = dict(os.environ)
     extra = cpu_runtime_env()
@@ -561,11 +561,3 @@ def cli_entry() -> None:
     _maybe_reexec()
     main(prog_name="tokenmill")
 
-
-if __name__ == "__main__":
-    # `python -m tokenmill.jobs.cli` (also the re-exec above) runs this file as __main__, a
-    # second copy of the module; the command modules register on tokenmill.jobs.cli.main,
-    # so run that one, or `run-pending`, `report`, ... would be unknown commands.
-    from tokenmill.jobs.cli import cli_entry as _package_entry
-
-    _package_entry()

@@ -130,7 +130,7 @@ def job_outputs(eng, job_id: str) -> dict[str, dict[str, Any]]:
     """A finished job's outputs keyed by id; raises CompareError for a missing or unfinished job."""
     from sqlalchemy import select
 
-    from tokenmill.jobs import storage as S
+    from tokenmill.schemas import storage as S
     from tokenmill.schemas import tables as T
 
     job = S.get_job(eng, job_id)

@@ -1,0 +1,63 @@
+"""Checks that refuse, before any engine work, an engine config this device cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenmill.schemas.config import GPU_ONLY_QUANTIZATION, EngineConfig
+from tokenmill.transforms.engines.protocol import EngineStartError
+
+def effective_block_size(cfg: EngineConfig, *, on_gpu: bool) -> int:
+    """The KV block size the engine will use (vLLM-CPU defaults to 128, CUDA to 16):
+    prefix keys must align to it, since the prefix cache shares whole blocks only."""
+    return cfg.block_size or (16 if on_gpu else 128)
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return True  # cannot tell: let the engine decide
+    return "avx512f" in flags
+
+
+def check_checkpoint_on_cpu(model_path: str) -> None:
+    """Refuse a quantized checkpoint whose kernels vLLM-CPU lacks, from its config.json:
+    FP8 weights (GPU only) and int4 weight-only (w4a16: vllm-cpu 0.32's AVX2 build has
+    no `cpu_gemm_wna16` kernel; the engine would die at its first forward pass)."""
+    try:
+        qc = json.loads((Path(model_path) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return
+    method = str(qc.get("quant_method", "")).lower()
+    if method in GPU_ONLY_QUANTIZATION:
+        raise EngineStartError(f"checkpoint {model_path!r} is quantized with {method!r}, which needs a CUDA GPU")
+    for group in (qc.get("config_groups") or {}).values():
+        w, a = group.get("weights") or {}, group.get("input_activations")
+        if w.get("type") == "float" and w.get("num_bits") == 8:
+            raise EngineStartError(f"checkpoint {model_path!r} has FP8 weights, which need a CUDA GPU; "
+                                   "on CPU use w8a8-int8 (tokenmill quantize)")
+        if w.get("type") == "int" and w.get("num_bits") == 4 and not a and not _cpu_has_avx512():
+            raise EngineStartError(f"checkpoint {model_path!r} has int4 weight-only (w4a16) layers, which "
+                                   "vllm-cpu runs only on AVX-512 CPUs (this one has none); use w8a8-int8")
+
+
+def check_engine_config(cfg: EngineConfig, *, on_gpu: bool, model_path: str | None = None) -> None:
+    """Refuse, before any engine work, what cannot run on this device."""
+    if not on_gpu:
+        q = (cfg.quantization or "").lower()
+        if q in GPU_ONLY_QUANTIZATION:
+            raise EngineStartError(
+                f"quantization {cfg.quantization!r} needs a CUDA GPU; on CPU use a compressed-tensors "
+                "w8a8-int8 or w4a16 checkpoint (tokenmill quantize)"
+            )
+        if cfg.kv_cache_dtype.startswith("fp8") and not _cpu_has_avx512():
+            # vllm-cpu 0.32 raises this only inside the engine core, after the model load
+            raise EngineStartError(f"kv_cache_dtype {cfg.kv_cache_dtype!r} on CPU needs AVX-512 or AMX "
+                                   "(vllm-cpu); this CPU has neither: use kv_cache_dtype auto")
+        if model_path:
+            check_checkpoint_on_cpu(model_path)
+        if cfg.tensor_parallel_size > 1:
+            raise EngineStartError("tensor_parallel_size > 1 needs several GPUs; this worker has none")
+

@@ -1,0 +1,285 @@
+"""The vLLM engine as an `EngineSession`: `vllm.LLM` driven request by request.
+
+vllm is imported lazily, inside worker-side calls."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenmill.schemas.config import EngineConfig
+from tokenmill.transforms.engines.checks import check_engine_config
+from tokenmill.transforms.engines.cpu import apply_cpu_env, cpu_dtype
+from tokenmill.transforms.engines.device import has_nvidia_gpu
+from tokenmill.transforms.engines.protocol import EngineStartError, Finished
+
+log = logging.getLogger(__name__)
+
+
+def engine_kwargs(cfg: EngineConfig, model_path: str, *, on_gpu: bool) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "model": model_path,
+        "tokenizer": cfg.tokenizer or model_path,
+        "dtype": cfg.dtype,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_model_len": cfg.max_model_len,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "enforce_eager": cfg.enforce_eager,
+        "seed": cfg.seed,
+        "load_format": cfg.load_format,
+        "disable_log_stats": False,  # per-request metrics (TTFT, queue time) need stats on
+    }
+    if cfg.quantization:
+        kw["quantization"] = cfg.quantization
+    if cfg.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if cfg.kv_cache_memory_bytes:
+        kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    if cfg.speculative_config:
+        kw["speculative_config"] = cfg.speculative_config
+    if cfg.block_size:
+        kw["block_size"] = cfg.block_size
+    if not on_gpu and cfg.dtype == "auto":
+        kw["dtype"] = cpu_dtype()
+    kw.update(cfg.extra)
+    return kw
+
+
+# ---------------------------------------------------------------- vLLM session
+
+
+def sampling_params(sampling: dict[str, Any]):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kw = {k: v for k, v in sampling.items() if v is not None}
+    # Only finished requests are read (as `LLM.generate` does): the default, CUMULATIVE,
+    # builds an output with the whole token list so far for every running request at
+    # every step, which cost ~5% of generation time on the long-output workload here.
+    kw.setdefault("output_kind", RequestOutputKind.FINAL_ONLY)
+    return SamplingParams(**kw)
+
+
+class VllmSession:
+    """`vllm.LLM` driven request by request through its LLMEngine, so the Generate
+    step can hand the engine the next batch while the current one's tail decodes."""
+
+    def __init__(self, cfg: EngineConfig, model_path: str):
+        self.cfg = cfg
+        self.model_path = model_path
+        on_gpu = has_nvidia_gpu()
+        check_engine_config(cfg, on_gpu=on_gpu)
+        if not on_gpu:
+            apply_cpu_env()
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        import psutil
+
+        t = time.perf_counter()  # load time counts importing vLLM (seconds on a cold worker)
+        from vllm import LLM
+
+        self.kwargs = engine_kwargs(cfg, model_path, on_gpu=on_gpu)
+        me = psutil.Process()
+        before = {c.pid for c in me.children(recursive=True)}
+        try:
+            self.llm = LLM(**self.kwargs)
+        except Exception as err:
+            raise EngineStartError(f"vLLM engine failed to start: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+        self.load_s = time.perf_counter() - t
+        #: the engine core and its workers (not multiprocessing's resource tracker,
+        #: which the process keeps for later engines), which `kill` stops
+        self._procs = [c for c in me.children(recursive=True) if c.pid not in before and not _is_resource_tracker(c)]
+        self._closing = False
+        self._dead = False
+        self.engine = self.llm.llm_engine
+        self._start_death_watch()
+        self.max_num_seqs = cfg.max_num_seqs
+        self.device = "cuda" if on_gpu else "cpu"
+
+    def add(self, request_id: str, token_ids: list[int], sampling: dict[str, Any]) -> None:
+        from vllm.inputs import TokensPrompt
+
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), sampling_params(sampling))
+
+    def step(self) -> list[Finished]:
+        try:
+            outs = self.engine.step()
+        except Exception:
+            self._dead = self._dead or not self._engine_core_alive()
+            raise
+        now = time.time()
+        done = []
+        for o in outs:
+            if not o.finished:
+                continue
+            c = o.outputs[0]
+            n_out = len(c.token_ids)
+            m = o.metrics
+            ttft = tpot = e2e = queue = None
+            if m is not None:
+                ttft = m.first_token_latency or None
+                if m.arrival_time:
+                    e2e = max(0.0, now - m.arrival_time)
+                if m.scheduled_ts and m.queued_ts:
+                    queue = max(0.0, m.scheduled_ts - m.queued_ts)
+                if n_out > 1 and m.last_token_ts and m.first_token_ts:
+                    tpot = (m.last_token_ts - m.first_token_ts) / (n_out - 1)
+            done.append(
+                Finished(
+                    request_id=o.request_id,
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    prompt_tokens=len(o.prompt_token_ids or []),
+                    output_tokens=n_out,
+                    cached_tokens=int(o.num_cached_tokens or 0),
+                    ttft_s=ttft,
+                    tpot_s=tpot,
+                    e2e_s=e2e,
+                    queue_s=queue,
+                    finished_at=now,
+                    output_token_ids=list(c.token_ids),
+                )
+            )
+        return done
+
+    def num_unfinished(self) -> int:
+        return self.engine.get_num_unfinished_requests()
+
+    def abort(self, request_ids: list[str]) -> None:
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            pass
+
+    def _engine_core_alive(self) -> bool:
+        core = getattr(self.engine, "engine_core", None)
+        resources = getattr(core, "resources", None)
+        if resources is not None and getattr(resources, "engine_dead", False):
+            return False
+        return True
+
+    def alive(self) -> bool:
+        return not self._dead and self._engine_core_alive()
+
+    def kill(self) -> None:
+        """Stop the engine's processes at once (a step that never returns); the death
+        watch then makes the blocked `step()` raise."""
+        self._dead = True
+        _kill(self._procs)
+
+    def _start_death_watch(self) -> None:
+        """vLLM's sync client blocks for ever in `step()` when its engine core dies
+        without a word (SIGKILL, the OOM killer, a segfault): its monitor marks the
+        engine dead but nothing wakes the reader.  This thread does: when an engine
+        process is gone, it puts EngineDeadError where `step()` waits."""
+        core = getattr(self.engine, "engine_core", None)
+        q = getattr(core, "outputs_queue", None)
+        if q is None or not self._procs:  # in-process engine core: its crash is ours
+            return
+
+        def watch() -> None:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            while not self._closing:
+                gone = [p for p in self._procs if not _running(p)]
+                if gone:
+                    if not self._closing:
+                        self._dead = True
+                        log.warning("vLLM engine process %s exited; failing the step in progress", gone[0].pid)
+                        q.put_nowait(EngineDeadError())
+                    return
+                time.sleep(0.25)
+
+        threading.Thread(target=watch, name="tokenmill-engine-death-watch", daemon=True).start()
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        try:
+            for m in self.llm.get_metrics():
+                if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"):
+                    out[m.name.split(":", 1)[1]] = out.get(m.name, 0) + float(getattr(m, "value", 0))
+        except Exception:
+            pass
+        return out
+
+    def info(self) -> dict[str, Any]:
+        vc = self.engine.vllm_config
+        cc = vc.cache_config
+        mc = vc.model_config
+        hf = mc.hf_text_config
+        layers = getattr(hf, "num_hidden_layers", 0)
+        kv_heads = getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", 0)
+        head_dim = getattr(hf, "head_dim", None) or (hf.hidden_size // hf.num_attention_heads)
+        kv_dtype = cc.cache_dtype
+        elem = 1 if str(kv_dtype).startswith("fp8") else (4 if str(mc.dtype).endswith("float32") else 2)
+        per_token = 2 * layers * kv_heads * head_dim * elem
+        blocks = cc.num_gpu_blocks or 0
+        weights = sum(f.stat().st_size for f in Path(self.model_path).glob("*.safetensors"))
+        return {
+            "device": self.device,
+            "dtype": str(mc.dtype).replace("torch.", ""),
+            "quantization": mc.quantization,
+            "kv_cache_dtype": str(kv_dtype),
+            "block_size": cc.block_size,
+            "kv_cache_blocks": blocks,
+            "kv_cache_tokens": blocks * cc.block_size,
+            "kv_bytes_per_token": per_token,
+            "kv_cache_bytes": blocks * cc.block_size * per_token,
+            "weights_file_bytes": weights,
+            "max_model_len": mc.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+            "load_s": self.load_s,
+            "engine_kwargs": {k: v for k, v in self.kwargs.items() if k not in ("model", "tokenizer")},
+        }
+
+    def shutdown(self) -> None:
+        """Stop the engine now.  Every result is committed by the time this runs, so
+        nothing is lost by not waiting: vLLM's default graceful stop waited ~5 s per
+        worker here for an engine core with nothing left to do (and Beam stops its
+        workers one after another).  vLLM's own shutdown with a 1 s timeout, then a
+        kill for any engine process still there."""
+        import psutil
+
+        self._closing = True
+        try:
+            self.engine.engine_core.shutdown(timeout=1.0)
+        except Exception:
+            pass
+        alive = [p for p in getattr(self, "_procs", []) if _running(p)]
+        _kill(alive)
+        psutil.wait_procs(alive, timeout=5.0)
+
+
+def _kill(procs) -> None:
+    import psutil
+
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def _is_resource_tracker(p) -> bool:
+    try:
+        return any("resource_tracker" in part for part in p.cmdline())
+    except Exception:
+        return False
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
