@@ -139,7 +139,7 @@ def main() -> None:
         )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=2))
-    print(f"| rows | status | ok | dead letters | accounted | wall s | rows/s | launcher peak RSS MiB | tree peak RSS MiB |")
+    print("| rows | status | ok | dead letters | accounted | wall s | rows/s | launcher peak RSS MiB | tree peak RSS MiB |")
     for r in results:
         print(f"| {r['rows']:,} | {r['status']} | {r['succeeded']:,} | {r['failed']:,} | {r['every_row_accounted_for']} | "
               f"{r['wall_s']} | {r['rows_per_s']} | {r['launcher_peak_rss_mib']} | {r['tree_peak_rss_mib']} |")

@@ -8,6 +8,8 @@ these; anything else vLLM accepts goes through `engine.extra`.
 
 from __future__ import annotations
 
+from tokenmill.schemas.errors import first_line
+
 import hashlib
 import json
 import re
@@ -198,7 +200,7 @@ def load_spec_file(path: str | Path) -> JobSpec:
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as err:
-        raise SpecError(f"job spec {str(p)!r} is not valid YAML: {str(err).splitlines()[0]}") from None
+        raise SpecError(f"job spec {str(p)!r} is not valid YAML: {first_line(err)}") from None
     if not isinstance(data, dict):
         raise SpecError(f"job spec {str(p)!r} must be a mapping of keys, got {type(data).__name__}")
     return load_spec(data, source=f"job spec {p.name}")

@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.db import db_engine, mask_url
+from tokenmill.schemas.errors import first_line
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 #: A running job whose heartbeat is older than this is taken as dead (killed run).
@@ -106,7 +107,7 @@ def connect(url: str, *, migrate: bool = True) -> Engine:
     except SQLAlchemyError as err:
         raise StorageError(f"cannot use database {mask_url(url)}: {_db_reason(err)}") from None
     except Exception as err:  # driver import errors, bad URLs
-        raise StorageError(f"cannot use database {mask_url(url)}: {str(err).splitlines()[0]}") from None
+        raise StorageError(f"cannot use database {mask_url(url)}: {first_line(err)}") from None
 
 
 def _db_reason(err: SQLAlchemyError) -> str:

@@ -1,6 +1,5 @@
 """BatchRunner with a fake engine: feeding across batch tails, poison isolation, rejected rows."""
 
-import functools
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults

@@ -1,6 +1,5 @@
 """The whole pipeline and job lifecycle with a fake engine (the real one: test_e2e_engine.py)."""
 
-import functools
 import json
 
 import pyarrow.parquet as pq

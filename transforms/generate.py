@@ -30,6 +30,7 @@ import apache_beam as beam
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
+from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Batch, FailedRecord, TokenizedPrompt
 from tokenmill.transforms.engines import registry
 from tokenmill.transforms.engines.cpu import claim_cpu_slot, worker_engine_config
@@ -128,7 +129,7 @@ class StepWatchdog:
                 try:
                     kill()
                 except Exception as err:  # the step may still return; the runner sees `fired`
-                    log.warning("killing the engine failed: %s", _one_line(err))
+                    log.warning("killing the engine failed: %s", first_line(err))
 
 
 class BatchRunner:
@@ -184,7 +185,7 @@ class BatchRunner:
         except EngineFailure:
             raise
         except Exception as err:
-            return FailedRecord(p.input_ref, p.id, R.BAD_REQUEST, f"engine rejected the request: {_one_line(err)}")
+            return FailedRecord(p.input_ref, p.id, R.BAD_REQUEST, f"engine rejected the request: {first_line(err)}")
         return None
 
     def run(self, batches: list[Batch]):
@@ -267,7 +268,7 @@ class BatchRunner:
             try:
                 finished = self._step(s, min(st["started"] for st in active.values()))
             except Exception as err:
-                log.warning("engine step failed (%s); isolating the batches in flight", _one_line(err))
+                log.warning("engine step failed (%s); isolating the batches in flight", first_line(err))
                 yield from self._recover(s, active, owner)
                 s = self._live_session()
                 active.clear()
@@ -366,17 +367,14 @@ class BatchRunner:
             if len(prompts) == 1:
                 p = prompts[0]
                 if isinstance(err, BatchTimeout):
-                    return [], [FailedRecord(p.input_ref, p.id, R.ENGINE_TIMEOUT, f"engine hung on this row: {_one_line(err)}")]
-                return [], [FailedRecord(p.input_ref, p.id, R.ENGINE_ERROR, f"engine failed on this row: {_one_line(err)}")]
+                    return [], [FailedRecord(p.input_ref, p.id, R.ENGINE_TIMEOUT, f"engine hung on this row: {first_line(err)}")]
+                return [], [FailedRecord(p.input_ref, p.id, R.ENGINE_ERROR, f"engine failed on this row: {first_line(err)}")]
             mid = len(prompts) // 2
             r1, d1 = self._isolate(prompts[:mid], bid)
             r2, d2 = self._isolate(prompts[mid:], bid)
             return r1 + r2, d1 + d2
 
 
-def _one_line(err: BaseException) -> str:
-    s = str(err).strip()
-    return (s.splitlines()[0] if s else type(err).__name__)[:300]
 
 
 class GenerateFn(beam.DoFn):

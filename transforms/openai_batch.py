@@ -33,7 +33,8 @@ from typing import Any, Iterable, Iterator
 import apache_beam as beam
 
 from tokenmill.schemas import records as R
-from tokenmill.transforms.read import InputError, InputPlan, _first_line, expand_input
+from tokenmill.transforms.read import InputError, InputPlan, expand_input
+from tokenmill.schemas.errors import first_line
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -125,7 +126,7 @@ def plan_jsonl(path: str) -> JsonlPlan:
                     shards.append(JsonlShard(fi, f, start, count, start_off))
                     start, count = None, 0
         except (OSError, EOFError) as err:
-            raise InputError(f"input file {f!r} cannot be read: {_first_line(err)}") from None
+            raise InputError(f"input file {f!r} cannot be read: {first_line(err)}") from None
         if count:
             shards.append(JsonlShard(fi, f, start, count, None if compressed else start_off))
     return JsonlPlan(files=files, shards=shards, columns=["custom_id", "method", "url", "body"], total_rows=total,
@@ -167,7 +168,7 @@ def parse_request(line: str | bytes) -> dict[str, Any]:
     try:
         obj = json.loads(line)
     except (ValueError, UnicodeDecodeError) as err:
-        raise LineError(f"line is not valid JSON: {str(err).splitlines()[0]}") from None
+        raise LineError(f"line is not valid JSON: {first_line(err)}") from None
     if not isinstance(obj, dict):
         raise LineError(f"line must be a JSON object, got {type(obj).__name__}")
     cid = obj.get("custom_id")

@@ -13,6 +13,8 @@ from typing import Any, Iterator
 
 import apache_beam as beam
 
+from tokenmill.schemas.errors import first_line
+
 PROMPT_COLUMNS = ("prompt", "messages")
 READ_BATCH_ROWS = 1024
 
@@ -72,11 +74,11 @@ def check_bucket(url: str, what: str = "input") -> None:
             raise InputError(
                 f"{what} {url!r}: access to bucket {bucket!r} denied (HTTP {code}); check the AWS credentials"
             ) from None
-        raise InputError(f"{what} {url!r}: cannot use bucket {bucket!r}: {_first_line(err)}") from None
+        raise InputError(f"{what} {url!r}: cannot use bucket {bucket!r}: {first_line(err)}") from None
     except BE.NoCredentialsError:
         raise InputError(f"{what} {url!r}: no AWS credentials found (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)") from None
     except BE.BotoCoreError as err:  # endpoint unreachable, bad endpoint URL
-        raise InputError(f"{what} {url!r}: cannot reach S3: {_first_line(err)}") from None
+        raise InputError(f"{what} {url!r}: cannot reach S3: {first_line(err)}") from None
 
 
 def expand_input(path: str, patterns: tuple[str, ...] = ("*.parquet",)) -> list[str]:
@@ -89,7 +91,7 @@ def expand_input(path: str, patterns: tuple[str, ...] = ("*.parquet",)) -> list[
         try:
             res = FileSystems.match([p])[0]
         except Exception as err:  # Beam raises BeamIOError with nested exceptions
-            msg = _first_line(err)
+            msg = first_line(err)
             if "NoSuchBucket" in msg or "does not exist" in msg.lower():
                 raise InputError(f"input {path!r} does not exist ({msg})") from None
             if "InvalidAccessKeyId" in msg or "SignatureDoesNotMatch" in msg or "AccessDenied" in msg:
@@ -119,11 +121,6 @@ def expand_input(path: str, patterns: tuple[str, ...] = ("*.parquet",)) -> list[
     return files
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    for inner in getattr(err, "exception_details", {}).values() if hasattr(err, "exception_details") else []:
-        text = str(inner).strip() or text
-    return text.splitlines()[0][:300]
 
 
 def open_file(path: str):
@@ -147,7 +144,7 @@ def plan_parquet(path: str) -> InputPlan:
         except InputError:
             raise
         except Exception as err:
-            raise InputError(f"input file {f!r} is not a readable Parquet file: {_first_line(err)}") from None
+            raise InputError(f"input file {f!r} is not a readable Parquet file: {first_line(err)}") from None
         if not any(c in names for c in PROMPT_COLUMNS):
             raise InputError(
                 f"input file {f!r} has no 'prompt' or 'messages' column; columns found: {', '.join(names) or '(none)'}"

@@ -16,6 +16,7 @@ import apache_beam as beam
 from tokenmill.schemas import records as R
 from tokenmill.schemas.records import FailedRecord, PromptRecord, TokenizedPrompt
 from tokenmill.transforms.validate import DEAD
+from tokenmill.schemas.errors import first_line
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's KV block size on CUDA; the job passes the engine's real one (128 on CPU)
 _TOKENIZERS: dict[str, Any] = {}
@@ -63,7 +64,7 @@ def tokenize_record(
     try:
         ids = encode(tokenizer, rec)
     except Exception as err:  # a template that rejects the conversation, for example
-        return FailedRecord(rec.input_ref, rec.id, R.BAD_MESSAGES, f"chat template failed: {str(err).splitlines()[0]}")
+        return FailedRecord(rec.input_ref, rec.id, R.BAD_MESSAGES, f"chat template failed: {first_line(err)}")
     limit = max_model_len - max_tokens
     if len(ids) > limit:
         return FailedRecord(

@@ -15,6 +15,8 @@ Exit codes (docs/CLI.md):
 
 from __future__ import annotations
 
+from tokenmill.schemas.errors import first_line
+
 import json
 import logging
 import os
@@ -136,7 +138,7 @@ def build_spec(spec_file, overrides: dict[str, Any]):
         except OSError as err:
             raise Failure(f"cannot read job spec {spec_file!r}: {err.strerror}", EXIT_USAGE) from None
         except yaml.YAMLError as err:
-            raise Failure(f"job spec {spec_file!r} is not valid YAML: {str(err).splitlines()[0]}", EXIT_USAGE) from None
+            raise Failure(f"job spec {spec_file!r} is not valid YAML: {first_line(err)}", EXIT_USAGE) from None
         if not isinstance(data, dict):
             raise Failure(f"job spec {spec_file!r} must be a mapping of keys", EXIT_USAGE)
     for path, value in overrides.items():

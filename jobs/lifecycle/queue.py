@@ -24,6 +24,7 @@ from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import JobSpec, SpecError, load_spec
 from tokenmill.schemas.db import mask_url
+from tokenmill.schemas.errors import first_line
 
 LOCK_NAME = "run-pending"
 #: A job in one of these states may be submitted again: it goes back to the queue
@@ -178,7 +179,7 @@ def _run_one(eng: Engine, job: dict[str, Any], run: Callable[[JobSpec], Any]) ->
     except S.JobBusy as err:
         return Outcome(job_id, "busy", str(err))
     except Exception as err:  # one job's failure must not stop the queue
-        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        msg = first_line(err, 1000)
         cur = S.get_job(eng, job_id)
         if cur is not None and cur["status"] == "pending":  # failed before it was claimed
             S.finish_job(eng, job_id, status="failed", error=msg[:1000])

@@ -7,11 +7,9 @@ engine start.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import os
 import platform
-import sys
 import threading
 import time
 import uuid
@@ -26,6 +24,7 @@ from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.db import default_db_url, mask_url
 from tokenmill.schemas.models import ModelNotFound, resolve_model
+from tokenmill.schemas.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +232,7 @@ def run_job(
         error = "interrupted"
         raise
     except Exception as err:
-        error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:1000]
+        error = f"{type(err).__name__}: {first_line(err, 1000)}"[:1000]
         log.exception("pipeline failed")
     finally:
         hb.stop_event.set()

@@ -20,6 +20,8 @@ dimension), so bad input fails in seconds with one line.
 
 from __future__ import annotations
 
+from tokenmill.schemas.errors import first_line
+
 import json
 import shutil
 import time
@@ -148,7 +150,7 @@ def load_calibration(path: str) -> int:
     try:
         schema = pq.read_schema(p)
     except Exception as err:  # pyarrow raises several types for a non-Parquet file
-        raise QuantizeError(f"calibration file {path!r} is not Parquet: {str(err).splitlines()[0]}") from None
+        raise QuantizeError(f"calibration file {path!r} is not Parquet: {first_line(err)}") from None
     if "prompt" not in schema.names and "messages" not in schema.names:
         raise QuantizeError(f"calibration file {path!r} has no 'prompt' or 'messages' column (columns: {schema.names})")
     return pq.read_metadata(p).num_rows

@@ -16,6 +16,7 @@ from tokenmill.transforms.engines.checks import check_engine_config
 from tokenmill.transforms.engines.cpu import apply_cpu_env, cpu_dtype
 from tokenmill.transforms.engines.device import has_nvidia_gpu
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
+from tokenmill.schemas.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class VllmSession:
         try:
             self.llm = LLM(**self.kwargs)
         except Exception as err:
-            raise EngineStartError(f"vLLM engine failed to start: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+            raise EngineStartError(f"vLLM engine failed to start: {first_line(err)}") from err
         self.load_s = time.perf_counter() - t
         #: the engine core and its workers (not multiprocessing's resource tracker,
         #: which the process keeps for later engines), which `kill` stops
