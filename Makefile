@@ -9,6 +9,8 @@ PY     := $(BIN)/python
 DEVICE_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP  := $(VENV)/.installed-$(DEVICE_EXTRA)-$(shell cat setup.cfg | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
+# Extra arguments for the benchmark programs, e.g. make bench BENCH_ARGS="--sections a".
+BENCH_ARGS ?=
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -68,10 +70,10 @@ test-fast: install
 	$(PY) -m pytest -m "not engine" $(PYTEST_ARGS)
 
 bench: prepare
-	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.throughput
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.throughput $(BENCH_ARGS)
 
 bench-quant: prepare
-	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant $(BENCH_ARGS)
 
 # 2k and 20k rows, max_tokens 2: every row accounted for; launcher peak RSS (docs/BENCHMARKS.md).
 bench-load: prepare
