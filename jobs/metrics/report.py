@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.schemas import storage as S
+from tokenmill.schemas.secrets import scrub
 from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path, job_metrics
 
 #: Histogram bins per latency figure.
@@ -34,20 +35,6 @@ class ReportError(RuntimeError):
 
 
 # ---------------------------------------------------------------- data
-
-_SECRET_IN_URL = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^:/@\s]+:)[^@\s]+@")
-
-
-def scrub(obj: Any) -> Any:
-    """A copy with the password of every URL-looking string replaced by ***."""
-    if isinstance(obj, str):
-        return _SECRET_IN_URL.sub(r"\1***@", obj)
-    if isinstance(obj, dict):
-        return {k: scrub(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [scrub(v) for v in obj]
-    return obj
-
 
 def _iso(t: Any) -> str | None:
     if isinstance(t, dt.datetime):
@@ -147,10 +134,9 @@ def fmt(v: Any, kind: str = "num") -> str:
             return f"{v * 1e3:.1f} ms"
         return f"{v * 1e6:.0f} µs"
     if kind == "bytes":
-        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if abs(v) >= size:
-                return f"{v / size:.2f} {unit}"
-        return f"{int(v)} B"
+        from tokenmill.jobs.modeltools.kvplan import format_bytes
+
+        return format_bytes(v)
     if kind == "pct":
         return f"{v:.1%}"
     if kind == "pct100":
