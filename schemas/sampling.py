@@ -47,7 +47,7 @@ def _metadata(info: FieldInfo, name: str) -> Any:
     return next((getattr(m, name) for m in info.metadata if getattr(m, name, None) is not None), None)
 
 
-def _base_type(annotation: Any) -> Any:
+def base_type(annotation: Any) -> Any:
     """`int | None` → int; `list[str] | None` → list[str]."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -55,14 +55,14 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
-def _is_str_list(tp: Any) -> bool:
+def is_str_list(tp: Any) -> bool:
     return typing.get_origin(tp) is list and typing.get_args(tp) == (str,)
 
 
 def expected(info: FieldInfo) -> str:
     """What a field accepts, in words: `an integer > 0`, `in (0, 1]`, `>= 0`."""
-    tp = _base_type(info.annotation)
-    if _is_str_list(tp):
+    tp = base_type(info.annotation)
+    if is_str_list(tp):
         return "a string or a list of strings"
     lo, hi = (_metadata(info, "gt"), True), (_metadata(info, "lt"), True)
     if lo[0] is None:
@@ -92,7 +92,7 @@ def _normalized(value: Any, tp: Any) -> Any:
     (a column with nulls) is an int column; one stop string is a list of one."""
     if tp is int and isinstance(value, float) and value.is_integer():
         return int(value)
-    if _is_str_list(tp):
+    if is_str_list(tp):
         if isinstance(value, str):
             return [value]
         if isinstance(value, tuple):
@@ -108,9 +108,9 @@ def validate_row_sampling(values: dict[str, Any], model: type[RowSampling] = Row
     for key, info in model.model_fields.items():
         if key not in values:
             continue
-        tp = _base_type(info.annotation)
+        tp = base_type(info.annotation)
         value = _normalized(values[key], tp)
-        if _is_str_list(tp) and value == []:
+        if is_str_list(tp) and value == []:
             continue
         try:
             checked = model.__pydantic_validator__.validate_assignment(model.model_construct(), key, value, strict=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import click
 
-from tokenmill.jobs.cli import (
+from tokenmill.jobs.cli.app import main
+from tokenmill.jobs.cli.common import (
     CONTEXT_SETTINGS,
     EXIT_QUALITY,
     EXIT_USAGE,
@@ -14,7 +15,6 @@ from tokenmill.jobs.cli import (
     db_option,
     emit_json,
     json_option,
-    main,
 )
 
 

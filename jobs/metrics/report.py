@@ -241,38 +241,43 @@ LATENCY_ROWS = (("ttft", "TTFT", "ttft_s"), ("tpot", "TPOT", "tpot_s"), ("e2e", 
 STATS = ("p50", "p95", "p99", "mean", "max")
 
 
+def _plain(rows, headers=(), colalign=None, indent: str = "") -> list[str]:
+    """Rows as aligned plain-text lines (tabulate's `plain` format), each prefixed by `indent`."""
+    from tabulate import tabulate
+
+    text = tabulate(rows, headers=headers, tablefmt="plain", colalign=colalign, disable_numparse=True)
+    return [indent + line for line in text.splitlines()]
+
+
 def format_report(data: dict[str, Any]) -> str:
     """The report as aligned plain text for a terminal."""
     lines: list[str] = []
     for title, items in report_sections(data):
         lines.append(title)
-        width = max(len(k) for k, _ in items)
-        lines += [f"  {k:<{width}}  {v}" for k, v in items]
+        lines += _plain(items, indent="  ")
         if title == "Requests":
             lines.append("")
             lines.append("Latency (per request)")
-            lines.append(f"  {'':<6}" + "".join(f"{s:>11}" for s in STATS) + f"{'n':>8}  clock")
+            rows = []
             for key, label, col in LATENCY_ROWS:
                 d = get_path(data["metrics"], f"latency_s.{key}") or {}
-                lines.append(f"  {label:<6}" + "".join(f"{fmt(d.get(s), 's'):>11}" for s in STATS)
-                             + f"{fmt(d.get('n')):>8}  {CLOCKS[col]}")
+                rows.append([label, *(fmt(d.get(s), "s") for s in STATS), fmt(d.get("n")), CLOCKS[col]])
+            lines += _plain(rows, headers=["", *STATS, "n", "clock"],
+                            colalign=("left", *("right",) * (len(STATS) + 1), "left"), indent="  ")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
 
 def format_compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     """Two jobs side by side; ratio = B ÷ A; the last column names the better job."""
-    rows = compare_metrics(a["metrics"], b["metrics"])
     ida, idb = a["job"]["id"], b["job"]["id"]
-    w = max(len(r["label"]) for r in rows)
-    cw = max(14, len(ida), len(idb))
-    out = [f"A = {ida} ({a['job'].get('status')}), B = {idb} ({b['job'].get('status')})", "",
-           f"{'':<{w}}  {'A':>{cw}}  {'B':>{cw}}  {'B/A':>8}  better"]
-    for r in rows:
+    rows = []
+    for r in compare_metrics(a["metrics"], b["metrics"]):
         k = _kind_for(r["metric"])
         better = {"a": "A", "b": "B", "same": "="}.get(r["better"], "")
-        out.append(f"{r['label']:<{w}}  {fmt(r['a'], k):>{cw}}  {fmt(r['b'], k):>{cw}}  "
-                   f"{fmt(r['ratio_b_over_a'], 'ratio'):>8}  {better}")
+        rows.append([r["label"], fmt(r["a"], k), fmt(r["b"], k), fmt(r["ratio_b_over_a"], "ratio"), better])
+    out = [f"A = {ida} ({a['job'].get('status')}), B = {idb} ({b['job'].get('status')})", ""]
+    out += _plain(rows, headers=["", "A", "B", "B/A", "better"], colalign=("left", "right", "right", "right", "left"))
     return "\n".join(out) + "\n"
 
 
