@@ -34,6 +34,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _one_of(*allowed: str):
+    """A field validator refusing a string outside `allowed`, naming the choices and the value."""
+
+    def check(v: str) -> str:
+        if v not in allowed:
+            raise ValueError(f"must be one of {sorted(allowed)}, got {v!r}")
+        return v
+
+    return check
+
+
 class EngineConfig(_Strict):
     """Arguments for `vllm.LLM`, named exactly as vLLM's `EngineArgs`."""
 
@@ -60,21 +71,8 @@ class EngineConfig(_Strict):
     extra: dict[str, Any] = Field(default_factory=dict)
     """Passed through to `vllm.LLM` unchanged (any other `EngineArgs` field)."""
 
-    @field_validator("kv_cache_dtype")
-    @classmethod
-    def _kv_dtype(cls, v: str) -> str:
-        allowed = {"auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"}
-        if v not in allowed:
-            raise ValueError(f"must be one of {sorted(allowed)}, got {v!r}")
-        return v
-
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v: str) -> str:
-        allowed = {"auto", "float32", "bfloat16", "float16", "half", "float"}
-        if v not in allowed:
-            raise ValueError(f"must be one of {sorted(allowed)}, got {v!r}")
-        return v
+    _dtype = field_validator("dtype")(_one_of("auto", "float32", "bfloat16", "float16", "half", "float"))
+    _kv_dtype = field_validator("kv_cache_dtype")(_one_of("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"))
 
 
 class SamplingDefaults(RowSampling):

@@ -13,23 +13,9 @@ from typing import Any
 import click
 
 from tokenmill.jobs.cli.app import main
-from tokenmill.jobs.cli.common import (
-    CONTEXT_SETTINGS,
-    EXIT_BUSY,
-    EXIT_CANCELLED,
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_PARTIAL,
-    Failure,
-    Progress,
-    build_spec,
-    connect,
-    db_option,
-    emit_json,
-    job_spec_options,
-    json_option,
-    spec_overrides,
-)
+from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_BUSY, EXIT_CANCELLED, EXIT_FAILED, EXIT_OK,
+    EXIT_PARTIAL, Failure, Progress, build_spec, connect, db_option, emit_json, job_spec_options, json_option,
+    spec_overrides)
 
 #: run-pending's exit code: the most serious outcome among the jobs it ran.
 SEVERITY = [("failed", EXIT_FAILED), ("busy", EXIT_BUSY), ("cancelled", EXIT_CANCELLED), ("partial", EXIT_PARTIAL)]

@@ -9,21 +9,8 @@ import click
 from tabulate import simple_separated_format, tabulate
 
 from tokenmill.jobs.cli.app import main
-from tokenmill.jobs.cli.common import (
-    CONTEXT_SETTINGS,
-    EXIT_BUSY,
-    EXIT_FAILED,
-    STATUS_EXIT,
-    Failure,
-    Progress,
-    build_spec,
-    connect,
-    db_option,
-    emit_json,
-    job_spec_options,
-    json_option,
-    spec_overrides,
-)
+from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_BUSY, EXIT_FAILED, STATUS_EXIT, Failure, Progress,
+    build_spec, connect, db_option, emit_json, job_spec_options, json_option, spec_overrides)
 
 
 def format_summary(s: dict[str, Any]) -> str:
