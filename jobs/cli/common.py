@@ -78,7 +78,7 @@ def model_options(model: type[BaseModel]) -> list:
         if tp is bool:
             opts.append(click.option(flag, is_flag=True, default=None, help=help_text))
         elif is_str_list(tp):
-            opts.append(click.option(flag, multiple=True, help=f"{help_text} (repeatable)".strip()))
+            opts.append(click.option(flag, multiple=True, help=f"{help_text.rstrip('.')} (repeatable)."))
         else:
             opts.append(click.option(flag, type=tp, default=None, help=help_text))
     return opts
