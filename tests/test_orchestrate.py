@@ -18,6 +18,7 @@ from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import load_spec
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
+from tests.helpers import assert_one_line_error, job_spec, one_error_line
 
 
 @pytest.fixture
@@ -31,12 +32,6 @@ def prompts(tmp_path, n=3, name="in.parquet"):
 
 def fake_run(db_url):
     return lambda spec: run_job(spec, db_url=db_url, session_factory=FakeSession)
-
-
-def one_error_line(res) -> str:
-    lines = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in res.output, res.output
-    return lines[0]
 
 
 # ---------------------------------------------------------------- submit
@@ -74,7 +69,7 @@ def test_submit_twice_is_one_job_and_a_derived_id_is_stable(runner, tmp_path, sq
 
 def test_submit_refuses_a_finished_id_and_requeues_a_failed_one(tmp_path, sqlite_url):
     eng = S.connect(sqlite_url)
-    spec = load_spec({"input": str(prompts(tmp_path)), "output": str(tmp_path / "o"), "job_id": "j"})
+    spec = job_spec(prompts(tmp_path), tmp_path / "o", job_id="j")
     Q.submit(eng, spec)
     S.finish_job(eng, "j", status="succeeded")
     with pytest.raises(Q.QueueError, match="already exists with status 'succeeded'"):
@@ -91,6 +86,13 @@ def test_submit_invalid_spec_names_the_key_path(runner, tmp_path, sqlite_url):
     assert res.exit_code == 2
     err = one_error_line(res)
     assert "batching.ordering" in err and "runner.num_workers" in err
+    assert S.list_jobs(S.connect(sqlite_url)) == []
+
+
+def test_submit_of_a_missing_input_fails_at_once_in_one_line(runner, tmp_path, sqlite_url):
+    res = runner.invoke(main, ["submit", "--input", str(tmp_path / "nope.parquet"), "--output", str(tmp_path / "o"),
+                               "--db", sqlite_url])
+    assert_one_line_error(res, 1, "does not exist", "nope.parquet")
     assert S.list_jobs(S.connect(sqlite_url)) == []
 
 
@@ -116,7 +118,7 @@ def test_run_pending_runs_jobs_in_submission_order_and_resumes_none_twice(tmp_pa
 
 def test_run_pending_resumes_a_job_whose_runner_died(tmp_path, sqlite_url):
     eng = S.connect(sqlite_url)
-    spec = load_spec({"input": str(prompts(tmp_path, 3)), "output": str(tmp_path / "o"), "job_id": "orphan"})
+    spec = job_spec(prompts(tmp_path, 3), tmp_path / "o", job_id="orphan")
     Q.submit(eng, spec)
     Q.submit(eng, load_spec({"input": str(prompts(tmp_path, 2, "b.parquet")), "output": str(tmp_path / "p"),
                              "job_id": "live"}))
@@ -136,8 +138,8 @@ def test_run_pending_resumes_a_job_whose_runner_died(tmp_path, sqlite_url):
 
 def test_one_failing_job_does_not_stop_the_queue(tmp_path, sqlite_url):
     eng = S.connect(sqlite_url)
-    Q.submit(eng, load_spec({"input": str(tmp_path / "gone.parquet"), "output": str(tmp_path / "x"), "job_id": "bad"}))
-    Q.submit(eng, load_spec({"input": str(prompts(tmp_path)), "output": str(tmp_path / "y"), "job_id": "good"}))
+    Q.submit(eng, job_spec(tmp_path / "gone.parquet", tmp_path / "x", job_id="bad"))
+    Q.submit(eng, job_spec(prompts(tmp_path), tmp_path / "y", job_id="good"))
     outcomes = Q.run_pending(eng, fake_run(sqlite_url))
     assert [(o.job_id, o.status) for o in outcomes] == [("bad", "failed"), ("good", "succeeded")]
     assert "does not exist" in outcomes[0].error
@@ -152,8 +154,8 @@ def test_run_pending_cli_exit_code_is_the_most_serious_outcome(runner, tmp_path,
     eng = S.connect(sqlite_url)
     ok = prompts(tmp_path, 2)
     partial = write_parquet(tmp_path / "p.parquet", [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": ""}])
-    Q.submit(eng, load_spec({"input": str(ok), "output": str(tmp_path / "o1"), "job_id": "ok"}))
-    Q.submit(eng, load_spec({"input": str(partial), "output": str(tmp_path / "o2"), "job_id": "part"}))
+    Q.submit(eng, job_spec(ok, tmp_path / "o1", job_id="ok"))
+    Q.submit(eng, job_spec(partial, tmp_path / "o2", job_id="part"))
     res = runner.invoke(main, ["run-pending", "--db", sqlite_url, "--json"])
     assert res.exit_code == 3, res.output
     out = json.loads(res.output)
@@ -228,6 +230,22 @@ def test_validate_spec_file_unknown_key_and_range(runner, tmp_path):
     err = one_error_line(res)
     assert "engine.max_num_seqs" in err and "greater than or equal to 1" in err
     assert "engine.gpu_memory_utilisation: unknown key" in err
+
+
+def test_validate_and_run_refuse_an_fp8_checkpoint_on_cpu_with_the_same_message(runner, tmp_path, model_path,
+                                                                              sqlite_url, monkeypatch):
+    """validate checks what run checks: the checkpoint's quantization on this device too."""
+    from tests.test_quantize import FP8_W, _qconfig_folder
+    from tokenmill.jobs.lifecycle.runner import JobError
+
+    monkeypatch.setenv("TOKENMILL_FORCE_CPU", "1")
+    ckpt = _qconfig_folder(tmp_path, model_path, FP8_W)
+    inp = prompts(tmp_path)
+    res = runner.invoke(main, ["validate", "--input", str(inp), "--output", str(tmp_path / "o"), "--model", str(ckpt)])
+    line = assert_one_line_error(res, 1, "FP8 weights, which need a CUDA GPU")
+    with pytest.raises(JobError) as err:
+        run_job(job_spec(inp, tmp_path / "o", engine={"model": str(ckpt)}), db_url=sqlite_url)
+    assert line == f"error: {err.value}"
 
 
 # ---------------------------------------------------------------- help

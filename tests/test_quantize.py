@@ -16,16 +16,10 @@ from tokenmill.jobs.modeltools.quantize import (
     suggest_group_sizes,
 )
 from tests.conftest import TEST_ENGINE, write_parquet
+from tests.helpers import one_error_line
 
 SMOL = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
         "intermediate_size": 1536, "num_hidden_layers": 30}
-
-
-def one_error_line(res):
-    assert "Traceback" not in res.output
-    lines = [line for line in res.output.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, res.output
-    return lines[0]
 
 
 def test_unknown_scheme_is_refused_naming_the_choices():

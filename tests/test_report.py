@@ -5,17 +5,15 @@ import logging
 import re
 
 import pytest
-from click.testing import CliRunner
 from sqlalchemy import select
 
 from tokenmill.jobs.metrics import report as R
 from tokenmill.schemas import storage as S
-from tokenmill.jobs.cli import main
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.config import load_spec
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
+from tests.helpers import cli, job_spec
 
 N = 40
 
@@ -23,10 +21,8 @@ N = 40
 def _run(tmp, db, job_id, max_tokens, **spec):
     rows = [{"id": str(i), "prompt": f"question {i} " * (1 + i % 6)} for i in range(N)] + [{"id": "bad", "prompt": None}]
     inp = write_parquet(tmp / f"{job_id}.parquet", rows)
-    d = {"input": str(inp), "output": str(tmp / f"out-{job_id}"), "job_id": job_id,
-         "sampling": {"max_tokens": max_tokens}}
-    d.update(spec)
-    return run_job(load_spec(d), db_url=db, session_factory=FakeSession)
+    return run_job(job_spec(inp, tmp / f"out-{job_id}", job_id=job_id, sampling={"max_tokens": max_tokens}, **spec),
+                   db_url=db, session_factory=FakeSession)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +36,7 @@ def jobs_db(tmp_path_factory, model_path):
 
 
 def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return cli(*args, catch_exceptions=False)
 
 
 def test_report_prints_the_serving_table_and_writes_a_self_contained_html(jobs_db, tmp_path):
@@ -96,14 +92,13 @@ def test_compare_puts_two_jobs_side_by_side_with_ratios(jobs_db, tmp_path):
 
 def test_unknown_job_is_a_one_line_error(jobs_db):
     for args in (["report", "nope"], ["report", "job-a", "--compare", "nope"], ["status", "nope"]):
-        res = CliRunner().invoke(main, [*args, "--db", jobs_db, "--no-html"] if args[0] == "report"
-                                 else [*args, "--db", jobs_db])
+        res = cli(*args, "--db", jobs_db, *(["--no-html"] if args[0] == "report" else []))
         assert res.exit_code == 1
         assert res.output.strip() == "error: no job with id 'nope'"
 
 
 def test_report_on_unreachable_database_masks_the_password():
-    res = CliRunner().invoke(main, ["report", "x", "--db", "postgresql+psycopg2://bob:s3cret@127.0.0.1:1/nodb"])
+    res = cli("report", "x", "--db", "postgresql+psycopg2://bob:s3cret@127.0.0.1:1/nodb")
     assert res.exit_code == 1 and res.output.startswith("error: cannot use database")
     assert "s3cret" not in res.output and len(res.output.strip().splitlines()) == 1
 
@@ -120,6 +115,8 @@ def test_jobs_and_status_show_counts_tok_s_and_cost(jobs_db):
     assert st["failures_by_reason"] == {"empty_prompt": 1}
     assert st["ttft_p50_s"] > 0 and st["tpot_p50_s"] == pytest.approx(0.001)  # FakeSession's fixed TPOT
     assert st["cost_per_1m_total_tokens"] > 0
+    assert st["ttft_p95_s"] >= st["ttft_p50_s"] and st["tpot_p95_s"] == pytest.approx(0.001)
+    assert st["e2e_p95_s"] <= st["e2e_p99_s"] and st["failure_rate"] == pytest.approx(1 / (N + 1))
     res = invoke("status", "job-a", "--db", jobs_db)
     assert "ttft_p99_s" in res.output and "failures_by_reason: empty_prompt: 1" in res.output
 
@@ -152,8 +149,7 @@ def test_database_password_never_reaches_jobs_table_report_or_logs(pg_url, tmp_p
     caplog.set_level(logging.DEBUG)
     rows = [{"id": str(i), "prompt": f"q {i}"} for i in range(5)]
     inp = write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "o"), "job_id": "pw", "db": url,
-                      "sampling": {"max_tokens": 2}})
+    spec = job_spec(inp, tmp_path / "o", job_id="pw", db=url, sampling={"max_tokens": 2})
     assert run_job(spec, session_factory=FakeSession).status == "succeeded"
     eng = S.connect(url)
     with eng.connect() as conn:

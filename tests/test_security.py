@@ -7,17 +7,15 @@ import logging
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from sqlalchemy import inspect, select
 
 from tokenmill.schemas import storage as S
-from tokenmill.jobs.cli import main
 from tokenmill.jobs.lifecycle.export import OutputPathError, check_output_root, join
 from tokenmill.jobs.lifecycle.runner import JobError, run_job
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.config import load_spec
 from tests.conftest import PG_URL, write_parquet
 from tests.fakes import FakeSession
+from tests.helpers import cli, job_spec
 
 FAKE_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYFAKESECRET"
 FAKE_KEY_ID = "AKIAFAKEKEYID0000000"
@@ -43,8 +41,7 @@ def test_credentials_never_reach_db_rows_logs_outputs_or_cli(tmp_path, pg_url_wi
     url = pg_url_with_password
     inp = write_parquet(tmp_path / "in.parquet", [{"id": f"r{i}", "prompt": f"question {i}"} for i in range(5)]
                         + [{"id": "bad", "prompt": None}])
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "secure", "db": url,
-                      "sampling": {"max_tokens": 3}})
+    spec = job_spec(inp, tmp_path / "out", job_id="secure", db=url, sampling={"max_tokens": 3})
     caplog.set_level(logging.DEBUG)
     res = run_job(spec, db_url=url, session_factory=FakeSession)
     assert (res.succeeded, res.failed) == (5, 1)
@@ -52,7 +49,7 @@ def test_credentials_never_reach_db_rows_logs_outputs_or_cli(tmp_path, pg_url_wi
     reports = tmp_path / "reports"
     for cmd in (["status", "secure", "--json"], ["jobs", "--json"], ["status", "secure"],
                 ["report", "secure", "--json", "--out", str(reports)]):
-        r = CliRunner().invoke(main, [*cmd, "--db", url])
+        r = cli(*cmd, "--db", url)
         assert r.exit_code == 0, r.output
         texts.append(r.output)
     texts += [p.read_text(errors="replace") for p in files_under(reports)]
@@ -74,7 +71,7 @@ def test_credentials_never_reach_db_rows_logs_outputs_or_cli(tmp_path, pg_url_wi
 
 def test_unreachable_database_error_masks_the_password(tmp_path):
     url = PG_URL.replace("postgres@", f"postgres:{DB_PASSWORD}@").replace("5432/test", "5432/no_such_db_here")
-    r = CliRunner().invoke(main, ["status", "x", "--db", url])
+    r = cli("status", "x", "--db", url)
     assert r.exit_code == 1
     assert r.output.startswith("error: cannot use database postgresql+psycopg2://postgres:***@")
     assert DB_PASSWORD not in r.output
@@ -82,8 +79,7 @@ def test_unreachable_database_error_masks_the_password(tmp_path):
 
 def test_malicious_row_id_is_stored_verbatim_and_drops_nothing(tmp_path, any_db_url):
     inp = write_parquet(tmp_path / "in.parquet", [{"id": MALICIOUS_ID, "prompt": "hi"}, {"id": "ok", "prompt": "yo"}])
-    res = run_job(load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "sqlinj",
-                             "sampling": {"max_tokens": 2}}), db_url=any_db_url, session_factory=FakeSession)
+    res = run_job(job_spec(inp, tmp_path / "out", job_id="sqlinj", sampling={"max_tokens": 2}), db_url=any_db_url, session_factory=FakeSession)
     assert res.status == "succeeded" and res.succeeded == 2
     eng = S.connect(any_db_url)
     assert "jobs" in inspect(eng).get_table_names()
@@ -91,9 +87,9 @@ def test_malicious_row_id_is_stored_verbatim_and_drops_nothing(tmp_path, any_db_
         ids = set(conn.execute(select(T.outputs.c.id).where(T.outputs.c.job_id == "sqlinj")).scalars())
     assert ids == {MALICIOUS_ID, "ok"}
     # and as a command argument
-    r = CliRunner().invoke(main, ["status", MALICIOUS_ID, "--db", any_db_url])
+    r = cli("status", MALICIOUS_ID, "--db", any_db_url)
     assert r.exit_code == 1 and r.output.strip() == f"error: no job with id {MALICIOUS_ID!r}"
-    r = CliRunner().invoke(main, ["cancel", MALICIOUS_ID, "--db", any_db_url])
+    r = cli("cancel", MALICIOUS_ID, "--db", any_db_url)
     assert r.exit_code == 1
     assert S.get_job(eng, "sqlinj")["status"] == "succeeded"
 
@@ -109,7 +105,7 @@ def test_job_with_dotdot_output_is_refused_before_any_work(tmp_path, sqlite_url)
     FakeSession.instances.clear()
     out = f"{tmp_path}/out/../../escaped"
     with pytest.raises(JobError, match=r"contains a '\.\.' segment"):
-        run_job(load_spec({"input": str(inp), "output": out, "job_id": "dots"}), db_url=sqlite_url,
+        run_job(job_spec(inp, out, job_id="dots"), db_url=sqlite_url,
                 session_factory=FakeSession)
     assert FakeSession.instances == [] and S.get_job(S.connect(sqlite_url), "dots") is None
     assert not (tmp_path.parent / "escaped").exists()
@@ -117,7 +113,7 @@ def test_job_with_dotdot_output_is_refused_before_any_work(tmp_path, sqlite_url)
 
 def test_cli_refuses_dotdot_output_in_one_line(tmp_path, sqlite_url):
     inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])
-    r = CliRunner().invoke(main, ["run", "--input", str(inp), "--output", "runs/../../x", "--db", sqlite_url])
+    r = cli("run", "--input", inp, "--output", "runs/../../x", "--db", sqlite_url)
     assert r.exit_code == 1
     assert r.output.strip() == "error: output 'runs/../../x' contains a '..' segment; give the folder itself"
 
@@ -127,8 +123,8 @@ def test_ids_and_names_never_become_paths(tmp_path, sqlite_url):
     (tmp_path / "work").mkdir()
     inp = write_parquet(tmp_path / "work" / "in.parquet", rows)
     before = files_under(tmp_path)
-    res = run_job(load_spec({"input": str(inp), "output": str(tmp_path / "work" / "out"), "job_id": "paths",
-                             "name": "../../evil", "sampling": {"max_tokens": 2}}),
+    res = run_job(job_spec(inp, tmp_path / "work" / "out", job_id="paths", name="../../evil",
+                           sampling={"max_tokens": 2}),
                   db_url=sqlite_url, session_factory=FakeSession)
     assert (res.succeeded, res.failed) == (2, 1)
     new = files_under(tmp_path) - before

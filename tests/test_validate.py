@@ -58,3 +58,32 @@ def test_duplicate_ids_first_in_input_order_wins():
     assert out[0] is b
     assert [o.reason for o in out[1:]] == [R.DUPLICATE_ID, R.DUPLICATE_ID]
     assert {o.input_ref for o in out[1:]} == {"1:0", "0:10"}
+
+
+def test_a_sampling_key_added_to_the_model_is_a_flag_and_is_validated_per_row():
+    """Adding a per-row key is one edit in schemas/sampling.py: the flags and the row check follow."""
+    import click
+    from pydantic import Field
+
+    from tokenmill.jobs.cli.common import apply_options, model_options
+    from tokenmill.schemas.sampling import RowSampling
+    from tokenmill.transforms.validate import parse_sampling
+
+    class WithMinTokens(RowSampling):
+        min_tokens: int = Field(0, ge=0)
+        """Fewest output tokens before EOS may end the row."""
+
+    cmd = apply_options(click.command()(lambda **kw: None), model_options(WithMinTokens))
+    opt = next(p for p in cmd.params if p.name == "min_tokens")
+    assert opt.opts == ["--min-tokens"] and opt.type is click.INT and "Fewest output tokens" in opt.help
+    assert parse_sampling({"min_tokens": 3.0, "max_tokens": 8}, WithMinTokens) == {"min_tokens": 3, "max_tokens": 8}
+    with pytest.raises(ValueError, match=r"^min_tokens must be an integer >= 0, got -1$"):
+        parse_sampling({"min_tokens": -1}, WithMinTokens)
+
+
+def test_row_sampling_refuses_strings_and_bools_for_numbers():
+    for fields, says in [({"temperature": "0.5"}, "temperature must be >= 0, got '0.5'"),
+                         ({"max_tokens": True}, "max_tokens must be an integer > 0, got True"),
+                         ({"seed": 1.5}, "seed must be an integer, got 1.5")]:
+        out = validate_row(row(prompt=b"hi", **fields))
+        assert isinstance(out, FailedRecord) and out.reason == R.BAD_SAMPLING and out.message == says

@@ -6,33 +6,27 @@ Input, one request per line (blank lines are skipped, as OpenAI and vLLM do)::
      "body": {"model": "smollm2-135m", "messages": [...], "max_tokens": 64}}
 
 Each line becomes the same row dict the Parquet reader yields (`id` = custom_id,
-`messages` or `prompt`, and the per-row sampling keys `max_tokens`,
-`temperature`, `top_p`, `seed`, `stop`), so Validate, dedup and the rest of the
-pipeline are unchanged.  A line that is not a usable request (bad JSON, no
-custom_id, another method or endpoint, unsupported body fields) becomes a
-`bad_request` dead letter carrying the line; it never fails the job.
+`messages` or `prompt`, and the per-row sampling keys of
+schemas/sampling.RowSampling, `max_completion_tokens` read as `max_tokens`), so
+Validate, dedup and the rest of the pipeline are unchanged.  A line that is not
+a usable request (bad JSON, no custom_id, another method or endpoint,
+unsupported body fields) becomes a `bad_request` dead letter carrying the
+line; it never fails the job.
 
-Output (jobs/export.py calls `output_lines` and `dead_letter_lines` on rows
-from the database): one line per input line, matched by `custom_id`, in the
-OpenAI batch output format that vLLM's `BatchRequestOutput` model describes.
-Successful requests go to `outputs.jsonl` with a `chat.completion` or
-`text_completion` body and `usage`; failed ones to `errors.jsonl` with
-`response.status_code` and `error: {code, message}`.  The endpoint and the
-model name of each request are read back from the input file at export time
-(`RequestIndex`), so the database needs no column for them.
+The output files (`outputs.jsonl`, `errors.jsonl`) are written by the launcher
+at export: jobs/lifecycle/openai_export.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from array import array
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import apache_beam as beam
 
 from tokenmill.schemas import records as R
+from tokenmill.schemas.sampling import RowSampling
 from tokenmill.transforms.read import InputError, InputPlan, expand_input
 from tokenmill.schemas.errors import first_line
 
@@ -50,9 +44,11 @@ UNSUPPORTED = {
     "tools": lambda v: bool(v),
     "response_format": lambda v: v not in (None, {"type": "text"}),
 }
+#: Body names of a sampling key where the API has more than one (the first present wins);
+#: every other RowSampling key is read under its own name.
+BODY_NAMES = {"max_tokens": ("max_completion_tokens", "max_tokens")}
 ERROR_KEY = "_error"  # (reason, message) of a line the reader could not make a row of
 RAW_KEY = "_raw"
-STATUS_BY_REASON = {R.ENGINE_ERROR: 500, R.ENGINE_TIMEOUT: 500}
 
 
 @dataclass(frozen=True)
@@ -87,7 +83,7 @@ def _open(path: str):
     return FileSystems.open(path, compression_type=kind)
 
 
-def _scan(path: str) -> Iterator[tuple[int, int, bytes]]:
+def scan_lines(path: str) -> Iterator[tuple[int, int, bytes]]:
     """(line number, byte offset, line bytes) for every line of a file."""
     with _open(path) as fh:
         offset = 0
@@ -112,12 +108,12 @@ def plan_jsonl(path: str) -> JsonlPlan:
         start = start_off = None
         count = 0
         try:
-            for i, off, line in _scan(f):
+            for i, off, line in scan_lines(f):
                 if start is None:
                     start, start_off = i, off
                 if line.strip():
                     total += 1
-                    url, model = _peek(line)
+                    url, model = peek_request(line)
                     endpoints[url] = endpoints.get(url, 0) + 1
                     if model is not None:
                         models[model] = models.get(model, 0) + 1
@@ -133,7 +129,7 @@ def plan_jsonl(path: str) -> JsonlPlan:
                      endpoints=endpoints, models=models)
 
 
-def _peek(line: bytes) -> tuple[str, str | None]:
+def peek_request(line: bytes) -> tuple[str, str | None]:
     try:
         obj = json.loads(line)
         body = obj.get("body") if isinstance(obj, dict) else None
@@ -205,12 +201,10 @@ def parse_request(line: str | bytes) -> dict[str, Any]:
             raise LineError(f"body.prompt must be a string for {COMPLETIONS}, got {_short(prompt)}")
         out["prompt"] = prompt
         out["messages"] = None
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        out["max_tokens"] = max_tokens
-    for key in ("temperature", "top_p", "seed", "stop"):
-        if body.get(key) is not None:
-            out[key] = body[key]
+    for key in RowSampling.model_fields:
+        value = next((body[k] for k in BODY_NAMES.get(key, (key,)) if body.get(k) is not None), None)
+        if value is not None:
+            out[key] = value
     return out
 
 
@@ -283,109 +277,12 @@ class ReadOpenAIBatch(beam.PTransform):
         )
 
 
-# ---------------------------------------------------------------- rows → output lines
+def __getattr__(name: str):
+    # The export renderer moved to tokenmill.jobs.lifecycle.openai_export (it runs in the
+    # launcher); this forward keeps jobs/lifecycle/export.py working until its import is
+    # switched at merge, then goes.
+    if name in ("RequestIndex", "response_body", "output_lines", "dead_letter_lines"):
+        from tokenmill.jobs.lifecycle import openai_export
 
-
-class RequestIndex:
-    """Endpoint and model of every input line, by `input_ref`, in a few bytes per line.
-
-    Built from the job's input at export time; rows whose input cannot be read
-    again fall back to a chat completion under the row's own model name."""
-
-    def __init__(self) -> None:
-        self._kind: dict[int, array] = {}  # file index → per line: 0 unknown, 1 chat, 2 completion
-        self._model: dict[int, array] = {}  # file index → per line: index into _models
-        self._models: list[str | None] = [None]
-
-    @classmethod
-    def from_input(cls, source: str | None) -> "RequestIndex":
-        idx = cls()
-        if not source:
-            return idx
-        try:
-            files = expand_input(source, JSONL_PATTERNS)
-        except InputError:
-            return idx
-        names: dict[str | None, int] = {None: 0}
-        for fi, f in enumerate(files):
-            kinds, models = array("B"), array("I")
-            for _, _, line in _scan(f):
-                url, model = _peek(line) if line.strip() else ("?", None)
-                kinds.append(1 if url == CHAT else 2 if url == COMPLETIONS else 0)
-                if model not in names:
-                    names[model] = len(idx._models)
-                    idx._models.append(model)
-                models.append(names[model])
-            idx._kind[fi], idx._model[fi] = kinds, models
-        return idx
-
-    def lookup(self, input_ref: str) -> tuple[str, str | None]:
-        try:
-            f, line = (int(x) for x in input_ref.split(":"))
-            kind = self._kind[f][line]
-            return (COMPLETIONS if kind == 2 else CHAT), self._models[self._model[f][line]]
-        except (KeyError, IndexError, ValueError):
-            return CHAT, None
-
-
-def _ids(job_id: str, custom_id: str) -> tuple[str, str]:
-    """Stable ids, so exporting the same job twice writes the same file."""
-    h = hashlib.sha256(f"{job_id}\0{custom_id}".encode()).hexdigest()[:24]
-    return f"batch_req_{h}", f"tokenmill-{h}"
-
-
-def response_body(row: dict[str, Any], url: str, model: str | None) -> dict[str, Any]:
-    """A `chat.completion` or `text_completion` body with `usage` for one output row."""
-    _, rid = _ids(row["job_id"], row["id"])
-    prompt, completion = int(row.get("prompt_tokens") or 0), int(row.get("output_tokens") or 0)
-    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    if row.get("cached_tokens") is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": int(row["cached_tokens"])}
-    common = {"created": int(row.get("finished_at") or 0), "model": model or row.get("model") or "", "usage": usage}
-    finish = row.get("finish_reason") or "stop"
-    if url == COMPLETIONS:
-        choice = {"index": 0, "text": row.get("text") or "", "logprobs": None, "finish_reason": finish}
-        return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice], **common}
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": row.get("text") or ""},
-        "logprobs": None,
-        "finish_reason": finish,
-    }
-    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": [choice], **common}
-
-
-def output_lines(chunks: Iterable[list[dict[str, Any]]], source: str | None = None) -> Iterator[list[str]]:
-    """Chunks of output rows → chunks of OpenAI batch output lines (one per row).
-
-    `source` is the job's input (file, folder or glob); it tells each row's endpoint
-    and the model name its request asked for."""
-    index = RequestIndex.from_input(source)
-    for rows in chunks:
-        out = []
-        for r in rows:
-            url, model = index.lookup(r["input_ref"])
-            line_id, request_id = _ids(r["job_id"], r["id"])
-            out.append(json.dumps({
-                "id": line_id,
-                "custom_id": r["id"],
-                "response": {"status_code": 200, "request_id": request_id, "body": response_body(r, url, model)},
-                "error": None,
-            }, ensure_ascii=False))
-        yield out
-
-
-def dead_letter_lines(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[str]]:
-    """Chunks of dead-letter rows → chunks of error lines (`error: {code, message}`)."""
-    for rows in chunks:
-        out = []
-        for r in rows:
-            cid = r.get("id") or f"line-{r['input_ref']}"
-            line_id, request_id = _ids(r["job_id"], f"{cid}\0{r['input_ref']}")
-            out.append(json.dumps({
-                "id": line_id,
-                "custom_id": cid,
-                "response": {"status_code": STATUS_BY_REASON.get(r["reason"], 400), "request_id": request_id, "body": None},
-                "error": {"code": r["reason"], "message": r["message"]},
-            }, ensure_ascii=False))
-        yield out
+        return getattr(openai_export, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

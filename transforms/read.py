@@ -45,27 +45,28 @@ def _is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
-def s3_client():
-    """A boto3 S3 client built from the options Beam's S3 filesystem uses (endpoint,
-    keys, region: `FileSystems.set_options`), so checks see what the job will see."""
+def s3_client(options=None):
+    """A boto3 S3 client built from the pipeline options Beam's S3 filesystem uses
+    (endpoint, keys, region), so checks see what the job will see."""
     from apache_beam.io.aws.clients.s3.boto3_client import Client
-    from apache_beam.io.filesystems import FileSystems
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    return Client(getattr(FileSystems, "_pipeline_options", None) or PipelineOptions([])).client
+    return Client(options or PipelineOptions([])).client
 
 
-def check_bucket(url: str, what: str = "input") -> None:
+def check_bucket(url: str, what: str = "input", options=None) -> None:
     """For an s3:// URL: the bucket exists and the credentials are accepted, else InputError.
+    `options`: the job's PipelineOptions (its S3 endpoint and region).
 
-    Beam's S3 listing turns both into "no files", so ask S3 directly first."""
+    Beam's S3 listing turns both into "no files", so ask S3 directly first (the job's
+    preflight does, before planning the input)."""
     if not url.startswith("s3://"):
         return
     import botocore.exceptions as BE
 
     bucket = url[len("s3://"):].split("/", 1)[0]
     try:
-        s3_client().head_bucket(Bucket=bucket)
+        s3_client(options).head_bucket(Bucket=bucket)
     except BE.ClientError as err:
         code = str(err.response.get("Error", {}).get("Code", ""))
         if code in ("404", "NoSuchBucket"):
@@ -84,8 +85,6 @@ def check_bucket(url: str, what: str = "input") -> None:
 def expand_input(path: str, patterns: tuple[str, ...] = ("*.parquet",)) -> list[str]:
     """Files for a file, folder or glob, local or on a Beam filesystem (s3://)."""
     from apache_beam.io.filesystems import FileSystems
-
-    check_bucket(path, "input")
 
     def match(p: str) -> list[str]:
         try:

@@ -15,9 +15,9 @@ import apache_beam as beam
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.records import FailedRecord, PromptRecord
+from tokenmill.schemas.sampling import RowSampling, RowSamplingError, validate_row_sampling
 
 DEAD = "dead"
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "seed", "stop")
 RAW_LIMIT = 2000
 
 
@@ -80,40 +80,23 @@ def _short(v: Any) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def parse_sampling(row: dict[str, Any]) -> dict[str, Any]:
-    """Per-row overrides; values that vLLM would reject are dead letters here."""
-    out: dict[str, Any] = {}
-    for key in SAMPLING_KEYS:
+def parse_sampling(row: dict[str, Any], model: type[RowSampling] = RowSampling) -> dict[str, Any]:
+    """Per-row overrides of the keys `model` declares; values it refuses (as vLLM would)
+    are dead letters here, the message naming the key and the value."""
+    values: dict[str, Any] = {}
+    for key in model.model_fields:
         if key not in row or _is_missing(row[key]):
             continue
         v = row[key]
         if isinstance(v, (bytes, bytearray)):
             v = _text(v, key)
-        if key == "max_tokens":
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v <= 0:
-                raise RowError(R.BAD_SAMPLING, f"max_tokens must be an integer > 0, got {_short(v)}")
-            out[key] = int(v)
-        elif key == "temperature":
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise RowError(R.BAD_SAMPLING, f"temperature must be >= 0, got {_short(v)}")
-            out[key] = float(v)
-        elif key == "top_p":
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 1):
-                raise RowError(R.BAD_SAMPLING, f"top_p must be in (0, 1], got {_short(v)}")
-            out[key] = float(v)
-        elif key == "seed":
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-                raise RowError(R.BAD_SAMPLING, f"seed must be an integer, got {_short(v)}")
-            out[key] = int(v)
-        elif key == "stop":
-            if isinstance(v, str):
-                v = [v]
-            if not isinstance(v, (list, tuple)) or not all(isinstance(s, (str, bytes)) for s in v):
-                raise RowError(R.BAD_SAMPLING, f"stop must be a string or a list of strings, got {_short(v)}")
-            stops = [_text(s, "stop") for s in v]
-            if stops:
-                out[key] = stops
-    return out
+        elif isinstance(v, (list, tuple)):  # stop strings may come as bytes too
+            v = [_text(s, key) if isinstance(s, (bytes, bytearray)) else s for s in v]
+        values[key] = v
+    try:
+        return validate_row_sampling(values, model)
+    except RowSamplingError as err:
+        raise RowError(R.BAD_SAMPLING, str(err)) from None
 
 
 def raw_repr(row: dict[str, Any]) -> str:

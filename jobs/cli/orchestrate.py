@@ -1,6 +1,6 @@
 """CLI commands for schedulers: `submit`, `run-pending`, `validate` (docs/ORCHESTRATION.md).
 
-Exit codes are jobs/cli.py's: 0 succeeded, 1 failed, 2 usage or invalid spec,
+Exit codes are jobs/cli/common.py's: 0 succeeded, 1 failed, 2 usage or invalid spec,
 3 partial (dead letters), 4 cancelled, 5 busy (the queue lock or the job id is
 held by another live run).
 """
@@ -12,24 +12,10 @@ from typing import Any
 
 import click
 
-from tokenmill.jobs.cli import (
-    CONTEXT_SETTINGS,
-    EXIT_BUSY,
-    EXIT_CANCELLED,
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_PARTIAL,
-    Failure,
-    Progress,
-    build_spec,
-    connect,
-    db_option,
-    emit_json,
-    job_spec_options,
-    json_option,
-    main,
-    spec_overrides,
-)
+from tokenmill.jobs.cli.app import main
+from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_BUSY, EXIT_CANCELLED, EXIT_FAILED, EXIT_OK,
+    EXIT_PARTIAL, Failure, Progress, build_spec, connect, db_option, emit_json, job_spec_options, json_option,
+    spec_overrides)
 
 #: run-pending's exit code: the most serious outcome among the jobs it ran.
 SEVERITY = [("failed", EXIT_FAILED), ("busy", EXIT_BUSY), ("cancelled", EXIT_CANCELLED), ("partial", EXIT_PARTIAL)]
@@ -41,8 +27,10 @@ SEVERITY = [("failed", EXIT_FAILED), ("busy", EXIT_BUSY), ("cancelled", EXIT_CAN
 def submit(spec_file, as_json, **kw):
     """Queue a job as pending and print its id at once (run it later with run-pending).
 
-    The spec is validated strictly first; submitting an id that is already pending
-    does nothing, so a retried submit never queues a job twice.
+    The spec is validated strictly first, then the input (exists, has a prompt column),
+    the output and their buckets; the model and the engine options are checked when
+    the job runs (run-pending may run on another machine).  Submitting an id that is
+    already pending does nothing, so a retried submit never queues a job twice.
 
     \b
     Examples:
@@ -51,8 +39,13 @@ def submit(spec_file, as_json, **kw):
     """
     from tokenmill.jobs.lifecycle.queue import QueueBusy, QueueError, submit as submit_job
 
+    from tokenmill.jobs.lifecycle.preflight import preflight
+
     spec = build_spec(spec_file, spec_overrides(kw))
     eng = connect(kw.get("db_url") or spec.db)
+    problems = preflight(spec, engine=False).problems
+    if problems:
+        raise Failure("; ".join(problems))
     try:
         res = submit_job(eng, spec)
     except QueueBusy as err:
@@ -91,7 +84,7 @@ def run_pending(db_url, limit, quiet, as_json):
     progress: list[Progress] = []
 
     def run(spec):
-        p = Progress(enabled=not quiet and not as_json and sys.stderr.isatty())
+        p = Progress.for_output(quiet, as_json)
         progress.append(p)
         try:
             return run_job(spec, db_url=url, progress=p)
@@ -110,10 +103,6 @@ def run_pending(db_url, limit, quiet, as_json):
         outcomes = run_queue(eng, run, limit=limit, on_start=started, on_done=done)
     except QueueBusy as err:
         raise Failure(str(err), EXIT_BUSY) from None
-    finally:
-        from tokenmill.transforms.engines.registry import shutdown_all
-
-        shutdown_all()
     code = next((c for status, c in SEVERITY if any(o.status == status for o in outcomes)), EXIT_OK)
     if as_json:
         emit_json({"exit_code": code, "jobs": [
@@ -125,49 +114,22 @@ def run_pending(db_url, limit, quiet, as_json):
 
 
 def check_spec(spec) -> dict[str, Any]:
-    """Everything `run` checks before a worker starts, without a database: the input
-    (exists, readable, has a prompt column), the model (resolves to a local folder)
-    and the engine options for this machine.  Returns what was found; raises Failure
-    with every problem on one line."""
-    from tokenmill.jobs.lifecycle.runner import check_output_path, set_filesystem_options
-    from tokenmill.schemas.models import ModelNotFound, resolve_model
-    from tokenmill.transforms.engines.protocol import EngineStartError
-    from tokenmill.transforms.engines.checks import check_engine_config
-    from tokenmill.transforms.engines.device import has_nvidia_gpu
-    from tokenmill.transforms.read import InputError, plan_input
+    """The checks `run` makes before a worker starts (preflight.py), without a database:
+    returns what was found; raises Failure with every problem on one line."""
+    from tokenmill.jobs.lifecycle.preflight import preflight
 
-    problems, found = [], {"job_id": spec.derived_job_id(), "input_format": spec.resolved_input_format(),
-                           "output_format": spec.output_format}
-    try:
-        found["model_path"] = str(resolve_model(spec.engine.model, need_weights=spec.engine.load_format != "dummy"))
-    except ModelNotFound as err:
-        problems.append(str(err))
-    try:
-        check_engine_config(spec.engine, on_gpu=has_nvidia_gpu())
-    except EngineStartError as err:
-        problems.append(str(err))
-    try:
-        check_output_path(spec.output)
-    except Exception as err:
-        problems.append(str(err))
-    try:
-        set_filesystem_options(spec)
-        plan = plan_input(spec.input, spec.resolved_input_format())
-        found.update(rows=plan.total_rows, files=len(plan.files), columns=plan.columns)
-        for key in ("endpoints", "models"):
-            if getattr(plan, key, None):
-                found[key] = getattr(plan, key)
-        if "models" in found and "model_path" in found:  # such lines would become dead letters
-            import os
-
-            served = {spec.engine.model, found["model_path"], os.path.basename(found["model_path"])}
-            unserved = {m: n for m, n in found["models"].items() if m not in served}
-            if unserved:
-                found["unserved_models"] = unserved
-    except InputError as err:
-        problems.append(str(err))
-    if problems:
-        raise Failure("; ".join(problems), EXIT_FAILED)
+    pf = preflight(spec)
+    if pf.problems:
+        raise Failure("; ".join(pf.problems), EXIT_FAILED)
+    plan = pf.plan
+    found = {"job_id": spec.derived_job_id(), "input_format": spec.resolved_input_format(),
+             "output_format": spec.output_format, "model_path": pf.model_path,
+             "rows": plan.total_rows, "files": len(plan.files), "columns": plan.columns}
+    for key in ("endpoints", "models"):
+        if getattr(plan, key, None):
+            found[key] = getattr(plan, key)
+    if pf.unserved_models():  # such lines would become dead letters
+        found["unserved_models"] = pf.unserved_models()
     return found
 
 
@@ -176,7 +138,8 @@ def check_spec(spec) -> dict[str, Any]:
 @json_option
 def validate(spec_file, as_json, **kw):
     """Check a job spec without running it: keys, types and ranges (with the key path),
-    then the input (exists, has a prompt column), the model and the engine options.
+    then everything `run` checks before reading a row: the model, the engine options
+    (and the checkpoint) for this machine, the output, the input and their buckets.
 
     Exit code 0 when the job could run, 2 for an invalid spec, 1 when the input,
     model, engine options or the database (when --db is given) are wrong.

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import re
-
 import click
 
-from tokenmill.jobs.cli import (
+from tokenmill.jobs.cli.app import main
+from tokenmill.jobs.cli.common import (
     CONTEXT_SETTINGS,
     EXIT_QUALITY,
     EXIT_USAGE,
@@ -16,19 +15,17 @@ from tokenmill.jobs.cli import (
     db_option,
     emit_json,
     json_option,
-    main,
 )
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.I)
 
 
 def parse_bytes(text: str) -> int:
-    """`4294967296`, `4GiB`, `512MiB`, `2G` (binary units) → bytes; Failure otherwise."""
-    m = _SIZE.match(text or "")
-    if not m:
-        raise Failure(f"--memory must be a byte count like 4294967296 or 4GiB, got {text!r}", EXIT_USAGE)
-    unit = (m.group(2) or "b")[0].lower()
-    return int(float(m.group(1)) * 1024 ** "bkmgt".index(unit))
+    """`4294967296`, `4GiB`, `512MiB` → bytes (kvplan.parse_bytes); Failure otherwise."""
+    from tokenmill.jobs.modeltools.kvplan import parse_bytes as parse
+
+    try:
+        return parse(text or "")
+    except ValueError:
+        raise Failure(f"--memory must be a byte count like 4294967296 or 4GiB, got {text!r}", EXIT_USAGE) from None
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)

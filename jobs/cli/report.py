@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from tokenmill.jobs.cli import CONTEXT_SETTINGS, Failure, connect, db_option, emit_json, json_option, main
+from tokenmill.jobs.cli.app import main
+from tokenmill.jobs.cli.common import CONTEXT_SETTINGS, Failure, connect, db_option, emit_json, json_option
 
 
 def _default_out() -> str:

@@ -23,8 +23,8 @@ from sqlalchemy.exc import IntegrityError
 from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import JobSpec, SpecError, load_spec
-from tokenmill.schemas.db import mask_url
 from tokenmill.schemas.errors import first_line
+from tokenmill.jobs.lifecycle.jobrow import job_values
 
 LOCK_NAME = "run-pending"
 #: A job in one of these states may be submitted again: it goes back to the queue
@@ -47,15 +47,6 @@ class Submitted:
     """`pending` (newly queued or queued again) or `already pending`."""
 
 
-def stored_spec(spec: JobSpec) -> dict[str, Any]:
-    """The spec as stored on the job row: the job id fixed, credentials in the db URL masked."""
-    d = spec.model_dump(mode="json")
-    d["job_id"] = spec.derived_job_id()
-    if d.get("db"):
-        d["db"] = mask_url(d["db"])
-    return d
-
-
 def absolute_paths(spec: JobSpec) -> JobSpec:
     """Local input/output paths made absolute: run-pending may run in another directory."""
     update = {}
@@ -72,12 +63,7 @@ def submit(eng: Engine, spec: JobSpec) -> Submitted:
     partial one is refused.  Local paths are stored absolute."""
     spec = absolute_paths(spec)
     job_id = spec.derived_job_id()
-    values = {
-        "id": job_id, "name": spec.name or job_id, "status": "pending", "spec": stored_spec(spec),
-        "model": spec.engine.model, "quantization": spec.engine.quantization,
-        "kv_cache_dtype": spec.engine.kv_cache_dtype, "engine_config": spec.engine.model_dump(mode="json"),
-        "runner": spec.runner.runner, "submitted_at": S.utcnow(), "cancel_requested": False,
-    }
+    values = {"id": job_id, **job_values(spec), "status": "pending", "submitted_at": S.utcnow(), "cancel_requested": False}
     try:
         with eng.begin() as conn:
             conn.execute(insert(T.jobs).values(**values))

@@ -17,7 +17,6 @@ arrives when the batch is admitted, so TTFT includes waiting for a slot.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable, Sequence
 
 
@@ -35,16 +34,13 @@ CLOCKS: dict[str, str] = {
 }
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), None for no values."""
-    vals = sorted(v for v in values if v is not None and not math.isnan(v))
-    if not vals:
-        return None
-    if len(vals) == 1:
-        return float(vals[0])
-    k = (len(vals) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return float(vals[lo] + (vals[hi] - vals[lo]) * (k - lo))
+def percentile(values: Sequence[float | None], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), ignoring None and NaN; None for no values."""
+    import numpy as np
+
+    vals = np.array([v for v in values if v is not None], dtype=float)
+    vals = vals[~np.isnan(vals)]
+    return float(np.percentile(vals, q)) if vals.size else None
 
 
 def dist(values: Iterable[float | None]) -> dict[str, float | None]:

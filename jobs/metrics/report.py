@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.schemas import storage as S
+from tokenmill.schemas.secrets import scrub
 from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path, job_metrics
 
 #: Histogram bins per latency figure.
@@ -34,20 +35,6 @@ class ReportError(RuntimeError):
 
 
 # ---------------------------------------------------------------- data
-
-_SECRET_IN_URL = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^:/@\s]+:)[^@\s]+@")
-
-
-def scrub(obj: Any) -> Any:
-    """A copy with the password of every URL-looking string replaced by ***."""
-    if isinstance(obj, str):
-        return _SECRET_IN_URL.sub(r"\1***@", obj)
-    if isinstance(obj, dict):
-        return {k: scrub(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [scrub(v) for v in obj]
-    return obj
-
 
 def _iso(t: Any) -> str | None:
     if isinstance(t, dt.datetime):
@@ -147,10 +134,9 @@ def fmt(v: Any, kind: str = "num") -> str:
             return f"{v * 1e3:.1f} ms"
         return f"{v * 1e6:.0f} µs"
     if kind == "bytes":
-        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if abs(v) >= size:
-                return f"{v / size:.2f} {unit}"
-        return f"{int(v)} B"
+        from tokenmill.jobs.modeltools.kvplan import format_bytes
+
+        return format_bytes(v)
     if kind == "pct":
         return f"{v:.1%}"
     if kind == "pct100":
@@ -255,38 +241,43 @@ LATENCY_ROWS = (("ttft", "TTFT", "ttft_s"), ("tpot", "TPOT", "tpot_s"), ("e2e", 
 STATS = ("p50", "p95", "p99", "mean", "max")
 
 
+def _plain(rows, headers=(), colalign=None, indent: str = "") -> list[str]:
+    """Rows as aligned plain-text lines (tabulate's `plain` format), each prefixed by `indent`."""
+    from tabulate import tabulate
+
+    text = tabulate(rows, headers=headers, tablefmt="plain", colalign=colalign, disable_numparse=True)
+    return [indent + line for line in text.splitlines()]
+
+
 def format_report(data: dict[str, Any]) -> str:
     """The report as aligned plain text for a terminal."""
     lines: list[str] = []
     for title, items in report_sections(data):
         lines.append(title)
-        width = max(len(k) for k, _ in items)
-        lines += [f"  {k:<{width}}  {v}" for k, v in items]
+        lines += _plain(items, indent="  ")
         if title == "Requests":
             lines.append("")
             lines.append("Latency (per request)")
-            lines.append(f"  {'':<6}" + "".join(f"{s:>11}" for s in STATS) + f"{'n':>8}  clock")
+            rows = []
             for key, label, col in LATENCY_ROWS:
                 d = get_path(data["metrics"], f"latency_s.{key}") or {}
-                lines.append(f"  {label:<6}" + "".join(f"{fmt(d.get(s), 's'):>11}" for s in STATS)
-                             + f"{fmt(d.get('n')):>8}  {CLOCKS[col]}")
+                rows.append([label, *(fmt(d.get(s), "s") for s in STATS), fmt(d.get("n")), CLOCKS[col]])
+            lines += _plain(rows, headers=["", *STATS, "n", "clock"],
+                            colalign=("left", *("right",) * (len(STATS) + 1), "left"), indent="  ")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
 
 def format_compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     """Two jobs side by side; ratio = B ÷ A; the last column names the better job."""
-    rows = compare_metrics(a["metrics"], b["metrics"])
     ida, idb = a["job"]["id"], b["job"]["id"]
-    w = max(len(r["label"]) for r in rows)
-    cw = max(14, len(ida), len(idb))
-    out = [f"A = {ida} ({a['job'].get('status')}), B = {idb} ({b['job'].get('status')})", "",
-           f"{'':<{w}}  {'A':>{cw}}  {'B':>{cw}}  {'B/A':>8}  better"]
-    for r in rows:
+    rows = []
+    for r in compare_metrics(a["metrics"], b["metrics"]):
         k = _kind_for(r["metric"])
         better = {"a": "A", "b": "B", "same": "="}.get(r["better"], "")
-        out.append(f"{r['label']:<{w}}  {fmt(r['a'], k):>{cw}}  {fmt(r['b'], k):>{cw}}  "
-                   f"{fmt(r['ratio_b_over_a'], 'ratio'):>8}  {better}")
+        rows.append([r["label"], fmt(r["a"], k), fmt(r["b"], k), fmt(r["ratio_b_over_a"], "ratio"), better])
+    out = [f"A = {ida} ({a['job'].get('status')}), B = {idb} ({b['job'].get('status')})", ""]
+    out += _plain(rows, headers=["", "A", "B", "B/A", "better"], colalign=("left", "right", "right", "right", "left"))
     return "\n".join(out) + "\n"
 
 

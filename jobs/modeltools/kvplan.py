@@ -186,14 +186,22 @@ def engine_info_for_job(eng, job_id: str) -> dict[str, Any] | None:
     return None if row is None or not row[0] else dict(row[0])
 
 
+def parse_bytes(text: str) -> int:
+    """`4294967296`, `4GiB`, `512MiB`, `2GB` → bytes (pydantic's ByteSize: `KiB`/`MiB`/`GiB` are
+    binary, `K`/`KB`/`G`/`GB` decimal); ValueError otherwise."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise ValueError(f"not a byte count: {text!r}") from None
+
+
 def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return f"{n}"  # pragma: no cover
+    """`1.5 GiB`, `512 B` (binary units); `-` for None."""
+    from pydantic import ByteSize
+
+    return "-" if n is None else ByteSize(int(n)).human_readable(separator=" ")
 
 
 def format_plan(p: dict[str, Any]) -> str:

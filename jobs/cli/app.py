@@ -1,0 +1,50 @@
+"""The `tokenmill` click group: global options, logging, and engines stopped on exit."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import click
+
+from tokenmill.jobs.cli.common import CONTEXT_SETTINGS
+
+
+def _quiet_logs(verbose: bool) -> None:
+    level = logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
+    # vLLM logs to stdout by default (its engine processes too); stdout is the
+    # summary or, with --json, the machine-readable result.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("apache_beam", "root", "alembic"):
+        logging.getLogger(name).setLevel(logging.ERROR if not verbose else logging.INFO)
+    if not verbose:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+
+
+def _shutdown_engines() -> None:
+    # Engines started in this process (run, run-pending on the DirectRunner) hold
+    # worker processes and device memory: stop them however the command ends.
+    from tokenmill.transforms.engines.registry import shutdown_all
+
+    shutdown_all()
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+@click.option("-v", "--verbose", is_flag=True, help="Show engine and pipeline logs.")
+@click.version_option(package_name="tokenmill")
+@click.pass_context
+def main(ctx: click.Context, verbose: bool) -> None:
+    """tokenmill: offline batch LLM inference on Apache Beam and vLLM.
+
+    \b
+    Example:
+      tokenmill run --input prompts.parquet --output out/ --max-tokens 64
+      tokenmill status JOB_ID
+    """
+    _quiet_logs(verbose)
+    ctx.call_on_close(_shutdown_engines)

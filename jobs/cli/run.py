@@ -1,0 +1,218 @@
+"""`tokenmill run`, `status`, `jobs` and `cancel`: one job now, and the jobs table."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+from tabulate import simple_separated_format, tabulate
+
+from tokenmill.jobs.cli.app import main
+from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_BUSY, EXIT_FAILED, STATUS_EXIT, Failure, Progress,
+    build_spec, connect, db_option, emit_json, job_spec_options, json_option, spec_overrides)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def num(v, fmt="{:,.1f}"):
+        return "-" if v is None else fmt.format(v)
+
+    lines = [
+        f"job {s['job_id']}: {s['status']}" + (" (resumed)" if s.get("resumed") else ""),
+        f"  rows in {s['rows_in']:,} / succeeded {s['succeeded']:,} / failed {s['failed']:,}",
+        f"  tokens: prompt {num(s['prompt_tokens'], '{:,}')}, output {num(s['output_tokens'], '{:,}')}, "
+        f"total {num(s['total_tokens'], '{:,}')}",
+        f"  wall {num(s['wall_s'])} s (model load {num(s['model_load_s'])} s, generation {num(s['generation_wall_s'])} s)",
+        f"  output {num(s['output_tok_per_s'])} tok/s, total {num(s['total_tok_per_s'])} tok/s "
+        f"(over generation wall time); prefix cache hit rate {num(s['prefix_cache_hit_rate'], '{:.1%}')}",
+    ]
+    if s.get("cost_per_1m_output_tokens") is not None:
+        lines.append(f"  cost ${s['cost_per_1m_output_tokens']:.4f} per 1M output tokens")
+    if s.get("outputs"):
+        lines.append(f"  outputs: {s['outputs']}")
+    if s.get("note"):
+        lines.append(f"  note: {s['note']}")
+    return "\n".join(lines)
+
+
+def execute_job(spec, db_url, quiet: bool, as_json: bool) -> int:
+    from tokenmill.jobs.lifecycle.runner import JobError, run_job
+    from tokenmill.schemas import storage as S
+
+    progress = Progress.for_output(quiet, as_json)
+    try:
+        result = run_job(spec, db_url=db_url, progress=progress)
+    except S.JobBusy as err:
+        raise Failure(str(err), EXIT_BUSY) from None
+    except (JobError, S.StorageError) as err:
+        raise Failure(str(err)) from None
+    finally:
+        progress.close()
+    summary = result.summary()
+    summary["resumed"] = result.resumed
+    if as_json:
+        emit_json(summary)
+    elif not quiet:
+        click.echo(format_summary(summary))
+    return STATUS_EXIT.get(result.status, EXIT_FAILED)
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@job_spec_options
+@click.option("-q", "--quiet", is_flag=True, help="No progress or summary.")
+@json_option
+def run(spec_file, quiet, as_json, **kw):
+    """Run a batch job now (from a job spec YAML and/or flags).
+
+    \b
+    Examples:
+      tokenmill run --input data/sample_prompts.parquet --output runs/demo --max-tokens 64
+      tokenmill run job.yaml --job-id nightly-2026-11-29
+    """
+    spec = build_spec(spec_file, spec_overrides(kw))
+    sys.exit(execute_job(spec, kw.get("db_url"), quiet, as_json))
+
+
+# ---------------------------------------------------------------- status / jobs
+
+
+def job_summary_row(job: dict[str, Any]) -> dict[str, Any]:
+    m = job.get("metrics") or {}
+    th = m.get("throughput", {})
+    return {
+        "id": job["id"],
+        "name": job.get("name"),
+        "status": job["status"],
+        "model": job.get("model"),
+        "total": job.get("total"),
+        "succeeded": job.get("succeeded"),
+        "failed": job.get("failed"),
+        "output_tok_per_s": th.get("output_tok_per_s"),
+        "cost_per_1m_output_tokens": (m.get("cost") or {}).get("per_1m_output_tokens"),
+        "started_at": job.get("started_at"),
+        "finished_at": job.get("finished_at"),
+    }
+
+
+def headline_metrics(m: dict[str, Any]) -> dict[str, Any]:
+    """The figures `status` adds to the counts (full set: `tokenmill report`)."""
+    lat, th, cost = m.get("latency_s") or {}, m.get("throughput") or {}, m.get("cost") or {}
+
+    def stat(clock: str, s: str):
+        return (lat.get(clock) or {}).get(s)
+
+    return {
+        "ttft_p50_s": stat("ttft", "p50"),
+        "ttft_p95_s": stat("ttft", "p95"),
+        "ttft_p99_s": stat("ttft", "p99"),
+        "tpot_p50_s": stat("tpot", "p50"),
+        "tpot_p95_s": stat("tpot", "p95"),
+        "e2e_p95_s": stat("e2e", "p95"),
+        "e2e_p99_s": stat("e2e", "p99"),
+        "total_tok_per_s": th.get("total_tok_per_s"),
+        "requests_per_s": th.get("requests_per_s"),
+        "generation_wall_s": th.get("generation_wall_s"),
+        "model_load_s": th.get("model_load_s"),
+        "prefix_cache_hit_rate": (m.get("prefix_cache") or {}).get("hit_rate"),
+        "failures_by_reason": (m.get("failures") or {}).get("by_reason") or None,
+        "cost_per_1m_total_tokens": cost.get("per_1m_total_tokens"),
+        "cost_per_successful_request": cost.get("per_successful_request"),
+    }
+
+
+def job_status(job: dict[str, Any]) -> dict[str, Any]:
+    """What `status` shows: the summary row, reconciliation, failure rate, error, headline metrics."""
+    row = job_summary_row(job)
+    total, succeeded, failed = job.get("total"), job.get("succeeded"), job.get("failed")
+    row["reconciled"] = None if total is None or succeeded is None else total == (succeeded or 0) + (failed or 0)
+    row["failure_rate"] = (failed or 0) / total if total else None
+    row["error"] = job.get("error")
+    row.update(headline_metrics(job.get("metrics") or {}))
+    return row
+
+
+def _status_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{a}: {n}" for a, n in v.items())
+    return str(v)
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("job_id")
+@db_option
+@json_option
+def status(job_id, db_url, as_json):
+    """Show one job: status, counts and headline metrics.
+
+    \b
+    Example:
+      tokenmill status job-1a2b3c4d5e6f --json
+    """
+    from tokenmill.schemas import storage as S
+
+    eng = connect(db_url)
+    job = S.get_job(eng, job_id)
+    if job is None:
+        raise Failure(f"no job with id {job_id!r}")
+    if job["status"] == "running":  # live counts while it runs
+        job.update(S.counts(eng, job_id))
+    row = job_status(job)
+    if as_json:
+        emit_json(row)
+        return
+    rows = [(k, _status_value(v)) for k, v in row.items() if v is not None]
+    click.echo(tabulate(rows, tablefmt=simple_separated_format(": "), colalign=("right", "left"),
+                        disable_numparse=True))
+
+
+@main.command(name="jobs", context_settings=CONTEXT_SETTINGS)
+@click.option("--limit", default=20, show_default=True, help="How many recent jobs.")
+@db_option
+@json_option
+def jobs_cmd(limit, db_url, as_json):
+    """List recent jobs with status, counts, tok/s and cost.
+
+    \b
+    Example:
+      tokenmill jobs --limit 5
+    """
+    from tokenmill.schemas import storage as S
+
+    rows = [job_summary_row(j) for j in S.list_jobs(connect(db_url), limit)]
+    if as_json:
+        emit_json(rows)
+        return
+    if not rows:
+        click.echo("no jobs")
+        return
+    table = [
+        (r["id"], r["status"], r["total"] or 0, r["succeeded"] or 0, r["failed"] or 0,
+         "-" if r["output_tok_per_s"] is None else f"{r['output_tok_per_s']:.1f}",
+         "-" if r["cost_per_1m_output_tokens"] is None else f"{r['cost_per_1m_output_tokens']:.3f}")
+        for r in rows
+    ]
+    click.echo(tabulate(table, headers=("id", "status", "total", "ok", "failed", "out tok/s", "$/1M out"),
+                        tablefmt="plain", colalign=("left", "left", "right", "right", "right", "right", "right"),
+                        disable_numparse=True))
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("job_id")
+@db_option
+def cancel(job_id, db_url):
+    """Ask a running job to stop after the batches in flight (pending jobs are cancelled at once).
+
+    \b
+    Example:
+      tokenmill cancel job-1a2b3c4d5e6f
+    """
+    from tokenmill.schemas import storage as S
+
+    eng = connect(db_url)
+    try:
+        job = S.request_cancel(eng, job_id)
+    except S.StorageError as err:
+        raise Failure(str(err)) from None
+    click.echo(f"job {job_id}: {'cancel requested' if job['status'] == 'running' else job['status']}")

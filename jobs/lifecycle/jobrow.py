@@ -1,0 +1,33 @@
+"""The values of a job's row that come from its spec, built once for `submit` and `run`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.schemas.config import JobSpec
+from tokenmill.schemas.secrets import mask_url
+
+
+def stored_spec(spec: JobSpec) -> dict[str, Any]:
+    """The spec as stored on the job row: the job id fixed, credentials in the db URL masked."""
+    d = spec.model_dump(mode="json")
+    d["job_id"] = spec.derived_job_id()
+    if d.get("db"):
+        d["db"] = mask_url(d["db"])
+    return d
+
+
+def job_values(spec: JobSpec) -> dict[str, Any]:
+    """The job row's columns a spec defines (name, stored spec, model and engine); the
+    caller adds its own (`status` and `submitted_at` on submit; versions, hardware and
+    the row count on run)."""
+    job_id = spec.derived_job_id()
+    return {
+        "name": spec.name or job_id,
+        "spec": stored_spec(spec),
+        "model": spec.engine.model,
+        "quantization": spec.engine.quantization,
+        "kv_cache_dtype": spec.engine.kv_cache_dtype,
+        "engine_config": spec.engine.model_dump(mode="json"),
+        "runner": spec.runner.runner,
+    }

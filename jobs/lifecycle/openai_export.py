@@ -1,0 +1,129 @@
+"""The OpenAI Batch API output files of a job: `outputs.jsonl` and `errors.jsonl`.
+
+Runs in the launcher at export (jobs/lifecycle/export.py hands it rows from the
+database): one line per input line, matched by `custom_id`, in the OpenAI batch
+output format that vLLM's `BatchRequestOutput` model describes.  Successful
+requests get a `chat.completion` or `text_completion` body with `usage`; failed
+ones `response.status_code` and `error: {code, message}`.  The endpoint and the
+model name of each request are read back from the input file (`RequestIndex`),
+so the database needs no column for them.  The input side is
+transforms/openai_batch.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from typing import Any, Iterable, Iterator
+
+from tokenmill.schemas import records as R
+from tokenmill.transforms.openai_batch import CHAT, COMPLETIONS, JSONL_PATTERNS, peek_request, scan_lines
+from tokenmill.transforms.read import InputError, expand_input
+
+STATUS_BY_REASON = {R.ENGINE_ERROR: 500, R.ENGINE_TIMEOUT: 500}
+
+
+class RequestIndex:
+    """Endpoint and model of every input line, by `input_ref`, in a few bytes per line.
+
+    Built from the job's input at export time; rows whose input cannot be read
+    again fall back to a chat completion under the row's own model name."""
+
+    def __init__(self) -> None:
+        self._kind: dict[int, array] = {}  # file index → per line: 0 unknown, 1 chat, 2 completion
+        self._model: dict[int, array] = {}  # file index → per line: index into _models
+        self._models: list[str | None] = [None]
+
+    @classmethod
+    def from_input(cls, source: str | None) -> "RequestIndex":
+        idx = cls()
+        if not source:
+            return idx
+        try:
+            files = expand_input(source, JSONL_PATTERNS)
+        except InputError:
+            return idx
+        names: dict[str | None, int] = {None: 0}
+        for fi, f in enumerate(files):
+            kinds, models = array("B"), array("I")
+            for _, _, line in scan_lines(f):
+                url, model = peek_request(line) if line.strip() else ("?", None)
+                kinds.append(1 if url == CHAT else 2 if url == COMPLETIONS else 0)
+                if model not in names:
+                    names[model] = len(idx._models)
+                    idx._models.append(model)
+                models.append(names[model])
+            idx._kind[fi], idx._model[fi] = kinds, models
+        return idx
+
+    def lookup(self, input_ref: str) -> tuple[str, str | None]:
+        try:
+            f, line = (int(x) for x in input_ref.split(":"))
+            kind = self._kind[f][line]
+            return (COMPLETIONS if kind == 2 else CHAT), self._models[self._model[f][line]]
+        except (KeyError, IndexError, ValueError):
+            return CHAT, None
+
+
+def _ids(job_id: str, custom_id: str) -> tuple[str, str]:
+    """Stable ids, so exporting the same job twice writes the same file."""
+    h = hashlib.sha256(f"{job_id}\0{custom_id}".encode()).hexdigest()[:24]
+    return f"batch_req_{h}", f"tokenmill-{h}"
+
+
+def response_body(row: dict[str, Any], url: str, model: str | None) -> dict[str, Any]:
+    """A `chat.completion` or `text_completion` body with `usage` for one output row."""
+    _, rid = _ids(row["job_id"], row["id"])
+    prompt, completion = int(row.get("prompt_tokens") or 0), int(row.get("output_tokens") or 0)
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if row.get("cached_tokens") is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": int(row["cached_tokens"])}
+    common = {"created": int(row.get("finished_at") or 0), "model": model or row.get("model") or "", "usage": usage}
+    finish = row.get("finish_reason") or "stop"
+    if url == COMPLETIONS:
+        choice = {"index": 0, "text": row.get("text") or "", "logprobs": None, "finish_reason": finish}
+        return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice], **common}
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": row.get("text") or ""},
+        "logprobs": None,
+        "finish_reason": finish,
+    }
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": [choice], **common}
+
+
+def output_lines(chunks: Iterable[list[dict[str, Any]]], source: str | None = None) -> Iterator[list[str]]:
+    """Chunks of output rows → chunks of OpenAI batch output lines (one per row).
+
+    `source` is the job's input (file, folder or glob); it tells each row's endpoint
+    and the model name its request asked for."""
+    index = RequestIndex.from_input(source)
+    for rows in chunks:
+        out = []
+        for r in rows:
+            url, model = index.lookup(r["input_ref"])
+            line_id, request_id = _ids(r["job_id"], r["id"])
+            out.append(json.dumps({
+                "id": line_id,
+                "custom_id": r["id"],
+                "response": {"status_code": 200, "request_id": request_id, "body": response_body(r, url, model)},
+                "error": None,
+            }, ensure_ascii=False))
+        yield out
+
+
+def dead_letter_lines(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[str]]:
+    """Chunks of dead-letter rows → chunks of error lines (`error: {code, message}`)."""
+    for rows in chunks:
+        out = []
+        for r in rows:
+            cid = r.get("id") or f"line-{r['input_ref']}"
+            line_id, request_id = _ids(r["job_id"], f"{cid}\0{r['input_ref']}")
+            out.append(json.dumps({
+                "id": line_id,
+                "custom_id": cid,
+                "response": {"status_code": STATUS_BY_REASON.get(r["reason"], 400), "request_id": request_id, "body": None},
+                "error": {"code": r["reason"], "message": r["message"]},
+            }, ensure_ascii=False))
+        yield out

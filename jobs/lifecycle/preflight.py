@@ -1,0 +1,125 @@
+"""The checks before a job reads a row, one list for `run`, `validate`, `submit` and `run-pending`.
+
+What can fail before the first row is read is checked here, in this order:
+the model resolves to a local folder; the engine options (and the checkpoint's
+quantization) suit the device the engine runs on; the output path is usable;
+the input and output buckets exist and accept the credentials; the input plans
+(files, row groups, a prompt column).  `run_job` stops at the first problem,
+`tokenmill validate` reports them all on one line; both see the same messages,
+so a spec that validates is one that runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.schemas.config import JobSpec
+
+
+@dataclass
+class Preflight:
+    """What the checks found (`problems` empty: the job can start)."""
+
+    spec: JobSpec
+    on_gpu: bool
+    """Whether this machine has an NVIDIA GPU (the engine's device)."""
+    options: Any = None
+    """The Beam PipelineOptions the job runs with (runner, S3 endpoint and region)."""
+    model_path: str | None = None
+    plan: Any = None
+    """The input plan (read.InputPlan, or openai_batch.JsonlPlan with its endpoints and models)."""
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """Names the engine answers to in an OpenAI batch line's body `model`."""
+        if self.model_path is None:
+            return ()
+        return (self.spec.engine.model, self.model_path, os.path.basename(self.model_path))
+
+    def unserved_models(self) -> dict[str, int]:
+        """Request lines per body model the job does not serve (they become dead letters)."""
+        served = self.served_models
+        models = getattr(self.plan, "models", None) or {}
+        return {m: n for m, n in models.items() if served and m not in served}
+
+
+def pipeline_options(spec: JobSpec):
+    """The Beam PipelineOptions of a job: runner and workers, S3 endpoint and region, extra flags."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    flags = [f"--runner={spec.runner.runner}"]
+    if spec.runner.runner in ("DirectRunner", "direct"):
+        if spec.runner.num_workers > 1:
+            flags += ["--direct_running_mode=multi_processing", f"--direct_num_workers={spec.runner.num_workers}"]
+        else:
+            flags += ["--direct_running_mode=in_memory", "--direct_num_workers=1"]
+    endpoint = spec.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        flags.append(f"--s3_endpoint_url={endpoint}")
+    # Credentials stay in the environment (boto3's default chain reads them on every
+    # worker): as pipeline flags they would travel inside the pipeline proto to remote
+    # workers and job services.  Only the region is passed.
+    region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+    if region:
+        flags.append(f"--s3_region_name={region}")
+    flags += list(spec.runner.pipeline_options)
+    return PipelineOptions(flags)
+
+
+def check_output_path(output: str) -> None:
+    """The output is a usable folder path (no `..`, not an existing file); ValueError otherwise."""
+    from tokenmill.jobs.lifecycle.export import OutputPathError, check_output_root
+
+    try:
+        check_output_root(output)
+    except OutputPathError as err:
+        raise ValueError(str(err)) from None
+    if "://" not in output and os.path.exists(output) and not os.path.isdir(output):
+        raise ValueError(f"output {output!r} exists and is not a folder")
+
+
+def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) -> Preflight:
+    """Run every check, collecting the problems (one line each) instead of stopping at the first.
+
+    Also points Beam's filesystems (local, s3://) at the job's options in this process.
+    `engine=False` leaves out the model and engine checks, for a job that runs later on
+    another machine (`submit`: the runner's models folder and device decide those).
+    `fake_engine`: the engine is a test double, so no device-specific refusal applies."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from tokenmill.schemas.models import ModelNotFound, resolve_model
+    from tokenmill.transforms.engines.checks import check_engine_config
+    from tokenmill.transforms.engines.device import has_nvidia_gpu
+    from tokenmill.transforms.engines.protocol import EngineStartError
+    from tokenmill.transforms.read import InputError, check_bucket, plan_input
+
+    pf = Preflight(spec=spec, on_gpu=has_nvidia_gpu(), options=pipeline_options(spec))
+    if engine:
+        try:
+            pf.model_path = str(resolve_model(spec.engine.model, need_weights=spec.engine.load_format != "dummy"))
+        except ModelNotFound as err:
+            pf.problems.append(str(err))
+        try:
+            check_engine_config(spec.engine, on_gpu=pf.on_gpu or fake_engine, model_path=pf.model_path)
+        except EngineStartError as err:
+            pf.problems.append(str(err))
+    try:
+        check_output_path(spec.output)
+    except ValueError as err:
+        pf.problems.append(str(err))
+    FileSystems.set_options(pf.options)
+    try:
+        check_bucket(spec.input, "input", pf.options)
+        pf.plan = plan_input(spec.input, spec.resolved_input_format())
+        if hasattr(pf.plan, "served_models"):  # OpenAI batch lines naming another model become dead letters
+            pf.plan.served_models = pf.served_models
+    except InputError as err:
+        pf.problems.append(str(err))
+    try:
+        check_bucket(spec.output, "output", pf.options)  # a missing output bucket fails now, not after the work
+    except InputError as err:
+        pf.problems.append(str(err))
+    return pf

@@ -1,0 +1,39 @@
+"""Helpers shared by the CLI and job tests: invoking the CLI, building a job spec,
+and the "exactly one `error:` line, no traceback" check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from click.testing import CliRunner, Result
+
+from tokenmill.jobs.cli import main
+from tokenmill.schemas.config import JobSpec, load_spec
+
+
+def cli(*args: Any, catch_exceptions: bool = True) -> Result:
+    """`tokenmill ARGS...` in-process (arguments turned into strings)."""
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=catch_exceptions)
+
+
+def one_error_line(res: Result) -> str:
+    """The one `error:` line a failed command printed (and no traceback)."""
+    assert "Traceback" not in res.output, res.output
+    lines = [line for line in res.output.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, res.output
+    return lines[0]
+
+
+def assert_one_line_error(res: Result, code: int, *parts: str) -> str:
+    """Exit code `code` and one `error:` line containing every one of `parts`."""
+    assert res.exit_code == code, res.output
+    line = one_error_line(res)
+    for p in parts:
+        assert p in line, line
+    return line
+
+
+def job_spec(input: str | Path, output: str | Path, **keys: Any) -> JobSpec:
+    """A validated job spec from an input, an output and any other spec keys."""
+    return load_spec({"input": str(input), "output": str(output), **keys})
