@@ -187,12 +187,16 @@ def engine_info_for_job(eng, job_id: str) -> dict[str, Any] | None:
 
 
 def parse_bytes(text: str) -> int:
-    """`4294967296`, `4GiB`, `512MiB`, `2GB` → bytes (pydantic's ByteSize: `KiB`/`MiB`/`GiB` are
-    binary, `K`/`KB`/`G`/`GB` decimal); ValueError otherwise."""
+    """`4294967296`, `4GiB`, `512MiB`, `2G` → bytes, through pydantic's ByteSize.  Units are
+    binary as they always were here: a bare `K`/`M`/`G`/`T` (with or without `B`) means
+    KiB/MiB/GiB/TiB (ByteSize alone would read `2G` as 2×10⁹).  ValueError otherwise."""
+    import re
+
     from pydantic import ByteSize, TypeAdapter, ValidationError
 
+    binary = re.sub(r"(?i)^\s*([\d.]+)\s*([kmgt])b?\s*$", lambda m: f"{m[1]}{m[2].upper()}iB", text or "")
     try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
+        return int(TypeAdapter(ByteSize).validate_python(binary))
     except ValidationError:
         raise ValueError(f"not a byte count: {text!r}") from None
 
