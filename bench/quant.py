@@ -48,7 +48,7 @@ def _spec_metrics(names=("vllm:spec_decode_num_accepted_tokens", "vllm:spec_deco
     from tokenmill.transforms.engines import registry as E
 
     out: dict[str, float] = {}
-    for s in list(E._SESSIONS.values()):
+    for s in E.sessions():
         llm = getattr(s, "llm", None)
         if llm is None:
             continue

@@ -1,5 +1,5 @@
 """Shared fixtures.  The real engine is loaded at most once per test session per
-config (transforms.engine keeps one per process); fakes serve the unit tests."""
+config (transforms.engines.registry keeps one per process); fakes serve the unit tests."""
 
 from __future__ import annotations
 
@@ -87,9 +87,9 @@ TEST_ENGINE = dict(max_num_seqs=32, max_model_len=1024, gpu_memory_utilization=0
 @pytest.fixture(autouse=True)
 def _fresh_fake_sessions():
     """Fakes are per test; the real engine stays loaded for the whole session."""
-    yield
-    from tokenmill.transforms.engines import registry as E
+    from tests.fakes import FakeSession
+    from tokenmill.transforms.engines import registry
 
-    with E._LOCK:
-        for k in [k for k in E._SESSIONS if not k.startswith('["vllm"')]:
-            E._SESSIONS.pop(k).shutdown()
+    FakeSession.instances = []
+    yield
+    registry.shutdown_all(keep_default=True)

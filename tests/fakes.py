@@ -1,4 +1,5 @@
-"""A fake engine session for unit and pipeline tests (the real engine has its own tests)."""
+"""Test engine sessions: a fake for unit and pipeline tests, and a wrapper that makes
+the real engine fail on a marked prompt (the real engine has its own tests)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ class FakeSession:
     `poison_token`: a prompt containing this token id makes `step` raise (an engine
     crash), and the session then reports itself dead until replaced.
     `block_token`: a prompt containing it makes `step` block (a frozen engine core)
-    until `kill()`, then raise."""
+    until `kill()`, then raise.
+
+    `instances`: the fakes made in the current test, oldest first (the autouse
+    fixture in conftest starts each test with a new, empty list)."""
 
     instances: list["FakeSession"] = []
 
     def __init__(self, cfg=None, model_path: str = "", *, max_num_seqs: int = 8, poison_token: int | None = None,
                  reject_token: int | None = None, block_token: int | None = None):
+        self.cfg = cfg
         self.max_num_seqs = getattr(cfg, "max_num_seqs", None) or max_num_seqs
         self.poison_token = poison_token
         self.reject_token = reject_token
@@ -92,3 +97,49 @@ class FakeSession:
 
     def shutdown(self):
         self.shut = True
+
+
+class PoisonedVllm:
+    """The process's real engine, whose `step` raises while a request whose prompt
+    contains `MARKER` is in it (an engine crash on one row) and works again once that
+    request is aborted.  The real engine comes from the registry (the default factory),
+    so it is loaded once per test process, and this wrapper's `shutdown` leaves it loaded."""
+
+    MARKER = "POISON"
+
+    def __init__(self, cfg, model_path: str):
+        from tokenmill.transforms.engines import registry
+
+        self.real = registry.get_session(cfg, model_path)
+        self.max_num_seqs = self.real.max_num_seqs
+        self._decode = self.real.llm.get_tokenizer().decode
+        self.poisoned: set[str] = set()
+
+    def add(self, request_id, token_ids, sampling):
+        self.real.add(request_id, token_ids, sampling)
+        if self.MARKER in self._decode(token_ids):
+            self.poisoned.add(request_id)
+
+    def step(self):
+        if self.poisoned:
+            raise RuntimeError(f"EngineCore died on a {self.MARKER} request")
+        return self.real.step()
+
+    def abort(self, ids):
+        self.poisoned.difference_update(ids)
+        self.real.abort(ids)
+
+    def num_unfinished(self):
+        return self.real.num_unfinished()
+
+    def alive(self):
+        return self.real.alive()
+
+    def kill(self):
+        self.real.kill()
+
+    def info(self):
+        return self.real.info()
+
+    def shutdown(self):
+        pass  # the real engine belongs to the registry: the next test reuses it

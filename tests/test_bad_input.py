@@ -23,7 +23,7 @@ from tokenmill.schemas import records as R
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import load_spec
 from tests.conftest import TEST_ENGINE, write_parquet
-from tests.fakes import FakeSession
+from tests.fakes import FakeSession, PoisonedVllm
 
 HANG_MAX_TOKENS = 777  # the fake engine never finishes such a request
 CRASH_MAX_TOKENS = 666  # the fake engine dies on such a request
@@ -215,16 +215,16 @@ def test_empty_dataset_succeeds_with_zero_rows_and_says_so(tmp_path, sqlite_url)
 
 
 @pytest.mark.engine
-def test_real_engine_poison_row_is_isolated_and_the_rest_answered(tmp_path, sqlite_url, model_path, monkeypatch):
-    monkeypatch.setenv("TOKENMILL_TEST_POISON_MARKER", "POISON")
+def test_real_engine_poison_row_is_isolated_and_the_rest_answered(tmp_path, sqlite_url, model_path):
+    # The real engine, wrapped so that its step fails while the marked row is in it.
     rows = [{"id": f"r{i}", "prompt": f"Count to {i}."} for i in range(7)]
-    rows.insert(3, {"id": "x-POISON-x", "prompt": "This row breaks the engine."})
+    rows.insert(3, {"id": "x-POISON-x", "prompt": f"This row breaks the engine: {PoisonedVllm.MARKER}."})
     inp = write_parquet(tmp_path / "in.parquet", rows)
     spec = load_spec({
         "input": str(inp), "output": str(tmp_path / "out"), "job_id": "poison",
         "engine": TEST_ENGINE, "sampling": {"max_tokens": 4}, "batching": {"ordering": "none"},
     })
-    res = run_job(spec, db_url=sqlite_url)
+    res = run_job(spec, db_url=sqlite_url, session_factory=PoisonedVllm)
     assert (res.status, res.total, res.succeeded, res.failed) == ("partial", 8, 7, 1)
     dead = pq.read_table(tmp_path / "out" / "dead_letters.parquet").to_pylist()
     assert [(d["id"], d["reason"]) for d in dead] == [("x-POISON-x", R.ENGINE_ERROR)]
@@ -262,7 +262,7 @@ def test_real_engine_core_that_freezes_or_dies_mid_batch_is_restarted_and_the_ba
     def freeze_when_busy():
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not frozen:
-            for sess in list(E._SESSIONS.values()):
+            for sess in E.sessions():
                 if getattr(sess, "_procs", None) and sess.num_unfinished() > 0:
                     for proc in sess._procs:
                         proc.send_signal(signum)
@@ -285,7 +285,7 @@ def test_real_engine_core_that_freezes_or_dies_mid_batch_is_restarted_and_the_ba
     out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
     assert sorted(r["id"] for r in out) == sorted(r["id"] for r in rows)
     assert all(r["output_tokens"] == 32 for r in out)
-    live = next(iter(E._SESSIONS.values()))
+    [live] = E.sessions()
     assert not set(frozen) & {p.pid for p in live._procs}  # a new engine answered the batch
 
 

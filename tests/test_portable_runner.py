@@ -124,12 +124,12 @@ def test_real_engine_on_the_portable_runner_matches_the_direct_runner(worker_poo
     ]
     inp = write_parquet(tmp_path / "in.parquet", rows)
     base = {"input": str(inp), "engine": TEST_ENGINE, "sampling": {"max_tokens": 12, "temperature": 0.0}}
-    launcher_sessions = set(E._SESSIONS)
+    launcher_sessions = E.sessions()
     spec = load_spec({**base, "output": str(tmp_path / "portable"), "job_id": "portable-real",
                       "runner": {"runner": "PortableRunner", "pipeline_options": portable_options(port)}})
     res = run_job(spec, db_url=sqlite_url)
     assert (res.status, res.succeeded, res.failed) == ("succeeded", 3, 0), res
-    assert set(E._SESSIONS) == launcher_sessions  # no engine was started in the launcher
+    assert E.sessions() == launcher_sessions  # no engine was started in the launcher
     workers = worker_rows(sqlite_url, "portable-real")
     assert workers and {w["pid"] for w in workers} <= pool_pids(proc) and os.getpid() not in {w["pid"] for w in workers}
     assert all(w["load_s"] and w["load_s"] > 0 for w in workers)  # a real engine load, per worker process

@@ -32,19 +32,14 @@ from tokenmill.schemas import records as R
 from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Batch, FailedRecord, TokenizedPrompt
-from tokenmill.transforms.engines import registry
-from tokenmill.transforms.engines.cpu import claim_cpu_slot, worker_engine_config
-from tokenmill.transforms.engines.device import has_nvidia_gpu
 from tokenmill.transforms.engines.protocol import EngineSession, Finished
+from tokenmill.transforms.engines.worker import worker_session
 from tokenmill.transforms.batching import plan_batches
 from tokenmill.transforms.validate import DEAD
 
 log = logging.getLogger(__name__)
 
 STATS = "stats"
-#: Set by tests to exercise the isolation path with the real engine: a prompt
-#: containing this marker makes the engine step raise.
-POISON_ENV = "TOKENMILL_TEST_POISON_MARKER"
 
 
 @dataclass
@@ -73,10 +68,6 @@ def request_sampling(defaults: SamplingDefaults, p: TokenizedPrompt) -> dict[str
     }
     s.update({k: v for k, v in p.sampling.items() if k != "max_tokens"})
     return s
-
-
-class EngineFailure(RuntimeError):
-    pass
 
 
 class BatchTimeout(RuntimeError):
@@ -178,12 +169,7 @@ class BatchRunner:
 
     def _add(self, s: EngineSession, p: TokenizedPrompt, rid: str) -> FailedRecord | None:
         try:
-            marker = os.environ.get(POISON_ENV)
             s.add(rid, p.token_ids, request_sampling(self.cfg.sampling, p))
-            if marker and marker in p.id:
-                raise EngineFailure("poison marker")  # test hook: this request breaks the engine
-        except EngineFailure:
-            raise
         except Exception as err:
             return FailedRecord(p.input_ref, p.id, R.BAD_REQUEST, f"engine rejected the request: {first_line(err)}")
         return None
@@ -197,14 +183,11 @@ class BatchRunner:
             self._watchdog.close()
 
     def _step(self, s: EngineSession, started: float) -> list[Finished]:
-        """One engine step, with the batch deadline enforced before it and, for a
-        session that can be killed, during it."""
+        """One engine step, with the batch deadline enforced before it and, by killing
+        the engine, during it."""
         self._check_deadline(started)
-        kill = getattr(s, "kill", None)
-        if kill is None:
-            return s.step()
         limit = self.cfg.batching.batch_timeout_s
-        self._watchdog.arm(limit - (self._clock() - started), kill)
+        self._watchdog.arm(limit - (self._clock() - started), s.kill)
         failure: Exception | None = None
         try:
             out = s.step()
@@ -224,7 +207,6 @@ class BatchRunner:
         active: dict[str, dict[str, Any]] = {}
         owner: dict[str, tuple[str, TokenizedPrompt]] = {}
         max_ahead = self.cfg.batching.max_inflight_batches
-        drain_started = None
         while pending or active:
             # Admit while the engine has free sequence slots (the tail of the
             # current batch), keeping at most max_ahead batches in flight.
@@ -238,29 +220,14 @@ class BatchRunner:
                 active[b.batch_id] = st
                 for i, p in enumerate(b.prompts):
                     rid = f"{b.batch_id}.{i}"
-                    try:
-                        bad = self._add(s, p, rid)
-                    except EngineFailure:
-                        owner[rid] = (b.batch_id, p)
-                        st["left"] += 1
-                        break
+                    bad = self._add(s, p, rid)
                     if bad is not None:
                         st["dead"].append(bad)
                     else:
                         owner[rid] = (b.batch_id, p)
                         st["left"] += 1
-                else:
-                    continue
-                # the test hook fired: behave as a failed step
-                yield from self._recover(s, active, owner)
-                s = self._live_session()
-                active.clear()
-                owner.clear()
-                break
             if not active:
                 continue
-            if not pending and drain_started is None:
-                drain_started = self._clock()
             # Underfed: the engine has free sequence slots while a batch waits
             # (held back by max_inflight_batches).  Charged to the oldest batch.
             underfed = bool(pending) and s.num_unfinished() < s.max_num_seqs
@@ -287,7 +254,6 @@ class BatchRunner:
             for bid in [b for b, st in active.items() if st["left"] <= 0]:
                 st = active.pop(bid)
                 yield self._emit(st)
-        self.drain_s = (self._clock() - drain_started) if drain_started else 0.0
 
     def _live_session(self) -> EngineSession:
         s = self._session_fn()
@@ -375,8 +341,6 @@ class BatchRunner:
             return r1 + r2, d1 + d2
 
 
-
-
 class GenerateFn(beam.DoFn):
     """(shard, prompts) → per batch: list of output rows (main), FailedRecords (`dead`), batch stats (`stats`)."""
 
@@ -386,21 +350,16 @@ class GenerateFn(beam.DoFn):
         self._worker = ""
         self._last_cancel_check = 0.0
         self._cancel = False
-        self._engine_cfg = cfg.engine
 
-    def _session(self):
-        return registry.get_session(self._engine_cfg, self.cfg.model_path, self._factory)
+    def _session(self, restart: bool = False) -> EngineSession:
+        return worker_session(self.cfg.engine, self.cfg.model_path, self._factory, workers=self.cfg.num_workers,
+                              group=f"{self.cfg.job_id}-{self.cfg.run_id}", restart=restart)
 
-    def _restart(self):
-        registry.drop_session(self._engine_cfg, self.cfg.model_path, self._factory)
-        return self._session()
+    def _restart(self) -> EngineSession:
+        return self._session(restart=True)
 
     def setup(self):
         self._worker = f"{socket.gethostname()}:{os.getpid()}"
-        if self.cfg.num_workers > 1 and self._factory is None and not has_nvidia_gpu():
-            slot, cores = claim_cpu_slot(self.cfg.num_workers, f"{self.cfg.job_id}-{self.cfg.run_id}")
-            self._engine_cfg = worker_engine_config(self.cfg.engine, self.cfg.num_workers)
-            log.info("worker %s: CPU slot %d of %d, cores %s", self._worker, slot, self.cfg.num_workers, cores)
         t = time.time()
         s = self._session()
         if self.cfg.db_url:

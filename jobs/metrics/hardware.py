@@ -1,4 +1,4 @@
-"""What the job ran on (CPU model and cores, or GPU name and count via NVML), and
+"""What the job ran on (CPU model and cores, or the visible GPUs' name and count via NVML), and
 how busy it was while the job ran (`UtilizationSampler`).
 
 Utilization is sampled in the launcher, not in workers: a daemon thread reads
@@ -40,26 +40,11 @@ def cpu_flags() -> set[str]:
 
 
 def gpus() -> list[dict[str, Any]]:
-    """GPU names and memory through NVML (nvidia-ml-py); empty where there is none."""
-    try:
-        import pynvml  # provided by nvidia-ml-py, a vLLM (CUDA) dependency
+    """The GPUs this process may use (index, name, memory), as the engine sees them:
+    `TOKENMILL_FORCE_CPU` and `CUDA_VISIBLE_DEVICES` honoured; empty where there is none."""
+    from tokenmill.transforms.engines.device import visible_gpus
 
-        pynvml.nvmlInit()
-    except Exception:
-        return []
-    out = []
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name, "memory_bytes": int(mem.total)})
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-    return out
+    return [{k: g[k] for k in ("index", "name", "memory_bytes")} for g in visible_gpus()]
 
 
 def describe() -> dict[str, Any]:
@@ -96,13 +81,13 @@ def _mem_total() -> int | None:
 
 
 def load_nvml():
-    """The initialised `pynvml` module, or None where NVML (or a GPU) is absent."""
+    """The initialised `pynvml` module, or None where NVML is absent or no GPU is visible."""
+    if not gpus():
+        return None
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        if pynvml.nvmlDeviceGetCount() < 1:
-            return None
         return pynvml
     except Exception:
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+
 class EngineStartError(RuntimeError):
     """The engine cannot start with this config (said before any batch is sent)."""
 
@@ -32,15 +33,42 @@ class Finished:
 
 
 class EngineSession(Protocol):
-    """What Generate needs from an engine; tests pass a fake with the same methods."""
+    """Everything Generate calls on an engine; tests pass a fake with the same methods.
+
+    A session factory is called as `factory(cfg: EngineConfig, model_path: str)`."""
 
     max_num_seqs: int
+    """The most requests the engine runs at once (Generate admits the next batch below it)."""
 
-    def add(self, request_id: str, token_ids: list[int], sampling: dict[str, Any]) -> None: ...
-    def step(self) -> list[Finished]: ...
-    def num_unfinished(self) -> int: ...
-    def abort(self, request_ids: list[str]) -> None: ...
-    def alive(self) -> bool: ...
-    def info(self) -> dict[str, Any]: ...
-    def shutdown(self) -> None: ...
+    def add(self, request_id: str, token_ids: list[int], sampling: dict[str, Any]) -> None:
+        """Queue one request; raises for a request the engine rejects (that row only)."""
+        ...
+
+    def step(self) -> list[Finished]:
+        """Run one engine step; the requests that finished in it.  Raises when the engine failed."""
+        ...
+
+    def num_unfinished(self) -> int:
+        """Requests added and neither finished nor aborted."""
+        ...
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Forget these requests (unknown ids are ignored)."""
+        ...
+
+    def alive(self) -> bool:
+        """False once the engine died: the session must be replaced."""
+        ...
+
+    def kill(self) -> None:
+        """Stop the engine at once, from another thread, so that a `step()` blocked in it raises."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """What the engine runs with (device, load_s, KV cache size...), recorded per worker."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the engine; the session is not used afterwards."""
+        ...
 

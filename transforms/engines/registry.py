@@ -1,43 +1,79 @@
-"""One engine per worker process: loaded once, reused across bundles and pipelines,
-stopped when the process exits."""
+"""One engine per session factory per worker process: loaded once, reused across
+bundles and pipelines, stopped when the process exits."""
 
 from __future__ import annotations
 
 import json
 import threading
+from typing import Callable
 
 from tokenmill.schemas.config import EngineConfig
 from tokenmill.transforms.engines.protocol import EngineSession
 
-_SESSIONS: dict[str, EngineSession] = {}
-_LOCK = threading.Lock()
+SessionFactory = Callable[[EngineConfig, str], EngineSession]
+
+#: factory → (the config key its session was made for, the session)
+_SESSIONS: dict[SessionFactory, tuple[str, EngineSession]] = {}
+# Re-entrant: a factory may itself take a session from the registry (a test wrapper
+# around the process's real engine).
+_LOCK = threading.RLock()
 
 
-def session_key(cfg: EngineConfig, model_path: str, factory=None) -> str:
-    kind = "vllm" if factory is None else f"{getattr(factory, '__module__', '')}.{getattr(factory, '__qualname__', repr(factory))}"
-    return json.dumps([kind, model_path, cfg.model_dump(mode="json")], sort_keys=True)
+def default_factory() -> SessionFactory:
+    """The factory used when none is given: the vLLM engine (importing it does not import vLLM)."""
+    from tokenmill.transforms.engines.vllm_session import VllmSession
+
+    return VllmSession
 
 
-def get_session(cfg: EngineConfig, model_path: str, factory=None) -> EngineSession:
-    """The process's engine for this config, loaded once and reused across bundles and
-    pipelines.  A real engine with a different config replaces the previous real one
-    (one engine per worker process); fakes for tests never displace it."""
-    key = session_key(cfg, model_path, factory)
+def _config_key(cfg: EngineConfig, model_path: str) -> str:
+    return json.dumps([model_path, cfg.model_dump(mode="json")], sort_keys=True)
+
+
+def get_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | None = None) -> EngineSession:
+    """The process's session of `factory` (default: vLLM) for this config, made once and
+    reused across bundles and pipelines.  A session of the same factory with another
+    config, or a dead one, is shut down and replaced; sessions of other factories are
+    untouched (so test fakes never displace the real engine)."""
+    factory = factory or default_factory()
+    key = _config_key(cfg, model_path)
     with _LOCK:
-        s = _SESSIONS.get(key)
-        if s is not None and s.alive():
-            return s
-        if s is not None:
-            _SESSIONS.pop(key).shutdown()
-        if factory is None:
-            for k in [k for k in _SESSIONS if k.startswith('["vllm"')]:
-                _SESSIONS.pop(k).shutdown()
-        if factory is None:
-            from tokenmill.transforms.engines.vllm_session import VllmSession as factory
+        held = _SESSIONS.get(factory)
+        if held is not None and held[0] == key and held[1].alive():
+            return held[1]
+        if held is not None:
+            del _SESSIONS[factory]
+            held[1].shutdown()
         s = factory(cfg, model_path)
-        _SESSIONS[key] = s
+        _SESSIONS[factory] = (key, s)
         _register_atexit()
         return s
+
+
+def drop_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | None = None) -> None:
+    """Shut down the process's session of `factory` if it was made for this config."""
+    factory = factory or default_factory()
+    with _LOCK:
+        held = _SESSIONS.get(factory)
+        if held is None or held[0] != _config_key(cfg, model_path):
+            return
+        del _SESSIONS[factory]
+    held[1].shutdown()
+
+
+def sessions() -> list[EngineSession]:
+    """The sessions this process holds now, oldest first (for tests and benchmarks to inspect)."""
+    with _LOCK:
+        return [s for _, s in _SESSIONS.values()]
+
+
+def shutdown_all(*, keep_default: bool = False) -> None:
+    """Shut down every session of this process; with `keep_default`, all but the
+    default factory's (tests stop their fakes and keep the real engine loaded)."""
+    keep = default_factory() if keep_default else None
+    with _LOCK:
+        for factory in [f for f in _SESSIONS if f is not keep]:
+            _SESSIONS.pop(factory)[1].shutdown()
 
 
 _ATEXIT = False
@@ -61,16 +97,3 @@ def _shutdown_at_exit() -> None:
 
     logging.raiseExceptions = False
     shutdown_all()
-
-
-def drop_session(cfg: EngineConfig, model_path: str, factory=None) -> None:
-    with _LOCK:
-        s = _SESSIONS.pop(session_key(cfg, model_path, factory), None)
-    if s is not None:
-        s.shutdown()
-
-
-def shutdown_all() -> None:
-    with _LOCK:
-        for k in list(_SESSIONS):
-            _SESSIONS.pop(k).shutdown()

@@ -21,32 +21,18 @@ from tokenmill.schemas.errors import first_line
 log = logging.getLogger(__name__)
 
 
+#: EngineConfig fields that are not `EngineArgs`: `model` names the model (the path is
+#: passed instead), `extra` holds further EngineArgs, merged last.
+NOT_ENGINE_ARGS = {"model", "extra"}
+
+
 def engine_kwargs(cfg: EngineConfig, model_path: str, *, on_gpu: bool) -> dict[str, Any]:
-    kw: dict[str, Any] = {
-        "model": model_path,
-        "tokenizer": cfg.tokenizer or model_path,
-        "dtype": cfg.dtype,
-        "kv_cache_dtype": cfg.kv_cache_dtype,
-        "enable_prefix_caching": cfg.enable_prefix_caching,
-        "max_num_seqs": cfg.max_num_seqs,
-        "max_model_len": cfg.max_model_len,
-        "gpu_memory_utilization": cfg.gpu_memory_utilization,
-        "tensor_parallel_size": cfg.tensor_parallel_size,
-        "enforce_eager": cfg.enforce_eager,
-        "seed": cfg.seed,
-        "load_format": cfg.load_format,
-        "disable_log_stats": False,  # per-request metrics (TTFT, queue time) need stats on
-    }
-    if cfg.quantization:
-        kw["quantization"] = cfg.quantization
-    if cfg.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-    if cfg.kv_cache_memory_bytes:
-        kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
-    if cfg.speculative_config:
-        kw["speculative_config"] = cfg.speculative_config
-    if cfg.block_size:
-        kw["block_size"] = cfg.block_size
+    """The `vllm.LLM` arguments for this config: its fields (named as vLLM's `EngineArgs`,
+    unset ones left to vLLM), the model path, the tokenizer defaulting to it, stats on,
+    on CPU the measured dtype for `auto`, and then `cfg.extra`."""
+    kw: dict[str, Any] = {"model": model_path, "tokenizer": model_path}
+    kw.update(cfg.model_dump(exclude=NOT_ENGINE_ARGS, exclude_none=True))
+    kw["disable_log_stats"] = False  # per-request metrics (TTFT, queue time) need stats on
     if not on_gpu and cfg.dtype == "auto":
         kw["dtype"] = cpu_dtype()
     kw.update(cfg.extra)
@@ -201,11 +187,13 @@ class VllmSession:
         threading.Thread(target=watch, name="tokenmill-engine-death-watch", daemon=True).start()
 
     def metrics(self) -> dict[str, float]:
+        """Prefix-cache queries and hits and preemptions so far (summed over labelled series)."""
         out: dict[str, float] = {}
         try:
             for m in self.llm.get_metrics():
                 if m.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"):
-                    out[m.name.split(":", 1)[1]] = out.get(m.name, 0) + float(getattr(m, "value", 0))
+                    key = m.name.split(":", 1)[1]
+                    out[key] = out.get(key, 0) + float(getattr(m, "value", 0))  # labelled series sum
         except Exception:
             pass
         return out
