@@ -32,9 +32,10 @@ from tokenmill.schemas import records as R
 from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Batch, FailedRecord, TokenizedPrompt
+from tokenmill.schemas.sampling import request_sampling
+from tokenmill.transforms.batching import plan_batches
 from tokenmill.transforms.engines.protocol import EngineSession, Finished
 from tokenmill.transforms.engines.worker import worker_session
-from tokenmill.transforms.batching import plan_batches
 from tokenmill.transforms.validate import DEAD
 
 log = logging.getLogger(__name__)
@@ -55,19 +56,6 @@ class GenerateConfig:
     num_workers: int = 1
     """Engine processes sharing this host (DirectRunner multi_processing): on CPU each
     binds its own cores and gets its share of the KV cache memory."""
-
-
-def request_sampling(defaults: SamplingDefaults, p: TokenizedPrompt) -> dict[str, Any]:
-    s = {
-        "max_tokens": p.max_tokens,
-        "temperature": defaults.temperature,
-        "top_p": defaults.top_p,
-        "seed": defaults.seed,
-        "stop": defaults.stop,
-        "ignore_eos": defaults.ignore_eos,
-    }
-    s.update({k: v for k, v in p.sampling.items() if k != "max_tokens"})
-    return s
 
 
 class BatchTimeout(RuntimeError):
