@@ -221,7 +221,7 @@ def _short(v: Any) -> str:
 
 def line_row(line: bytes, file_index: int, line_no: int, served_models: tuple[str, ...] = ()) -> dict[str, Any]:
     """The row dict Validate expects (the Parquet reader's shape) for one input line."""
-    row: dict[str, Any] = {"_input_ref": f"{file_index}:{line_no}", "_row": line_no, "_file_index": file_index}
+    row: dict[str, Any] = {"_row": line_no, "_file_index": file_index}
     try:
         req = parse_request(line)
         if served_models and req["model"] is not None and req["model"] not in served_models:
@@ -287,7 +287,7 @@ class ReadOpenAIBatch(beam.PTransform):
 
 
 class RequestIndex:
-    """Endpoint and model of every input line, by `input_ref`, in a few bytes per line.
+    """Endpoint and model of every input line, by (file index, line), in a few bytes per line.
 
     Built from the job's input at export time; rows whose input cannot be read
     again fall back to a chat completion under the row's own model name."""
@@ -319,12 +319,11 @@ class RequestIndex:
             idx._kind[fi], idx._model[fi] = kinds, models
         return idx
 
-    def lookup(self, input_ref: str) -> tuple[str, str | None]:
+    def lookup(self, f: int, line: int) -> tuple[str, str | None]:
         try:
-            f, line = (int(x) for x in input_ref.split(":"))
             kind = self._kind[f][line]
             return (COMPLETIONS if kind == 2 else CHAT), self._models[self._model[f][line]]
-        except (KeyError, IndexError, ValueError):
+        except (KeyError, IndexError):
             return CHAT, None
 
 
@@ -364,7 +363,7 @@ def output_lines(chunks: Iterable[list[dict[str, Any]]], source: str | None = No
     for rows in chunks:
         out = []
         for r in rows:
-            url, model = index.lookup(r["input_ref"])
+            url, model = index.lookup(r["input_file"], r["input_row"])
             line_id, request_id = _ids(r["job_id"], r["id"])
             out.append(json.dumps({
                 "id": line_id,
@@ -380,8 +379,9 @@ def dead_letter_lines(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[s
     for rows in chunks:
         out = []
         for r in rows:
-            cid = r.get("id") or f"line-{r['input_ref']}"
-            line_id, request_id = _ids(r["job_id"], f"{cid}\0{r['input_ref']}")
+            ref = R.format_ref(r["input_file"], r["input_row"])
+            cid = r.get("id") or f"line-{ref}"
+            line_id, request_id = _ids(r["job_id"], f"{cid}\0{ref}")
             out.append(json.dumps({
                 "id": line_id,
                 "custom_id": cid,
