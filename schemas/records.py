@@ -34,6 +34,7 @@ class _FromInput:
     def input_order(self) -> tuple[int, int]:
         return (self.input_file, self.input_row)
 
+
 # Dead-letter reason codes: one name each, stable (they are columns in reports).
 EMPTY_PROMPT = "empty_prompt"
 BAD_PROMPT_TYPE = "bad_prompt_type"
@@ -104,13 +105,13 @@ class Batch:
 
 # ---------------------------------------------------------------- stored rows
 
-_ARROW = {"str": pa.string(), "text": pa.string(), "int": pa.int64(), "bigint": pa.int64(), "float": pa.float64()}
+_ARROW = {"str": pa.string(), "text": pa.string(), "int": pa.int64(), "float": pa.float64()}
 
 
 def column(sql: str, *, key: bool = False, required: bool = False, export: bool = True):
     """A record field that is also a table column.
 
-    `sql` is "text", "int", "bigint", "float" or "str:<length>"; `key` makes it part of
+    `sql` is "text", "int", "float" or "str:<length>"; `key` makes it part of
     the primary key, `required` NOT NULL (both must be given; other fields default to None);
     `export` puts it in the exported files."""
     meta = {"sql": sql, "key": key, "required": required, "export": export}
@@ -193,15 +194,11 @@ REQUEST_COLUMNS = tuple(
 )
 
 
-def row_fields(record: type[StoredRow]) -> tuple[dataclasses.Field, ...]:
-    return dataclasses.fields(record)
-
-
 @cache
 def _export_names(record: type[StoredRow]) -> tuple[str, ...]:
     """Exported column names: the exported fields, with input_file/input_row shown as `input_ref`."""
     names: list[str] = []
-    for f in row_fields(record):
+    for f in dataclasses.fields(record):
         if not f.metadata["export"] or f.name == "input_row":
             continue
         names.append("input_ref" if f.name == "input_file" else f.name)
@@ -211,7 +208,7 @@ def _export_names(record: type[StoredRow]) -> tuple[str, ...]:
 @cache
 def export_schema(record: type[StoredRow]) -> pa.Schema:
     """The Arrow schema of the record's exported file."""
-    types = {f.name: _ARROW[f.metadata["sql"].split(":")[0]] for f in row_fields(record)}
+    types = {f.name: _ARROW[f.metadata["sql"].split(":")[0]] for f in dataclasses.fields(record)}
     types["input_ref"] = pa.string()
     return pa.schema([(n, types[n]) for n in _export_names(record)])
 
@@ -221,7 +218,3 @@ def exported(record: type[StoredRow], row: dict[str, Any]) -> dict[str, Any]:
     out = {k: row.get(k) for k in _export_names(record) if k != "input_ref"}
     out["input_ref"] = format_ref(row["input_file"], row["input_row"])
     return out
-
-
-OUTPUT_SCHEMA = export_schema(OutputRow)
-DEAD_LETTER_SCHEMA = export_schema(DeadLetterRow)

@@ -6,6 +6,8 @@ tests/test_storage_contract.py checks against a migrated database."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -23,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.types import TypeEngine
 
-from tokenmill.schemas.records import BatchStats, DeadLetterRow, OutputRow, StoredRow, row_fields
+from tokenmill.schemas.records import BatchStats, DeadLetterRow, OutputRow, StoredRow
 
 metadata = MetaData()
 
@@ -54,7 +56,7 @@ jobs = Table(
     Column("metrics", JSON),
 )
 
-_SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "bigint": BigInteger, "float": Float}
+_SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "float": Float}
 
 
 def _sql_type(sql: str) -> TypeEngine:
@@ -67,7 +69,7 @@ def row_table(record: type[StoredRow], *extra) -> Table:
     cols = [
         Column(f.name, _sql_type(f.metadata["sql"]), primary_key=f.metadata["key"],
                nullable=not (f.metadata["key"] or f.metadata["required"]))
-        for f in row_fields(record)
+        for f in dataclasses.fields(record)
     ]
     return Table(record.TABLE, metadata, *cols, *extra)
 
