@@ -35,7 +35,7 @@ def prompt_rows(workload, model_path: str, engine: EngineConfig) -> list[dict[st
     tok = load_tokenizer(model_path)
     out = []
     for i, row in enumerate(pq.read_table(workload.path).to_pylist()):
-        rec = validate_row({**row, "_input_ref": f"0:{i}"})
+        rec = validate_row({**row, "_file_index": 0, "_row": i})
         t = tokenize_record(tok, rec, max_model_len=engine.max_model_len, default_max_tokens=workload.max_tokens)
         # run-batch's completions schema takes text only: the same tokens, decoded
         out.append({"id": t.id, "token_ids": t.token_ids, "max_tokens": t.max_tokens,

@@ -21,10 +21,10 @@ import tempfile
 import time
 import uuid
 
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import create_engine, text
 
 from tokenmill.schemas import storage as S
-from tokenmill.schemas import tables as T
+from tokenmill.schemas.records import OutputRow
 from tokenmill.transforms.write import WriteOutputsFn
 
 PG_URL = os.environ.get("TOKENMILL_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
@@ -35,13 +35,12 @@ def make_batches(job_id: str, rows: int, batch: int) -> list[list[dict]]:
     out, cur = [], []
     t = time.time()
     for i in range(rows):
-        cur.append({
-            "job_id": job_id, "id": f"req-{i:07d}", "input_ref": f"{i // 100_000}:{i % 100_000}", "text": ANSWER,
-            "finish_reason": "stop", "prompt_tokens": 80 + i % 50, "output_tokens": 100 + i % 30, "cached_tokens": 64,
-            "ttft_s": 0.05 + (i % 100) / 1000, "tpot_s": 0.02, "e2e_s": 2.0 + (i % 10) / 10, "queue_s": 0.001,
-            "model": "smollm2-135m", "batch_id": f"b{i // batch}", "worker": "bench:1", "finished_at": t + i / 1000,
-            "reference": None, "error": None,
-        })
+        cur.append(OutputRow(
+            job_id=job_id, id=f"req-{i:07d}", input_file=i // 100_000, input_row=i % 100_000, text=ANSWER,
+            finish_reason="stop", prompt_tokens=80 + i % 50, output_tokens=100 + i % 30, cached_tokens=64,
+            ttft_s=0.05 + (i % 100) / 1000, tpot_s=0.02, e2e_s=2.0 + (i % 10) / 10, queue_s=0.001,
+            model="smollm2-135m", batch_id=f"b{i // batch}", worker="bench:1", finished_at=t + i / 1000,
+        ).as_dict())
         if len(cur) == batch:
             out.append(cur)
             cur = []
@@ -61,8 +60,7 @@ def run_backend(name: str, url: str, batches: list[list[dict]], job_id: str) -> 
     for b in batches:
         list(fn.process(b))
     again = time.perf_counter() - t0
-    with eng.connect() as conn:
-        n = conn.execute(select(func.count()).select_from(T.outputs).where(T.outputs.c.job_id == job_id)).scalar()
+    n = S.counts(eng, job_id)["succeeded"]
     rows = sum(len(b) for b in batches)
     assert n == rows, f"{name}: {n} rows in the table, expected {rows}"
     return {"backend": name, "rows": rows, "transactions": len(batches), "insert_s": round(first, 2),

@@ -1,11 +1,39 @@
-"""Records that flow through the pipeline, and the Arrow schemas of what it writes."""
+"""Records that flow through the pipeline, and the rows it stores.
+
+`OutputRow`, `DeadLetterRow` and `BatchStats` are each declared once here; the
+database tables (schemas/tables.py), the inserts and the exported files'
+Arrow schemas all follow from their fields.  Adding an output column is one
+field here plus its migration.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import pyarrow as pa
+
+
+def format_ref(input_file: int, input_row: int) -> str:
+    """The user-visible `input_ref` of a row, "<file index>:<row>": the one place it is formatted."""
+    return f"{input_file}:{input_row}"
+
+
+class _FromInput:
+    """A record that knows where in the input it came from (`input_file`, `input_row`)."""
+
+    __slots__ = ()
+
+    @property
+    def input_ref(self) -> str:
+        return format_ref(self.input_file, self.input_row)
+
+    @property
+    def input_order(self) -> tuple[int, int]:
+        return (self.input_file, self.input_row)
+
 
 # Dead-letter reason codes: one name each, stable (they are columns in reports).
 EMPTY_PROMPT = "empty_prompt"
@@ -19,28 +47,16 @@ BAD_REQUEST = "bad_request"
 ENGINE_ERROR = "engine_error"
 ENGINE_TIMEOUT = "engine_timeout"
 
-REASONS = (
-    EMPTY_PROMPT,
-    BAD_PROMPT_TYPE,
-    BAD_MESSAGES,
-    BAD_SAMPLING,
-    DUPLICATE_ID,
-    INVALID_UTF8,
-    PROMPT_TOO_LONG,
-    BAD_REQUEST,
-    ENGINE_ERROR,
-    ENGINE_TIMEOUT,
-)
-
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 @dataclass(slots=True)
-class PromptRecord:
+class PromptRecord(_FromInput):
     """A validated input row."""
 
     id: str
-    input_ref: str
+    input_file: int
+    input_row: int
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -48,11 +64,12 @@ class PromptRecord:
 
 
 @dataclass(slots=True)
-class TokenizedPrompt:
+class TokenizedPrompt(_FromInput):
     """A prompt after the chat template and tokenizer, ready for the engine."""
 
     id: str
-    input_ref: str
+    input_file: int
+    input_row: int
     token_ids: list[int]
     prefix_key: str
     max_tokens: int
@@ -65,10 +82,11 @@ class TokenizedPrompt:
 
 
 @dataclass(slots=True)
-class FailedRecord:
+class FailedRecord(_FromInput):
     """A row that cannot be served, with a reason code and a human message."""
 
-    input_ref: str
+    input_file: int
+    input_row: int
     id: str | None
     reason: str
     message: str
@@ -85,32 +103,118 @@ class Batch:
         return sum(p.budget_tokens for p in self.prompts)
 
 
-OUTPUT_SCHEMA = pa.schema(
-    [
-        ("job_id", pa.string()),
-        ("id", pa.string()),
-        ("input_ref", pa.string()),
-        ("model", pa.string()),
-        ("text", pa.string()),
-        ("finish_reason", pa.string()),
-        ("prompt_tokens", pa.int64()),
-        ("output_tokens", pa.int64()),
-        ("cached_tokens", pa.int64()),
-        ("ttft_s", pa.float64()),
-        ("tpot_s", pa.float64()),
-        ("e2e_s", pa.float64()),
-        ("queue_s", pa.float64()),
-        ("reference", pa.string()),
-    ]
+# ---------------------------------------------------------------- stored rows
+
+_ARROW = {"str": pa.string(), "text": pa.string(), "int": pa.int64(), "float": pa.float64()}
+
+
+def column(sql: str, *, key: bool = False, required: bool = False, export: bool = True):
+    """A record field that is also a table column.
+
+    `sql` is "text", "int", "float" or "str:<length>"; `key` makes it part of
+    the primary key, `required` NOT NULL (both must be given; other fields default to None);
+    `export` puts it in the exported files."""
+    meta = {"sql": sql, "key": key, "required": required, "export": export}
+    return field(metadata=meta) if key or required else field(default=None, metadata=meta)
+
+
+class StoredRow:
+    """A row of one database table; its fields are the table's columns."""
+
+    __slots__ = ()
+    TABLE = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(slots=True, kw_only=True)
+class OutputRow(StoredRow):
+    """One answered request (table `outputs`, files outputs.parquet / outputs.jsonl)."""
+
+    TABLE = "outputs"
+    job_id: str = column("str:128", key=True)
+    id: str = column("str:512", key=True)
+    input_file: int = column("int", required=True)
+    input_row: int = column("int", required=True)
+    model: str | None = column("str:512")
+    text: str | None = column("text")
+    finish_reason: str | None = column("str:32")
+    prompt_tokens: int | None = column("int")
+    output_tokens: int | None = column("int")
+    cached_tokens: int | None = column("int")
+    ttft_s: float | None = column("float")
+    tpot_s: float | None = column("float")
+    e2e_s: float | None = column("float")
+    queue_s: float | None = column("float")
+    reference: str | None = column("text")
+    batch_id: str | None = column("str:64", export=False)
+    worker: str | None = column("str:128", export=False)
+    finished_at: float | None = column("float", export=False)
+
+
+@dataclass(slots=True, kw_only=True)
+class DeadLetterRow(StoredRow):
+    """One row that could not be served (table `dead_letters`, files dead_letters.parquet / errors.jsonl)."""
+
+    TABLE = "dead_letters"
+    job_id: str = column("str:128", key=True)
+    input_file: int = column("int", key=True)
+    input_row: int = column("int", key=True)
+    id: str | None = column("str:512")
+    reason: str = column("str:64", required=True)
+    message: str = column("text", required=True)
+    raw: str | None = column("text")
+    created_at: float | None = column("float", export=False)
+
+
+@dataclass(slots=True, kw_only=True)
+class BatchStats(StoredRow):
+    """Figures of one finished engine batch (table `batches`)."""
+
+    TABLE = "batches"
+    job_id: str = column("str:128", key=True)
+    batch_id: str = column("str:64", key=True)
+    worker: str | None = column("str:128")
+    requests: int | None = column("int")
+    prompt_tokens: int | None = column("int")
+    output_tokens: int | None = column("int")
+    cached_tokens: int | None = column("int")
+    started_at: float | None = column("float")
+    finished_at: float | None = column("float")
+    tail_s: float | None = column("float")
+    engine_idle_s: float | None = column("float")
+
+
+#: Per-request figures that reports and metrics read: every output column but the
+#: texts, the input position and what all of a job's rows share.
+REQUEST_COLUMNS = tuple(
+    f.name for f in dataclasses.fields(OutputRow)
+    if f.name not in ("job_id", "model", "text", "reference", "input_file", "input_row")
 )
 
-DEAD_LETTER_SCHEMA = pa.schema(
-    [
-        ("job_id", pa.string()),
-        ("input_ref", pa.string()),
-        ("id", pa.string()),
-        ("reason", pa.string()),
-        ("message", pa.string()),
-        ("raw", pa.string()),
-    ]
-)
+
+@cache
+def _export_names(record: type[StoredRow]) -> tuple[str, ...]:
+    """Exported column names: the exported fields, with input_file/input_row shown as `input_ref`."""
+    names: list[str] = []
+    for f in dataclasses.fields(record):
+        if not f.metadata["export"] or f.name == "input_row":
+            continue
+        names.append("input_ref" if f.name == "input_file" else f.name)
+    return tuple(names)
+
+
+@cache
+def export_schema(record: type[StoredRow]) -> pa.Schema:
+    """The Arrow schema of the record's exported file."""
+    types = {f.name: _ARROW[f.metadata["sql"].split(":")[0]] for f in dataclasses.fields(record)}
+    types["input_ref"] = pa.string()
+    return pa.schema([(n, types[n]) for n in _export_names(record)])
+
+
+def exported(record: type[StoredRow], row: dict[str, Any]) -> dict[str, Any]:
+    """A stored row (a dict of the table's columns) as the exported files show it."""
+    out = {k: row.get(k) for k in _export_names(record) if k != "input_ref"}
+    out["input_ref"] = format_ref(row["input_file"], row["input_row"])
+    return out

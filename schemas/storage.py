@@ -1,7 +1,11 @@
-"""Job storage: migrations on first use, job rows, run ownership, counts.
+"""Job storage: every SQL statement of tokenmill, over SQLite (embedded default)
+and PostgreSQL (production); the same contract tests run against both.
 
-One interface over SQLite (embedded default) and PostgreSQL (production);
-the same contract tests run against both.
+`connect(url)` gives the engine for a URL (one per URL per process, the schema
+migrated to head on first use); every other function takes that engine:
+job rows and run ownership, the pending-job queue's rows, the rows workers
+write (outputs, dead letters, batch stats, workers), what resumes, exports,
+reports and comparisons read back, and a named lock.
 """
 
 from __future__ import annotations
@@ -11,15 +15,20 @@ import os
 import socket
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.db import db_engine, mask_url
+from tokenmill.schemas.db import db_engine
+from tokenmill.schemas.secrets import mask_url
 from tokenmill.schemas.errors import first_line
+from tokenmill.schemas.records import REQUEST_COLUMNS, StoredRow
+
+#: Rows per chunk when streaming a job's rows out (exports).
+CHUNK_ROWS = 5000
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 #: A running job whose heartbeat is older than this is taken as dead (killed run).
@@ -252,7 +261,7 @@ def failure_reasons(eng: Engine, job_id: str) -> dict[str, int]:
 
 def delete_job(eng: Engine, job_id: str) -> None:
     with eng.begin() as conn:
-        for t in (T.outputs, T.dead_letters, T.batches, T.workers):
+        for t in (T.outputs, T.dead_letters, T.batches, T.workers):  # every table keyed by job_id
             conn.execute(delete(t).where(t.c.job_id == job_id))
         conn.execute(delete(T.jobs).where(T.jobs.c.id == job_id))
 
@@ -289,12 +298,140 @@ def named_lock(eng: Engine, name: str, stale_after_s: float = 6 * 3600) -> Itera
                 conn.execute(delete(T.locks).where(T.locks.c.name == name, T.locks.c.owner == me))
 
 
-# ---------------------------------------------------------------- what reports read
+# ---------------------------------------------------------------- the pending-job queue
 
-REQUEST_COLUMNS = (
-    "id", "prompt_tokens", "output_tokens", "cached_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s",
-    "finish_reason", "finished_at", "worker", "batch_id",
-)
+
+def submit_job(eng: Engine, values: dict[str, Any]) -> bool:
+    """Insert a job row as given (a `pending` one); False if its id exists already."""
+    try:
+        with eng.begin() as conn:
+            conn.execute(insert(T.jobs).values(**values))
+        return True
+    except IntegrityError:
+        return False
+
+
+def requeue_job(eng: Engine, job_id: str, from_status: str, values: dict[str, Any]) -> bool:
+    """Put a job back in the queue (`pending`, no owner, no cancel request, no error) with
+    `values` (its spec, submitted_at), only if its status is still `from_status`: a
+    compare-and-set, so a racing submit or run makes this return False."""
+    with eng.begin() as conn:
+        res = conn.execute(
+            update(T.jobs).where(T.jobs.c.id == job_id, T.jobs.c.status == from_status)
+            .values(status="pending", owner=None, heartbeat_at=None, finished_at=None, error=None,
+                    cancel_requested=False, **values)
+        )
+    return res.rowcount == 1
+
+
+def queued_jobs(eng: Engine) -> list[dict[str, Any]]:
+    """Jobs `pending` or `running`, in submission order (oldest first; ties by id)."""
+    with eng.connect() as conn:
+        rows = conn.execute(
+            select(T.jobs).where(T.jobs.c.status.in_(("pending", "running")))
+            .order_by(T.jobs.c.submitted_at, T.jobs.c.id)
+        ).mappings().all()
+    return [dict(r) for r in rows]
+
+
+# ---------------------------------------------------------------- what workers write
+
+
+def _table(record: type[StoredRow]):
+    return T.metadata.tables[record.TABLE]
+
+
+def _insert_ignore(conn, table, rows: list[dict[str, Any]]) -> int:
+    """Bulk insert; rows whose primary key exists are skipped (reruns never duplicate)."""
+    if not rows:
+        return 0
+    dialect = conn.dialect.name
+    if dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    elif dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:  # pragma: no cover - other backends: plain insert, one by one on conflict
+        n = 0
+        for r in rows:
+            try:
+                with conn.begin_nested():
+                    conn.execute(insert(table), [r])
+                n += 1
+            except IntegrityError:
+                pass
+        return n
+    stmt = dialect_insert(table).on_conflict_do_nothing()
+    if dialect == "postgresql":
+        # SQLAlchemy batches an ON CONFLICT executemany into multi-row INSERTs
+        # ("insertmanyvalues") only with RETURNING; without it psycopg2 sends one
+        # statement per row (bench/db_writes.py: several times slower).  RETURNING
+        # yields only the rows actually inserted, which is the count we want.
+        res = conn.execute(stmt.returning(*table.primary_key.columns), rows)
+        return len(res.all())
+    res = conn.execute(stmt, rows)
+    return res.rowcount if res.rowcount is not None and res.rowcount >= 0 else len(rows)
+
+
+def insert_rows(eng: Engine, record: type[StoredRow], rows: Iterable[dict[str, Any]]) -> int:
+    """Insert rows of a stored-row record (`OutputRow`, `DeadLetterRow`, `BatchStats`, as
+    `as_dict()` gives them) in one transaction; rows whose key exists are skipped, so a
+    retried bundle or a resumed job never duplicates one.  Returns how many were new."""
+    rows = list(rows)
+    if not rows:
+        return 0
+    with eng.begin() as conn:
+        return _insert_ignore(conn, _table(record), rows)
+
+
+def record_worker(eng: Engine, row: dict[str, Any]) -> None:
+    """Insert a worker's row; if the worker (job_id, worker) has one, refresh its engine_info."""
+    with eng.begin() as conn:
+        if _insert_ignore(conn, T.workers, [row]) == 0:
+            conn.execute(
+                update(T.workers)
+                .where(T.workers.c.job_id == row["job_id"], T.workers.c.worker == row["worker"])
+                .values(engine_info=row["engine_info"], updated_at=row["updated_at"])
+            )
+
+
+def update_worker(eng: Engine, job_id: str, worker: str, **values: Any) -> None:
+    with eng.begin() as conn:
+        conn.execute(update(T.workers).where(T.workers.c.job_id == job_id, T.workers.c.worker == worker).values(**values))
+
+
+def cancel_requested(eng: Engine, job_id: str) -> bool:
+    with eng.connect() as conn:
+        return bool(conn.execute(select(T.jobs.c.cancel_requested).where(T.jobs.c.id == job_id)).scalar())
+
+
+def done_keys(eng: Engine, job_id: str) -> tuple[set[str], set[tuple[int, int]]]:
+    """What a rerun skips: (ids with an output, (input_file, input_row) of each dead letter)."""
+    d = T.dead_letters.c
+    with eng.connect() as conn:
+        ids = set(conn.execute(select(T.outputs.c.id).where(T.outputs.c.job_id == job_id)).scalars())
+        refs = {(f, r) for f, r in conn.execute(select(d.input_file, d.input_row).where(d.job_id == job_id))}
+    return ids, refs
+
+
+# ---------------------------------------------------------------- what exports, reports and tools read
+
+
+def output_tokens(eng: Engine, job_id: str) -> int:
+    with eng.connect() as conn:
+        q = select(func.coalesce(func.sum(T.outputs.c.output_tokens), 0)).where(T.outputs.c.job_id == job_id)
+        return int(conn.execute(q).scalar())
+
+
+def stream_rows(eng: Engine, record: type[StoredRow], job_id: str) -> Iterator[list[dict[str, Any]]]:
+    """A job's rows of one table in input order (file, then row), in chunks of CHUNK_ROWS."""
+    table = _table(record)
+    order = (table.c.input_file, table.c.input_row)
+    with eng.connect() as conn:
+        res = conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(
+            select(table).where(table.c.job_id == job_id).order_by(*order)
+        )
+        for part in res.mappings().partitions(CHUNK_ROWS):
+            yield [dict(r) for r in part]
 
 
 def request_rows(eng: Engine, job_id: str, columns: tuple[str, ...] = REQUEST_COLUMNS) -> list[dict[str, Any]]:
@@ -314,3 +451,19 @@ def job_batches(eng: Engine, job_id: str) -> list[dict[str, Any]]:
 def job_workers(eng: Engine, job_id: str) -> list[dict[str, Any]]:
     with eng.connect() as conn:
         return [dict(r) for r in conn.execute(select(T.workers).where(T.workers.c.job_id == job_id)).mappings()]
+
+
+def job_outputs(eng: Engine, job_id: str) -> dict[str, dict[str, Any]]:
+    """A job's output texts and references, by id."""
+    o = T.outputs.c
+    with eng.connect() as conn:
+        res = conn.execute(select(o.id, o.text, o.reference).where(o.job_id == job_id))
+        return {r.id: {"text": r.text, "reference": r.reference} for r in res}
+
+
+def engine_info(eng: Engine, job_id: str) -> dict[str, Any] | None:
+    """The first worker's `engine_info` of a job (by worker name), or None when it has none."""
+    w = T.workers.c
+    with eng.connect() as conn:
+        row = conn.execute(select(w.engine_info).where(w.job_id == job_id).order_by(w.worker)).first()
+    return None if row is None or not row[0] else dict(row[0])

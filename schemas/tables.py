@@ -1,6 +1,12 @@
-"""All database tables, on one SQLAlchemy `MetaData` (migrations live in jobs/migrations)."""
+"""All database tables, on one SQLAlchemy `MetaData` (migrations live in schemas/migrations).
+
+The row tables (outputs, dead letters, batch stats) take their columns from
+the records in schemas/records.py; the migrations must create the same, which
+tests/test_storage_contract.py checks against a migrated database."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from sqlalchemy import (
     JSON,
@@ -17,10 +23,11 @@ from sqlalchemy import (
     Text,
     false,
 )
+from sqlalchemy.types import TypeEngine
+
+from tokenmill.schemas.records import BatchStats, DeadLetterRow, OutputRow, StoredRow
 
 metadata = MetaData()
-
-JOB_STATUSES = ("pending", "running", "succeeded", "partial", "failed", "cancelled")
 
 jobs = Table(
     "jobs",
@@ -49,57 +56,27 @@ jobs = Table(
     Column("metrics", JSON),
 )
 
-outputs = Table(
-    "outputs",
-    metadata,
-    Column("job_id", String(128), primary_key=True),
-    Column("id", String(512), primary_key=True),
-    Column("input_ref", String(512), nullable=False),
-    Column("text", Text),
-    Column("finish_reason", String(32)),
-    Column("prompt_tokens", Integer),
-    Column("output_tokens", Integer),
-    Column("cached_tokens", Integer),
-    Column("ttft_s", Float),
-    Column("tpot_s", Float),
-    Column("e2e_s", Float),
-    Column("queue_s", Float),
-    Column("model", String(512)),
-    Column("batch_id", String(64)),
-    Column("worker", String(128)),
-    Column("finished_at", Float),
-    Column("reference", Text),
-    Column("error", Text),
-)
+_SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "float": Float}
 
-dead_letters = Table(
-    "dead_letters",
-    metadata,
-    Column("job_id", String(128), primary_key=True),
-    Column("input_ref", String(512), primary_key=True),
-    Column("id", String(512)),
-    Column("reason", String(64), nullable=False),
-    Column("message", Text, nullable=False),
-    Column("raw", Text),
-    Column("created_at", Float),
-    Index("ix_dead_letters_job_reason", "job_id", "reason"),
-)
 
-batches = Table(
-    "batches",
-    metadata,
-    Column("job_id", String(128), primary_key=True),
-    Column("batch_id", String(64), primary_key=True),
-    Column("worker", String(128)),
-    Column("requests", Integer),
-    Column("prompt_tokens", Integer),
-    Column("output_tokens", Integer),
-    Column("cached_tokens", Integer),
-    Column("started_at", Float),
-    Column("finished_at", Float),
-    Column("tail_s", Float),
-    Column("engine_idle_s", Float),
-)
+def _sql_type(sql: str) -> TypeEngine:
+    kind, _, length = sql.partition(":")
+    return String(int(length)) if kind == "str" else _SQL[kind]()
+
+
+def row_table(record: type[StoredRow], *extra) -> Table:
+    """The table of a stored-row record: one column per field."""
+    cols = [
+        Column(f.name, _sql_type(f.metadata["sql"]), primary_key=f.metadata["key"],
+               nullable=not (f.metadata["key"] or f.metadata["required"]))
+        for f in dataclasses.fields(record)
+    ]
+    return Table(record.TABLE, metadata, *cols, *extra)
+
+
+outputs = row_table(OutputRow)
+dead_letters = row_table(DeadLetterRow, Index("ix_dead_letters_job_reason", "job_id", "reason"))
+batches = row_table(BatchStats)
 
 workers = Table(
     "workers",

@@ -7,7 +7,7 @@ import pytest
 
 from tokenmill.jobs.metrics import hardware as H
 from tokenmill.jobs.metrics.pricing import price_for
-from tokenmill.schemas.db import mask_url
+from tokenmill.schemas.secrets import mask_url
 from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path, job_metrics, percentile
 
 

@@ -294,7 +294,7 @@ def test_row_count_mismatch_fails_the_job_loudly(tmp_path, sqlite_url):
     eng = S.connect(sqlite_url)
     S.claim_job(eng, "reused", {"spec": {}, "total": 1})
     with eng.begin() as c:
-        c.execute(T.outputs.insert().values(job_id="reused", id="stale", input_ref="0:9", text="old",
+        c.execute(T.outputs.insert().values(job_id="reused", id="stale", input_file=0, input_row=9, text="old",
                                             prompt_tokens=1, output_tokens=1, cached_tokens=0))
         c.execute(T.jobs.update().values(status="failed", owner=None, heartbeat_at=None))
     inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": "yo"}])

@@ -4,7 +4,7 @@ from tokenmill.transforms.tokenize import prefix_key
 
 
 def tp(i, ids, max_tokens=10):
-    return TokenizedPrompt(id=f"p{i}", input_ref=f"0:{i}", token_ids=ids, prefix_key=prefix_key(ids, 4, 2), max_tokens=max_tokens)
+    return TokenizedPrompt(id=f"p{i}", input_file=0, input_row=i, token_ids=ids, prefix_key=prefix_key(ids, 4, 2), max_tokens=max_tokens)
 
 
 def test_prefix_key_aligns_to_whole_blocks():

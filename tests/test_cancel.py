@@ -84,10 +84,7 @@ def test_cancel_stops_a_running_job_and_keeps_what_finished(tmp_path, sqlite_url
 
 def test_cancel_of_a_pending_job_is_immediate_and_of_unknown_job_fails(sqlite_url):
     eng = S.connect(sqlite_url)
-    with eng.begin() as c:
-        from tokenmill.schemas import tables as T
-
-        c.execute(T.jobs.insert().values(id="later", status="pending", spec={}))
+    assert S.submit_job(eng, {"id": "later", "status": "pending", "spec": {}})
     r = CliRunner().invoke(main, ["cancel", "later", "--db", sqlite_url])
     assert r.exit_code == 0 and r.output.strip() == "job later: cancelled"
     assert S.get_job(eng, "later")["status"] == "cancelled"

@@ -18,7 +18,7 @@ def cfg(**batching):
 
 def prompts(n, max_tokens=3, first=None):
     return [
-        TokenizedPrompt(id=f"p{i}", input_ref=f"0:{i}", token_ids=[first(i) if first else i + 1000, 1, 2],
+        TokenizedPrompt(id=f"p{i}", input_file=0, input_row=i, token_ids=[first(i) if first else i + 1000, 1, 2],
                         prefix_key="00", max_tokens=max_tokens)
         for i in range(n)
     ]

@@ -61,7 +61,7 @@ def validate_with_vllm(line: dict) -> None:
 def test_chat_line_maps_body_fields_to_row_keys():
     row = line_row(json.dumps(chat_line("a", "hi", max_tokens=5, temperature=0.7, top_p=0.9, seed=3, stop=["\n"])).encode(),
                    0, 7)
-    assert row["id"] == "a" and row["_input_ref"] == "0:7"
+    assert row["id"] == "a" and (row["_file_index"], row["_row"]) == (0, 7)
     assert row["messages"] == [{"role": "user", "content": "hi"}] and row["prompt"] is None
     assert (row["max_tokens"], row["temperature"], row["top_p"], row["seed"], row["stop"]) == (5, 0.7, 0.9, 3, ["\n"])
     rec = validate_row(row)

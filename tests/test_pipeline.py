@@ -4,13 +4,13 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import func, select
 
 from tokenmill.schemas import storage as S
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import records as R
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import load_spec
+from tokenmill.schemas.records import OutputRow
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
 
@@ -68,8 +68,7 @@ def test_rerun_of_a_finished_job_duplicates_nothing(tmp_path, inp, sqlite_url, m
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert res.resumed and (res.succeeded, res.failed) == (2, 4)
     assert len(FakeSession.instances[-1].added) == before  # nothing was sent to the engine again
-    with S.connect(sqlite_url).connect() as c:
-        assert c.execute(select(func.count()).select_from(T.outputs)).scalar() == 2
+    assert S.counts(S.connect(sqlite_url), spec.derived_job_id())["succeeded"] == 2
 
 
 def test_resume_answers_only_rows_not_yet_answered(tmp_path, sqlite_url, model_path):
@@ -78,9 +77,10 @@ def test_resume_answers_only_rows_not_yet_answered(tmp_path, sqlite_url, model_p
     eng = S.connect(sqlite_url)
     # a previous run answered r0..r9 and then died
     S.claim_job(eng, "job-r", {"spec": {}, "total": 20})
+    S.insert_rows(eng, OutputRow, [
+        OutputRow(job_id="job-r", id=f"r{i}", input_file=0, input_row=i, text="old", prompt_tokens=1, output_tokens=1,
+                  cached_tokens=0).as_dict() for i in range(10)])
     with eng.begin() as c:
-        c.execute(T.outputs.insert(), [{"job_id": "job-r", "id": f"r{i}", "input_ref": f"0:{i}", "text": "old",
-                                        "prompt_tokens": 1, "output_tokens": 1, "cached_tokens": 0} for i in range(10)])
         c.execute(T.jobs.update().values(status="running", owner="elsewhere:1", heartbeat_at=None))
     res = run_job(spec_for(inp, tmp_path / "out", job_id="job-r"), db_url=sqlite_url, session_factory=FakeSession)
     assert res.resumed and res.succeeded == 20 and res.status == "succeeded"

@@ -11,6 +11,7 @@ from tokenmill.jobs.metrics import report as R
 from tokenmill.schemas import storage as S
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import tables as T
+from tokenmill.schemas.records import OutputRow
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
 from tests.helpers import cli, job_spec
@@ -125,10 +126,9 @@ def test_report_of_a_running_job_computes_metrics_from_committed_rows(sqlite_url
     eng = S.connect(sqlite_url)
     S.claim_job(eng, "live", {"spec": {"input": "x"}, "hardware": {"device_type": "cpu"}, "total": 10,
                               "engine_config": {"max_num_seqs": 4}})
-    with eng.begin() as conn:
-        conn.execute(T.outputs.insert(), [
-            {"job_id": "live", "id": str(i), "input_ref": f"0:{i}", "prompt_tokens": 5, "output_tokens": 7,
-             "ttft_s": 0.1, "e2e_s": 0.5, "finished_at": 100.0 + i} for i in range(3)])
+    S.insert_rows(eng, OutputRow, [
+        OutputRow(job_id="live", id=str(i), input_file=0, input_row=i, prompt_tokens=5, output_tokens=7,
+                  ttft_s=0.1, e2e_s=0.5, finished_at=100.0 + i).as_dict() for i in range(3)])
     res = invoke("report", "live", "--db", sqlite_url, "--out", tmp_path, "--json")
     d = json.loads(res.output)
     assert d["metrics_source"].startswith("computed now") and "running" in d["metrics_source"]

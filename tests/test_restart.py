@@ -13,10 +13,8 @@ import time
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import select
 
 from tokenmill.schemas import storage as S
-from tokenmill.schemas import tables as T
 from tests.conftest import TEST_ENGINE, write_parquet
 
 pytestmark = pytest.mark.engine
@@ -75,8 +73,7 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
     assert 40 <= before < ROWS
     assert S.get_job(eng, JOB)["status"] == "running"  # nobody finished it
     assert not (out / "_SUCCESS.json").exists() and not (out / "outputs.parquet").exists()
-    with eng.connect() as c:
-        first_run = dict(c.execute(select(T.outputs.c.id, T.outputs.c.batch_id).where(T.outputs.c.job_id == JOB)).all())
+    first_run = {r["id"]: r["batch_id"] for r in S.request_rows(eng, JOB, ("id", "batch_id"))}
 
     rerun = subprocess.run(cli(inp, out, sqlite_url), capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -87,8 +84,7 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids)) == ROWS and set(ids) == {f"q{i:04d}" for i in range(ROWS)}
     # rows answered before the kill were skipped, not answered again (their batch ids are the first run's)
-    with eng.connect() as c:
-        final = dict(c.execute(select(T.outputs.c.id, T.outputs.c.batch_id).where(T.outputs.c.job_id == JOB)).all())
+    final = {r["id"]: r["batch_id"] for r in S.request_rows(eng, JOB, ("id", "batch_id"))}
     assert all(final[i] == b for i, b in first_run.items())
     assert sum(b not in set(first_run.values()) for b in final.values()) == ROWS - before
     assert all(r["output_tokens"] > 0 for r in rows)

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from sqlalchemy import func, inspect, select, text
+from sqlalchemy import inspect, text
 
 from tokenmill.schemas import storage as S
 from tokenmill.jobs.cli import main
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.db import db_engine, insert_ignore
+from tokenmill.schemas.db import db_engine
+from tokenmill.schemas.records import DeadLetterRow, OutputRow
 from tests.conftest import write_parquet
 
 
@@ -32,11 +33,16 @@ def _job_values(**kw):
 
 
 def _output(job_id, i, **kw):
-    r = {"job_id": job_id, "id": f"r{i}", "input_ref": f"0:{i}", "text": f"answer {i}", "finish_reason": "stop",
+    r = {"job_id": job_id, "id": f"r{i}", "input_file": 0, "input_row": i, "text": f"answer {i}", "finish_reason": "stop",
          "prompt_tokens": 10, "output_tokens": 5, "cached_tokens": 0, "ttft_s": 0.1, "tpot_s": 0.01, "e2e_s": 0.2,
          "queue_s": 0.0, "model": "m", "finished_at": 1000.0 + i}
     r.update(kw)
-    return r
+    return OutputRow(**r).as_dict()
+
+
+def _dead(job_id, input_file, input_row, **kw):
+    return DeadLetterRow(job_id=job_id, input_file=input_file, input_row=input_row, reason="empty_prompt",
+                         message="empty", **kw).as_dict()
 
 
 def test_migrations_run_on_first_use(any_db_url):
@@ -55,10 +61,8 @@ def test_claim_finish_and_counts(any_db_url):
     assert job["status"] == "running" and job["owner"] == S.owner_tag() and S.is_live(job)
     with pytest.raises(S.JobBusy):
         S.claim_job(eng, "j1", _job_values())  # a live run holds it
-    with eng.begin() as conn:
-        insert_ignore(conn, T.outputs, [_output("j1", i) for i in range(2)])
-        insert_ignore(conn, T.dead_letters, [{"job_id": "j1", "input_ref": "0:2", "id": "r2", "reason": "empty_prompt",
-                                              "message": "empty"}])
+    S.insert_rows(eng, OutputRow, [_output("j1", i) for i in range(2)])
+    S.insert_rows(eng, DeadLetterRow, [_dead("j1", 0, 2, id="r2")])
     assert S.counts(eng, "j1") == {"succeeded": 2, "failed": 1}
     assert S.failure_reasons(eng, "j1") == {"empty_prompt": 1}
     S.finish_job(eng, "j1", status="partial", heartbeat_at=None, owner=None, **S.counts(eng, "j1"))
@@ -83,42 +87,56 @@ def test_a_claim_whose_insert_breaks_a_constraint_raises_that_error(any_db_url):
 def test_inserts_are_idempotent(any_db_url):
     eng = S.connect(any_db_url)
     rows = [_output("j2", i) for i in range(5)]
-    with eng.begin() as conn:
-        assert insert_ignore(conn, T.outputs, rows[:3]) == 3
-    with eng.begin() as conn:  # a retried bundle: the first three again, plus two new
-        assert insert_ignore(conn, T.outputs, [dict(r, text="different") for r in rows]) == 2  # rows added
-    with eng.connect() as conn:
-        got = dict(conn.execute(select(T.outputs.c.id, T.outputs.c.text).where(T.outputs.c.job_id == "j2")).all())
+    assert S.insert_rows(eng, OutputRow, rows[:3]) == 3
+    # a retried bundle: the first three again, plus two new
+    assert S.insert_rows(eng, OutputRow, [dict(r, text="different") for r in rows]) == 2  # rows added
+    got = {k: v["text"] for k, v in S.job_outputs(eng, "j2").items()}
     assert len(got) == 5
     assert got["r0"] == "answer 0" and got["r4"] == "different"  # existing rows are kept, not overwritten
+    assert S.insert_rows(eng, DeadLetterRow, [_dead("j2", 0, 7), _dead("j2", 0, 7), _dead("j2", 1, 7)]) == 2
+    assert S.counts(eng, "j2") == {"succeeded": 5, "failed": 2}
 
 
 def test_delete_job_removes_only_that_job(any_db_url):
     eng = S.connect(any_db_url)
-    with eng.begin() as conn:
-        insert_ignore(conn, T.outputs, [_output("a", 0), _output("b", 0)])
+    S.insert_rows(eng, OutputRow, [_output("a", 0), _output("b", 0)])
     S.delete_job(eng, "a")
     assert S.counts(eng, "a")["succeeded"] == 0 and S.counts(eng, "b")["succeeded"] == 1
 
 
 def test_old_database_upgrades_without_losing_rows(any_db_url):
-    """A database made by the first release (revision 0001) with rows in it."""
+    """A database made by the first release (revision 0001, input_ref as text) with rows in it."""
     from alembic import command
 
     eng = db_engine(any_db_url)
     with eng.begin() as conn:
         command.upgrade(S._alembic_config(conn), "0001")
-    with eng.begin() as conn:
-        conn.execute(T.jobs.insert().values(id="old", status="succeeded", spec={"input": "x"}, total=2,
-                                            succeeded=2, failed=0, cancel_requested=False))
-        insert_ignore(conn, T.outputs, [_output("old", 0), _output("old", 1)])
+    with eng.begin() as conn:  # plain SQL: the tables as revision 0001 made them
+        conn.execute(text("INSERT INTO jobs (id, status, spec, total, succeeded, failed, cancel_requested) "
+                          "VALUES ('old', 'succeeded', '{\"input\": \"x\"}', 3, 2, 1, false)"))
+        conn.execute(text("INSERT INTO outputs (job_id, id, input_ref, text, error) VALUES "
+                          "('old', 'a', '0:10', 'ten', NULL), ('old', 'b', '1:2', 'two', NULL)"))
+        conn.execute(text("INSERT INTO dead_letters (job_id, input_ref, id, reason, message) "
+                          "VALUES ('old', '0:3', 'c', 'empty_prompt', 'empty')"))
     _fresh(any_db_url)
     eng = S.connect(any_db_url)  # migrates on first use
     with eng.connect() as conn:
         assert S.current_revision(conn) == S.head_revision()
-        n = conn.execute(select(func.count()).select_from(T.outputs).where(T.outputs.c.job_id == "old")).scalar()
-    assert n == 2
     assert S.get_job(eng, "old")["succeeded"] == 2
+    outs = [(r["id"], r["input_file"], r["input_row"]) for rows in S.stream_rows(eng, OutputRow, "old") for r in rows]
+    assert outs == [("a", 0, 10), ("b", 1, 2)]
+    assert S.done_keys(eng, "old") == ({"a", "b"}, {(0, 3)})
+    assert S.insert_rows(eng, DeadLetterRow, [_dead("old", 0, 3)]) == 0  # the new key holds the converted row
+
+
+def test_migrated_tables_match_the_declared_ones(any_db_url):
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    eng = S.connect(any_db_url)
+    with eng.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), T.metadata)
+    assert diff == []
 
 
 def test_newer_schema_gives_a_one_line_error(any_db_url):
@@ -179,7 +197,8 @@ def test_two_jobs_writing_at_the_same_time_both_complete_with_every_row(any_db_u
 
 
 def test_exports_come_back_in_input_order(any_db_url, tmp_path):
-    # input_ref is "<file>:<row>" text; the export orders by the numbers, so "0:2" comes before "0:10".
+    # Rows are stored as (input_file, input_row) integers, so "0:2" comes before "0:10";
+    # the files show each row's input_ref as "<file>:<row>", as they always have.
     import pyarrow.parquet as pq
 
     from tokenmill.jobs.lifecycle.export import export_job
@@ -187,12 +206,57 @@ def test_exports_come_back_in_input_order(any_db_url, tmp_path):
     eng = S.connect(any_db_url)
     S.claim_job(eng, "j-order", _job_values(total=14))
     refs = ["1:0", "0:10", "0:2", "1:11", "0:1", "1:3", "0:0", "0:11", "0:3", "1:1", "1:2", "1:10"]
-    with eng.begin() as conn:
-        insert_ignore(conn, T.outputs, [_output("j-order", i, id=f"r-{ref}", input_ref=ref) for i, ref in enumerate(refs)])
-        insert_ignore(conn, T.dead_letters, [{"job_id": "j-order", "input_ref": ref, "id": f"d-{ref}", "reason": "empty_prompt",
-                                              "message": "empty"} for ref in ("0:20", "0:9")])
-    export_job(eng, "j-order", str(tmp_path / "out"))
     key = lambda ref: tuple(int(x) for x in ref.split(":"))  # noqa: E731
-    assert pq.read_table(tmp_path / "out" / "outputs.parquet").column("id").to_pylist() == [
-        f"r-{ref}" for ref in sorted(refs, key=key)]
-    assert pq.read_table(tmp_path / "out" / "dead_letters.parquet").column("id").to_pylist() == ["d-0:9", "d-0:20"]
+    S.insert_rows(eng, OutputRow, [_output("j-order", i, id=f"r-{ref}", input_file=key(ref)[0], input_row=key(ref)[1])
+                                   for i, ref in enumerate(refs)])
+    S.insert_rows(eng, DeadLetterRow, [_dead("j-order", 0, 20, id="d-0:20"), _dead("j-order", 0, 9, id="d-0:9")])
+    export_job(eng, "j-order", str(tmp_path / "out"))
+    out = pq.read_table(tmp_path / "out" / "outputs.parquet")
+    assert out.column("id").to_pylist() == [f"r-{ref}" for ref in sorted(refs, key=key)]
+    assert out.column("input_ref").to_pylist() == sorted(refs, key=key)  # the round trip keeps the text
+    dead = pq.read_table(tmp_path / "out" / "dead_letters.parquet")
+    assert dead.column("id").to_pylist() == ["d-0:9", "d-0:20"]
+    assert dead.column("input_ref").to_pylist() == ["0:9", "0:20"]
+    assert out.schema.names[:3] == ["job_id", "id", "input_ref"] and "input_file" not in out.schema.names
+
+
+def test_done_keys_are_answered_ids_and_dead_letter_positions(any_db_url):
+    eng = S.connect(any_db_url)
+    S.insert_rows(eng, OutputRow, [_output("j-done", 0), _output("j-done", 1), _output("other", 5)])
+    S.insert_rows(eng, DeadLetterRow, [_dead("j-done", 1, 4), _dead("other", 2, 2)])
+    assert S.done_keys(eng, "j-done") == ({"r0", "r1"}, {(1, 4)})
+    assert S.done_keys(eng, "nothing") == (set(), set())
+
+
+def test_submit_and_requeue_are_compare_and_set(any_db_url):
+    eng = S.connect(any_db_url)
+    values = {"id": "q1", "name": "q1", "status": "pending", "spec": {"input": "x"}, "submitted_at": S.utcnow(),
+              "cancel_requested": False}
+    assert S.submit_job(eng, values) is True
+    assert S.submit_job(eng, values) is False  # the id exists: nothing changes
+    assert [j["id"] for j in S.queued_jobs(eng)] == ["q1"]
+    S.finish_job(eng, "q1", status="failed", error="boom")
+    assert S.queued_jobs(eng) == []
+    assert S.requeue_job(eng, "q1", "cancelled", {"spec": {"input": "y"}}) is False  # not in that status
+    assert S.get_job(eng, "q1")["status"] == "failed"
+    assert S.requeue_job(eng, "q1", "failed", {"spec": {"input": "y"}}) is True
+    job = S.get_job(eng, "q1")
+    assert (job["status"], job["spec"], job["error"], job["owner"]) == ("pending", {"input": "y"}, None, None)
+    assert S.requeue_job(eng, "q1", "failed", {"spec": {"input": "z"}}) is False  # a second racer loses
+
+
+def test_worker_rows_cancel_flag_and_engine_info(any_db_url):
+    eng = S.connect(any_db_url)
+    S.claim_job(eng, "j-w", _job_values())
+    row = {"job_id": "j-w", "worker": "h:1", "hostname": "h", "pid": 1, "engine_info": {"kv": 1}, "updated_at": 1.0}
+    S.record_worker(eng, row)
+    S.record_worker(eng, dict(row, engine_info={"kv": 2}, updated_at=2.0))  # a restarted engine: refreshed
+    S.update_worker(eng, "j-w", "h:1", peak_rss_bytes=5)
+    (w,) = S.job_workers(eng, "j-w")
+    assert (w["engine_info"], w["updated_at"], w["peak_rss_bytes"]) == ({"kv": 2}, 2.0, 5)
+    assert S.engine_info(eng, "j-w") == {"kv": 2} and S.engine_info(eng, "none") is None
+    assert S.cancel_requested(eng, "j-w") is False
+    S.request_cancel(eng, "j-w")
+    assert S.cancel_requested(eng, "j-w") is True
+    S.insert_rows(eng, OutputRow, [_output("j-w", 0, output_tokens=7), _output("j-w", 1, output_tokens=8)])
+    assert S.output_tokens(eng, "j-w") == 15 and S.output_tokens(eng, "none") == 0

@@ -51,9 +51,9 @@ def test_good_rows_keep_overrides_and_generate_stable_ids():
 
 
 def test_duplicate_ids_first_in_input_order_wins():
-    a = PromptRecord(id="x", input_ref="1:0", prompt="later file")
-    b = PromptRecord(id="x", input_ref="0:9", prompt="first")
-    c = PromptRecord(id="x", input_ref="0:10", prompt="second")
+    a = PromptRecord(id="x", input_file=1, input_row=0, prompt="later file")
+    b = PromptRecord(id="x", input_file=0, input_row=9, prompt="first")
+    c = PromptRecord(id="x", input_file=0, input_row=10, prompt="second")
     out = pick_first(("x", [a, c, b]))
     assert out[0] is b
     assert [o.reason for o in out[1:]] == [R.DUPLICATE_ID, R.DUPLICATE_ID]

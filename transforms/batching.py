@@ -34,7 +34,7 @@ def order_prompts(prompts: list[TokenizedPrompt], ordering: str) -> list[Tokeniz
     if ordering == "length":
         return sorted(prompts, key=lambda p: (-len(p.token_ids), p.input_ref))
     if ordering == "none":
-        return sorted(prompts, key=lambda p: tuple(int(x) for x in p.input_ref.split(":")))
+        return sorted(prompts, key=lambda p: p.input_order)
     raise ValueError(f"ordering must be one of prefix, length, none; got {ordering!r}")
 
 

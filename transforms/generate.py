@@ -31,7 +31,7 @@ import apache_beam as beam
 from tokenmill.schemas import records as R
 from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.records import Batch, FailedRecord, TokenizedPrompt
+from tokenmill.schemas.records import Batch, BatchStats, FailedRecord, OutputRow, TokenizedPrompt
 from tokenmill.schemas.sampling import request_sampling
 from tokenmill.transforms.batching import plan_batches
 from tokenmill.transforms.engines.protocol import EngineSession, Finished
@@ -134,32 +134,19 @@ class BatchRunner:
 
     # -- helpers
     def _output_row(self, p: TokenizedPrompt, f: Finished, batch_id: str) -> dict[str, Any]:
-        return {
-            "job_id": self.cfg.job_id,
-            "id": p.id,
-            "input_ref": p.input_ref,
-            "text": f.text,
-            "finish_reason": f.finish_reason,
-            "prompt_tokens": f.prompt_tokens,
-            "output_tokens": f.output_tokens,
-            "cached_tokens": f.cached_tokens,
-            "ttft_s": f.ttft_s,
-            "tpot_s": f.tpot_s,
-            "e2e_s": f.e2e_s,
-            "queue_s": f.queue_s,
-            "model": self.cfg.model_name,
-            "batch_id": batch_id,
-            "worker": self.worker,
-            "finished_at": f.finished_at,
-            "reference": p.reference,
-            "error": None,
-        }
+        return OutputRow(
+            job_id=self.cfg.job_id, id=p.id, input_file=p.input_file, input_row=p.input_row,
+            model=self.cfg.model_name, text=f.text, finish_reason=f.finish_reason,
+            prompt_tokens=f.prompt_tokens, output_tokens=f.output_tokens, cached_tokens=f.cached_tokens,
+            ttft_s=f.ttft_s, tpot_s=f.tpot_s, e2e_s=f.e2e_s, queue_s=f.queue_s, reference=p.reference,
+            batch_id=batch_id, worker=self.worker, finished_at=f.finished_at,
+        ).as_dict()
 
     def _add(self, s: EngineSession, p: TokenizedPrompt, rid: str) -> FailedRecord | None:
         try:
             s.add(rid, p.token_ids, request_sampling(self.cfg.sampling, p))
         except Exception as err:
-            return FailedRecord(p.input_ref, p.id, R.BAD_REQUEST, f"engine rejected the request: {first_line(err)}")
+            return FailedRecord(p.input_file, p.input_row, p.id, R.BAD_REQUEST, f"engine rejected the request: {first_line(err)}")
         return None
 
     def run(self, batches: list[Batch]):
@@ -260,20 +247,14 @@ class BatchRunner:
         # Tail: from when 90% of the batch was done to its last request.
         tail = (times[-1] - times[int(0.9 * (len(times) - 1))]) if times else 0.0
         rows = st["rows"]
-        stats = {
-            "job_id": self.cfg.job_id,
-            "batch_id": b.batch_id,
-            "worker": self.worker,
-            "requests": len(b.prompts),
-            "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-            "output_tokens": sum(r["output_tokens"] for r in rows),
-            "cached_tokens": sum(r["cached_tokens"] for r in rows),
-            "started_at": st["started"],
-            "finished_at": now,
-            "tail_s": tail,
-            "engine_idle_s": st.get("idle", 0.0),
-        }
-        return rows, st["dead"], stats
+        stats = BatchStats(
+            job_id=self.cfg.job_id, batch_id=b.batch_id, worker=self.worker, requests=len(b.prompts),
+            prompt_tokens=sum(r["prompt_tokens"] for r in rows),
+            output_tokens=sum(r["output_tokens"] for r in rows),
+            cached_tokens=sum(r["cached_tokens"] for r in rows),
+            started_at=st["started"], finished_at=now, tail_s=tail, engine_idle_s=st.get("idle", 0.0),
+        )
+        return rows, st["dead"], stats.as_dict()
 
     def _recover(self, s, active, owner):
         """A step failed: abort what is in flight, restart the engine if it died,
@@ -321,8 +302,8 @@ class BatchRunner:
             if len(prompts) == 1:
                 p = prompts[0]
                 if isinstance(err, BatchTimeout):
-                    return [], [FailedRecord(p.input_ref, p.id, R.ENGINE_TIMEOUT, f"engine hung on this row: {first_line(err)}")]
-                return [], [FailedRecord(p.input_ref, p.id, R.ENGINE_ERROR, f"engine failed on this row: {first_line(err)}")]
+                    return [], [FailedRecord(p.input_file, p.input_row, p.id, R.ENGINE_TIMEOUT, f"engine hung on this row: {first_line(err)}")]
+                return [], [FailedRecord(p.input_file, p.input_row, p.id, R.ENGINE_ERROR, f"engine failed on this row: {first_line(err)}")]
             mid = len(prompts) // 2
             r1, d1 = self._isolate(prompts[:mid], bid)
             r2, d2 = self._isolate(prompts[mid:], bid)

@@ -215,7 +215,7 @@ def _short(v: Any) -> str:
 
 def line_row(line: bytes, file_index: int, line_no: int, served_models: tuple[str, ...] = ()) -> dict[str, Any]:
     """The row dict Validate expects (the Parquet reader's shape) for one input line."""
-    row: dict[str, Any] = {"_input_ref": f"{file_index}:{line_no}", "_row": line_no, "_file_index": file_index}
+    row: dict[str, Any] = {"_row": line_no, "_file_index": file_index}
     try:
         req = parse_request(line)
         if served_models and req["model"] is not None and req["model"] not in served_models:
@@ -276,13 +276,3 @@ class ReadOpenAIBatch(beam.PTransform):
             | "ReadLines" >> beam.ParDo(ReadJsonlShardFn(getattr(self._plan, "served_models", ())))
         )
 
-
-def __getattr__(name: str):
-    # The export renderer moved to tokenmill.jobs.lifecycle.openai_export (it runs in the
-    # launcher); this forward keeps jobs/lifecycle/export.py working until its import is
-    # switched at merge, then goes.
-    if name in ("RequestIndex", "response_body", "output_lines", "dead_letter_lines"):
-        from tokenmill.jobs.lifecycle import openai_export
-
-        return getattr(openai_export, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

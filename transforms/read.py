@@ -1,4 +1,4 @@
-"""ReadPrompts: Parquet (local or s3://) into row dicts, each with a stable `input_ref`.
+"""ReadPrompts: Parquet (local or s3://) into row dicts, each with its stable place in the input (`_file_index`, `_row`).
 
 The input is planned at pipeline-construction time (files, row groups, columns,
 row counts), so a missing path, a file that is not Parquet or a schema without
@@ -157,11 +157,6 @@ def plan_parquet(path: str) -> InputPlan:
     return InputPlan(files=files, shards=shards, columns=columns or [], total_rows=total)
 
 
-def input_ref(file_index: int, row: int) -> str:
-    """Where a row came from: stable across reruns of the same input."""
-    return f"{file_index}:{row}"
-
-
 def read_shard(shard: Shard, columns: list[str] | None = None) -> Iterator[dict[str, Any]]:
     """Rows of one row group as dicts; string prompt columns come back as bytes so that
     invalid UTF-8 becomes a per-row dead letter rather than a failed read."""
@@ -182,8 +177,7 @@ def read_shard(shard: Shard, columns: list[str] | None = None) -> Iterator[dict[
                 cols[name] = arr.to_pylist()
             for j in range(rb.num_rows):
                 rec = {k: v[j] for k, v in cols.items()}
-                rec["_input_ref"] = input_ref(shard.file_index, row)
-                rec["_row"] = row
+                rec["_row"] = row  # with the file index: where the row came from, stable across reruns
                 rec["_file_index"] = shard.file_index
                 row += 1
                 yield rec

@@ -64,18 +64,20 @@ def tokenize_record(
     try:
         ids = encode(tokenizer, rec)
     except Exception as err:  # a template that rejects the conversation, for example
-        return FailedRecord(rec.input_ref, rec.id, R.BAD_MESSAGES, f"chat template failed: {first_line(err)}")
+        return FailedRecord(rec.input_file, rec.input_row, rec.id, R.BAD_MESSAGES, f"chat template failed: {first_line(err)}")
     limit = max_model_len - max_tokens
     if len(ids) > limit:
         return FailedRecord(
-            rec.input_ref,
+            rec.input_file,
+            rec.input_row,
             rec.id,
             R.PROMPT_TOO_LONG,
             f"prompt has {len(ids)} tokens; the limit is max_model_len {max_model_len} - max_tokens {max_tokens} = {limit}",
         )
     return TokenizedPrompt(
         id=rec.id,
-        input_ref=rec.input_ref,
+        input_file=rec.input_file,
+        input_row=rec.input_row,
         token_ids=ids,
         prefix_key=prefix_key(ids, block_size, prefix_blocks),
         max_tokens=max_tokens,

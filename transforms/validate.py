@@ -122,11 +122,11 @@ def row_id(row: dict[str, Any]) -> str:
 
 
 def validate_row(row: dict[str, Any], reference_column: str | None = None) -> PromptRecord | FailedRecord:
-    ref = row["_input_ref"]
+    ref = {"input_file": row["_file_index"], "input_row": row["_row"]}
     rid = row_id(row)
     if "_error" in row:  # the reader could not make a request of it (a malformed OpenAI batch line)
         reason, message = row["_error"]
-        return FailedRecord(input_ref=ref, id=rid, reason=reason, message=message, raw=row.get("_raw"))
+        return FailedRecord(**ref, id=rid, reason=reason, message=message, raw=row.get("_raw"))
     try:
         prompt = messages = None
         if not _is_missing(row.get("messages")):
@@ -144,9 +144,9 @@ def validate_row(row: dict[str, Any], reference_column: str | None = None) -> Pr
         reference = None
         if reference_column and not _is_missing(row.get(reference_column)):
             reference = _text(row[reference_column], reference_column)
-        return PromptRecord(id=rid, input_ref=ref, prompt=prompt, messages=messages, sampling=sampling, reference=reference)
+        return PromptRecord(id=rid, **ref, prompt=prompt, messages=messages, sampling=sampling, reference=reference)
     except RowError as err:
-        return FailedRecord(input_ref=ref, id=rid, reason=err.reason, message=str(err), raw=raw_repr(row))
+        return FailedRecord(**ref, id=rid, reason=err.reason, message=str(err), raw=raw_repr(row))
 
 
 class ValidateFn(beam.DoFn):
@@ -164,13 +164,14 @@ class ValidateFn(beam.DoFn):
 def pick_first(id_and_records) -> list[PromptRecord | FailedRecord]:
     """Among records sharing an id, the first in input order wins; the rest are dead letters."""
     rid, recs = id_and_records
-    recs = sorted(recs, key=lambda r: tuple(int(x) for x in r.input_ref.split(":")))
+    recs = sorted(recs, key=lambda r: r.input_order)
     first = recs[0]
     out: list[PromptRecord | FailedRecord] = [first]
     for r in recs[1:]:
         out.append(
             FailedRecord(
-                input_ref=r.input_ref,
+                input_file=r.input_file,
+                input_row=r.input_row,
                 id=rid,
                 reason=R.DUPLICATE_ID,
                 message=f"duplicate id {rid!r}: the row at {first.input_ref} came first",

@@ -2,9 +2,10 @@
 
 The database is the job's durable log: a batch's outputs are committed as one
 transaction when the batch finishes, with primary keys (job_id, id) for outputs
-and (job_id, input_ref) for dead letters and inserts that skip existing keys,
-so a retried bundle or a resumed job never duplicates a row.  The Parquet/JSONL
-files are exported from here at the end of the job (jobs/export.py).
+and (job_id, input_file, input_row) for dead letters and inserts that skip
+existing keys, so a retried bundle or a resumed job never duplicates a row.
+The Parquet/JSONL files are exported from there at the end of the job
+(jobs/lifecycle/export.py).  The SQL itself is schemas/storage.py's.
 """
 
 from __future__ import annotations
@@ -15,25 +16,18 @@ import time
 from typing import Any
 
 import apache_beam as beam
-from sqlalchemy import select, update
 
-from tokenmill.schemas import tables as T
-from tokenmill.schemas.db import db_engine, insert_ignore
-from tokenmill.schemas.records import FailedRecord
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.records import BatchStats, DeadLetterRow, FailedRecord, OutputRow, StoredRow
 
 DEAD_FLUSH_ROWS = 500
 
 
 def dead_row(job_id: str, d: FailedRecord) -> dict[str, Any]:
-    return {
-        "job_id": job_id,
-        "input_ref": d.input_ref,
-        "id": d.id,
-        "reason": d.reason,
-        "message": d.message,
-        "raw": d.raw,
-        "created_at": time.time(),
-    }
+    return DeadLetterRow(
+        job_id=job_id, input_file=d.input_file, input_row=d.input_row, id=d.id, reason=d.reason,
+        message=d.message, raw=d.raw, created_at=time.time(),
+    ).as_dict()
 
 
 class WriteOutputsFn(beam.DoFn):
@@ -43,13 +37,12 @@ class WriteOutputsFn(beam.DoFn):
         self._url = db_url
 
     def process(self, rows):
-        with db_engine(self._url).begin() as conn:
-            insert_ignore(conn, T.outputs, rows)
+        S.insert_rows(S.connect(self._url), OutputRow, rows)
         yield len(rows)
 
 
 class _BufferedWriteFn(beam.DoFn):
-    table: Any = None
+    record: type[StoredRow] = StoredRow
 
     def __init__(self, db_url: str, job_id: str):
         self._url = db_url
@@ -72,24 +65,22 @@ class _BufferedWriteFn(beam.DoFn):
 
     def _flush(self):
         if self._buf:
-            with db_engine(self._url).begin() as conn:
-                insert_ignore(conn, self.table, self._buf)
+            S.insert_rows(S.connect(self._url), self.record, self._buf)
             self._buf = []
 
 
 class WriteDeadLettersFn(_BufferedWriteFn):
-    table = T.dead_letters
+    record = DeadLetterRow
 
     def to_row(self, d: FailedRecord):
         return dead_row(self._job_id, d)
 
 
 class WriteBatchStatsFn(_BufferedWriteFn):
-    table = T.batches
+    record = BatchStats
 
-    def to_row(self, stats):
-        cols = {c.name for c in T.batches.columns}
-        return {k: v for k, v in stats.items() if k in cols}
+    def to_row(self, stats: dict[str, Any]):
+        return stats  # built by BatchRunner._emit from BatchStats: exactly the table's columns
 
 
 class WriteToDatabase(beam.PTransform):
@@ -139,27 +130,15 @@ def record_worker(db_url: str, job_id: str, worker: str, session, started_at: fl
         "started_at": started_at,
         "updated_at": time.time(),
     }
-    with db_engine(db_url).begin() as conn:
-        if insert_ignore(conn, T.workers, [row]) == 0:
-            conn.execute(
-                update(T.workers)
-                .where(T.workers.c.job_id == job_id, T.workers.c.worker == worker)
-                .values(engine_info=row["engine_info"], updated_at=row["updated_at"])
-            )
+    S.record_worker(S.connect(db_url), row)
 
 
 def update_worker_peak(db_url: str, job_id: str, worker: str) -> None:
-    with db_engine(db_url).begin() as conn:
-        conn.execute(
-            update(T.workers)
-            .where(T.workers.c.job_id == job_id, T.workers.c.worker == worker)
-            .values(peak_rss_bytes=_rss_peak_bytes(), updated_at=time.time())
-        )
+    S.update_worker(S.connect(db_url), job_id, worker, peak_rss_bytes=_rss_peak_bytes(), updated_at=time.time())
 
 
 def cancel_requested(db_url: str, job_id: str) -> bool:
-    with db_engine(db_url).connect() as conn:
-        return bool(conn.execute(select(T.jobs.c.cancel_requested).where(T.jobs.c.id == job_id)).scalar())
+    return S.cancel_requested(S.connect(db_url), job_id)
 
 
 def _jsonable(v):

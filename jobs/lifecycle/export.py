@@ -13,13 +13,11 @@ from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from tokenmill.schemas import tables as T
-from tokenmill.schemas.records import DEAD_LETTER_SCHEMA, OUTPUT_SCHEMA
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.records import DeadLetterRow, OutputRow, StoredRow, export_schema, exported
 
-CHUNK_ROWS = 5000
 MANIFEST = "_SUCCESS.json"
 
 
@@ -50,15 +48,6 @@ def join(root: str, name: str) -> str:
     if name not in FILE_NAMES:
         raise OutputPathError(f"refusing to write {name!r}: not one of the export's files")
     return FileSystems.join(root, name)
-
-
-def _rows(eng: Engine, table, job_id: str, order) -> Iterator[list[dict[str, Any]]]:
-    with eng.connect() as conn:
-        res = conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(
-            select(table).where(table.c.job_id == job_id).order_by(*order)
-        )
-        for part in res.mappings().partitions(CHUNK_ROWS):
-            yield [dict(r) for r in part]
 
 
 def _atomic_write(dest: str, write: Callable[[Any], int]) -> int:
@@ -104,10 +93,10 @@ def write_jsonl(dest: str, lines: Iterator[list[str]]) -> int:
     return _atomic_write(dest, write)
 
 
-def _input_order(table):
-    from tokenmill.schemas.db import input_order
-
-    return input_order(table.c.input_ref)
+def _write_rows(dest: str, eng: Engine, record: type[StoredRow], job_id: str) -> int:
+    """A job's rows of one table, in input order, as the record's exported Parquet file."""
+    chunks = ([exported(record, r) for r in rows] for rows in S.stream_rows(eng, record, job_id))
+    return write_parquet(dest, export_schema(record), chunks)
 
 
 def export_job(eng: Engine, job_id: str, output_root: str, fmt: str = "parquet") -> dict[str, Any]:
@@ -123,37 +112,18 @@ def export_job(eng: Engine, job_id: str, output_root: str, fmt: str = "parquet")
         FileSystems.delete([manifest_path])  # an older export is no longer complete
     files: dict[str, Any] = {}
     if fmt == "openai-jsonl":
-        from tokenmill.transforms.openai_batch import dead_letter_lines, output_lines
+        from tokenmill.jobs.lifecycle.openai_export import dead_letter_lines, output_lines
 
         files["outputs"] = join(output_root, "outputs.jsonl")
         files["errors"] = join(output_root, "errors.jsonl")
-        with eng.connect() as conn:  # the input tells each request's endpoint and model
-            spec = conn.execute(select(T.jobs.c.spec).where(T.jobs.c.id == job_id)).scalar() or {}
-        n_out = write_jsonl(
-            files["outputs"],
-            output_lines(_rows(eng, T.outputs, job_id, _input_order(T.outputs)), source=spec.get("input")),
-        )
-        n_dead = write_jsonl(
-            files["errors"], dead_letter_lines(_rows(eng, T.dead_letters, job_id, _input_order(T.dead_letters)))
-        )
+        spec = (S.get_job(eng, job_id) or {}).get("spec") or {}  # the input tells each request's endpoint and model
+        n_out = write_jsonl(files["outputs"], output_lines(S.stream_rows(eng, OutputRow, job_id), source=spec.get("input")))
+        n_dead = write_jsonl(files["errors"], dead_letter_lines(S.stream_rows(eng, DeadLetterRow, job_id)))
     else:
         files["outputs"] = join(output_root, "outputs.parquet")
         files["dead_letters"] = join(output_root, "dead_letters.parquet")
-        out_cols = OUTPUT_SCHEMA.names
-        n_out = write_parquet(
-            files["outputs"],
-            OUTPUT_SCHEMA,
-            ([{k: r.get(k) for k in out_cols} for r in rows] for rows in _rows(eng, T.outputs, job_id, _input_order(T.outputs))),
-        )
-        dl_cols = DEAD_LETTER_SCHEMA.names
-        n_dead = write_parquet(
-            files["dead_letters"],
-            DEAD_LETTER_SCHEMA,
-            (
-                [{k: r.get(k) for k in dl_cols} for r in rows]
-                for rows in _rows(eng, T.dead_letters, job_id, _input_order(T.dead_letters))
-            ),
-        )
+        n_out = _write_rows(files["outputs"], eng, OutputRow, job_id)
+        n_dead = _write_rows(files["dead_letters"], eng, DeadLetterRow, job_id)
     manifest = {"job_id": job_id, "format": fmt, "outputs": n_out, "dead_letters": n_dead, "files": files}
 
     def write_manifest(fh) -> int:

@@ -25,7 +25,7 @@ STATUS_BY_REASON = {R.ENGINE_ERROR: 500, R.ENGINE_TIMEOUT: 500}
 
 
 class RequestIndex:
-    """Endpoint and model of every input line, by `input_ref`, in a few bytes per line.
+    """Endpoint and model of every input line, by (file index, line), in a few bytes per line.
 
     Built from the job's input at export time; rows whose input cannot be read
     again fall back to a chat completion under the row's own model name."""
@@ -57,12 +57,11 @@ class RequestIndex:
             idx._kind[fi], idx._model[fi] = kinds, models
         return idx
 
-    def lookup(self, input_ref: str) -> tuple[str, str | None]:
+    def lookup(self, f: int, line: int) -> tuple[str, str | None]:
         try:
-            f, line = (int(x) for x in input_ref.split(":"))
             kind = self._kind[f][line]
             return (COMPLETIONS if kind == 2 else CHAT), self._models[self._model[f][line]]
-        except (KeyError, IndexError, ValueError):
+        except (KeyError, IndexError):
             return CHAT, None
 
 
@@ -102,7 +101,7 @@ def output_lines(chunks: Iterable[list[dict[str, Any]]], source: str | None = No
     for rows in chunks:
         out = []
         for r in rows:
-            url, model = index.lookup(r["input_ref"])
+            url, model = index.lookup(r["input_file"], r["input_row"])
             line_id, request_id = _ids(r["job_id"], r["id"])
             out.append(json.dumps({
                 "id": line_id,
@@ -118,8 +117,9 @@ def dead_letter_lines(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[s
     for rows in chunks:
         out = []
         for r in rows:
-            cid = r.get("id") or f"line-{r['input_ref']}"
-            line_id, request_id = _ids(r["job_id"], f"{cid}\0{r['input_ref']}")
+            ref = R.format_ref(r["input_file"], r["input_row"])
+            cid = r.get("id") or f"line-{ref}"
+            line_id, request_id = _ids(r["job_id"], f"{cid}\0{ref}")
             out.append(json.dumps({
                 "id": line_id,
                 "custom_id": cid,

@@ -16,12 +16,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
 
 from tokenmill.schemas import storage as S
-from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import JobSpec, SpecError, load_spec
 from tokenmill.schemas.errors import first_line
 from tokenmill.jobs.lifecycle.jobrow import job_values
@@ -64,12 +61,8 @@ def submit(eng: Engine, spec: JobSpec) -> Submitted:
     spec = absolute_paths(spec)
     job_id = spec.derived_job_id()
     values = {"id": job_id, **job_values(spec), "status": "pending", "submitted_at": S.utcnow(), "cancel_requested": False}
-    try:
-        with eng.begin() as conn:
-            conn.execute(insert(T.jobs).values(**values))
+    if S.submit_job(eng, values):
         return Submitted(job_id, "pending")
-    except IntegrityError:
-        pass
     job = S.get_job(eng, job_id)
     if job["status"] == "pending":
         return Submitted(job_id, "already pending")
@@ -80,13 +73,7 @@ def submit(eng: Engine, spec: JobSpec) -> Submitted:
             f"job {job_id!r} already exists with status {job['status']!r}; choose another --job-id "
             "(or `tokenmill run` the same id to resume it)"
         )
-    with eng.begin() as conn:  # compare-and-set: a racing submit or run sees the row change
-        res = conn.execute(
-            update(T.jobs).where(T.jobs.c.id == job_id, T.jobs.c.status == job["status"])
-            .values(status="pending", spec=values["spec"], submitted_at=values["submitted_at"], owner=None,
-                    heartbeat_at=None, finished_at=None, error=None, cancel_requested=False)
-        )
-    if res.rowcount != 1:
+    if not S.requeue_job(eng, job_id, job["status"], {"spec": values["spec"], "submitted_at": values["submitted_at"]}):
         raise QueueBusy(f"job {job_id!r} changed while it was being queued again; try again")
     return Submitted(job_id, "pending")
 
@@ -94,12 +81,7 @@ def submit(eng: Engine, spec: JobSpec) -> Submitted:
 def pending_jobs(eng: Engine) -> list[dict[str, Any]]:
     """Jobs to run, in submission order (oldest first; ties by id): pending ones, and
     `running` ones whose runner died (stale heartbeat or gone process), which resume."""
-    with eng.connect() as conn:
-        rows = conn.execute(
-            select(T.jobs).where(T.jobs.c.status.in_(("pending", "running")))
-            .order_by(T.jobs.c.submitted_at, T.jobs.c.id)
-        ).mappings().all()
-    return [dict(r) for r in rows if r["status"] == "pending" or not S.is_live(dict(r))]
+    return [j for j in S.queued_jobs(eng) if j["status"] == "pending" or not S.is_live(j)]
 
 
 def spec_of(job: dict[str, Any]) -> JobSpec:

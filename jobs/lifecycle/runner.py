@@ -15,11 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sqlalchemy import select
-
 from tokenmill.schemas import storage as S
 from tokenmill.jobs.lifecycle.export import export_job
-from tokenmill.schemas import tables as T
 from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.db import default_db_url
 from tokenmill.jobs.lifecycle.jobrow import job_values
@@ -138,7 +135,7 @@ def run_job(
     def tick():
         if progress is not None:
             c = S.counts(eng, job_id)
-            progress(c["succeeded"] + c["failed"], plan.total_rows, _output_tokens(eng, job_id))
+            progress(c["succeeded"] + c["failed"], plan.total_rows, S.output_tokens(eng, job_id))
 
     hb = _Heartbeat(eng, job_id, tick if progress else None)
     hb.start()
@@ -204,15 +201,6 @@ def run_job(
     )
 
 
-def _output_tokens(eng, job_id: str) -> int:
-    from sqlalchemy import func
-
-    with eng.connect() as conn:
-        return int(
-            conn.execute(select(func.coalesce(func.sum(T.outputs.c.output_tokens), 0)).where(T.outputs.c.job_id == job_id)).scalar()
-        )
-
-
 def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None) -> None:
     import apache_beam as beam
 
@@ -239,29 +227,12 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
 
 def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, Any], job_wall_s: float | None = None,
                     utilization: dict[str, Any] | None = None):
-    from tokenmill.jobs.metrics.pricing import price_for
-    from tokenmill.jobs.metrics.accounting import job_metrics
+    from tokenmill.jobs.metrics.figures import stored_metrics
 
-    cols = [T.outputs.c[k] for k in ("prompt_tokens", "output_tokens", "cached_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s")]
-    with eng.connect() as conn:
-        rows = [dict(r) for r in conn.execute(select(*cols).where(T.outputs.c.job_id == job_id)).mappings()]
-        batches = [dict(r) for r in conn.execute(select(T.batches).where(T.batches.c.job_id == job_id)).mappings()]
-        workers = [dict(r) for r in conn.execute(select(T.workers).where(T.workers.c.job_id == job_id)).mappings()]
-    price, source = price_for(hw, spec.price_per_hour)
-    m = job_metrics(
-        rows,
-        batches,
-        workers,
-        total=total,
-        failed_by_reason=S.failure_reasons(eng, job_id),
-        engine_config=spec.engine.model_dump(mode="json"),
-        token_budget=spec.batching.token_budget,
-        price_per_hour=price,
-        device_count=hw.get("device_count", 1) or 1,
-        job_wall_s=job_wall_s,
-        utilization=utilization,
+    m = stored_metrics(
+        eng, job_id, total=total, hardware=hw, price_per_hour=spec.price_per_hour,
+        engine_config=spec.engine.model_dump(mode="json"), token_budget=spec.batching.token_budget,
+        job_wall_s=job_wall_s, utilization=utilization,
     )
-    if "cost" in m:
-        m["cost"]["price_source"] = source
     m["hardware"] = hw
     return m

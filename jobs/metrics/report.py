@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.secrets import scrub
-from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path, job_metrics
+from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path
 
 #: Histogram bins per latency figure.
 LATENCY_BINS = 40
@@ -74,26 +74,15 @@ def job_info(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _live_metrics(eng, job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    from tokenmill.jobs.metrics.pricing import price_for
+    from tokenmill.jobs.metrics.figures import stored_metrics
 
     spec = job.get("spec") or {}
-    hw = job.get("hardware") or {}
-    price, source = price_for(hw, spec.get("price_per_hour"))
     c = S.counts(eng, job["id"])
-    m = job_metrics(
-        rows,
-        S.job_batches(eng, job["id"]),
-        S.job_workers(eng, job["id"]),
-        total=job.get("total") or (c["succeeded"] + c["failed"]),
-        failed_by_reason=S.failure_reasons(eng, job["id"]),
-        engine_config=job.get("engine_config") or {},
-        token_budget=(spec.get("batching") or {}).get("token_budget"),
-        price_per_hour=price,
-        device_count=hw.get("device_count", 1) or 1,
+    return stored_metrics(
+        eng, job["id"], total=job.get("total") or (c["succeeded"] + c["failed"]), hardware=job.get("hardware") or {},
+        price_per_hour=spec.get("price_per_hour"), engine_config=job.get("engine_config") or {},
+        token_budget=(spec.get("batching") or {}).get("token_budget"), rows=rows,
     )
-    if "cost" in m:
-        m["cost"]["price_source"] = source
-    return m
 
 
 def load_report(eng, job_id: str) -> dict[str, Any]:

@@ -128,20 +128,14 @@ def compare_rows(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]
 
 def job_outputs(eng, job_id: str) -> dict[str, dict[str, Any]]:
     """A finished job's outputs keyed by id; raises CompareError for a missing or unfinished job."""
-    from sqlalchemy import select
-
     from tokenmill.schemas import storage as S
-    from tokenmill.schemas import tables as T
 
     job = S.get_job(eng, job_id)
     if job is None:
         raise CompareError(f"no job with id {job_id!r}")
     if job["status"] in ("pending", "running"):
         raise CompareError(f"job {job_id!r} is {job['status']}; compare finished jobs")
-    o = T.outputs.c
-    with eng.connect() as conn:
-        res = conn.execute(select(o.id, o.text, o.reference, o.error).where(o.job_id == job_id))
-        return {r.id: {"text": r.text, "reference": r.reference, "error": r.error} for r in res}
+    return S.job_outputs(eng, job_id)
 
 
 def compare_jobs(eng, base_id: str, cand_id: str, *, max_drop: float = DEFAULT_MAX_DROP, show: int = 5) -> Comparison:

@@ -175,15 +175,9 @@ def compare_with_engine(p: dict[str, Any], info: dict[str, Any]) -> dict[str, An
 
 def engine_info_for_job(eng, job_id: str) -> dict[str, Any] | None:
     """The first worker's `engine_info` of a job, or None when the job has none."""
-    from sqlalchemy import select
+    from tokenmill.schemas import storage as S
 
-    from tokenmill.schemas import tables as T
-
-    with eng.connect() as conn:
-        row = conn.execute(
-            select(T.workers.c.engine_info).where(T.workers.c.job_id == job_id).order_by(T.workers.c.worker)
-        ).first()
-    return None if row is None or not row[0] else dict(row[0])
+    return S.engine_info(eng, job_id)
 
 
 def parse_bytes(text: str) -> int:

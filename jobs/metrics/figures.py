@@ -1,0 +1,45 @@
+"""A job's metrics computed from what the database holds: the one reader that
+the job lifecycle (when the job finishes) and reports (of an unfinished job) share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.jobs.metrics.accounting import job_metrics
+from tokenmill.jobs.metrics.pricing import price_for
+from tokenmill.schemas import storage as S
+
+
+def stored_metrics(
+    eng,
+    job_id: str,
+    *,
+    total: int,
+    hardware: dict[str, Any],
+    price_per_hour: float | None,
+    engine_config: dict[str, Any],
+    token_budget: int | None,
+    rows: list[dict[str, Any]] | None = None,
+    job_wall_s: float | None = None,
+    utilization: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`job_metrics` of the job's stored requests, batches and workers, priced for
+    `hardware` (the price's source recorded under cost.price_source).  `rows`: the
+    job's request rows when the caller has read them already."""
+    price, source = price_for(hardware, price_per_hour)
+    m = job_metrics(
+        S.request_rows(eng, job_id) if rows is None else rows,
+        S.job_batches(eng, job_id),
+        S.job_workers(eng, job_id),
+        total=total,
+        failed_by_reason=S.failure_reasons(eng, job_id),
+        engine_config=engine_config,
+        token_budget=token_budget,
+        price_per_hour=price,
+        device_count=hardware.get("device_count", 1) or 1,
+        job_wall_s=job_wall_s,
+        utilization=utilization,
+    )
+    if "cost" in m:
+        m["cost"]["price_source"] = source
+    return m
