@@ -1,0 +1,169 @@
+"""Each PTransform on its own, in a TestPipeline with `assert_that` (the whole job: test_pipeline.py).
+
+The DoFns' logic is unit-tested without Beam elsewhere (test_validate, test_batching,
+test_generate, test_openai_batch); here each step is checked as Beam runs it:
+its inputs, its main output and its tagged outputs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import apache_beam as beam
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from tokenmill.schemas import records as R
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
+from tokenmill.schemas.records import DeadLetterRow, FailedRecord, OutputRow, PromptRecord, TokenizedPrompt
+from tokenmill.transforms.batching import RouteByPrefix, shard_of
+from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
+from tokenmill.transforms.openai_batch import ReadOpenAIBatch, plan_jsonl
+from tokenmill.transforms.read import ReadPrompts, plan_input
+from tokenmill.transforms.resume import SkipDone
+from tokenmill.transforms.tokenize import Tokenize
+from tokenmill.transforms.validate import DEAD, DedupIds, Validate
+from tokenmill.transforms.write import WriteToDatabase
+from tests.conftest import write_parquet
+from tests.fakes import FakeSession
+
+
+def _pipeline():
+    return BeamTestPipeline(options=beam.options.pipeline_options.PipelineOptions(["--runner=DirectRunner"]))
+
+
+def _row(i: int, **kw) -> dict:
+    """A row as the readers yield it: its columns plus where it came from."""
+    return {"_file_index": 0, "_row": i, **kw}
+
+
+def _prompt(i: int, ids: list[int], prefix_key: str = "0a", max_tokens: int = 3) -> TokenizedPrompt:
+    return TokenizedPrompt(id=f"p{i}", input_file=0, input_row=i, token_ids=ids, prefix_key=prefix_key,
+                           max_tokens=max_tokens)
+
+
+def test_read_prompts_yields_every_row_of_every_row_group_with_its_position(tmp_path):
+    rows = [{"id": f"r{i}", "prompt": f"question {i}"} for i in range(7)]
+    plan = plan_input(str(write_parquet(tmp_path / "in.parquet", rows, row_group_size=3)))
+    assert len(plan.shards) == 3
+    with _pipeline() as p:
+        got = (p | ReadPrompts(plan)
+               | beam.Map(lambda r: (r["id"].decode(), r["_file_index"], r["_row"], r["prompt"].decode())))
+        assert_that(got, equal_to([(f"r{i}", 0, i, f"question {i}") for i in range(7)]))
+
+
+def test_read_openai_batch_turns_lines_into_rows_and_keeps_bad_lines_for_validate(tmp_path):
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}},
+        "not json",
+        {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}},
+    ]
+    f = tmp_path / "batch.jsonl"
+    f.write_text("\n".join(json.dumps(x) if isinstance(x, dict) else x for x in lines) + "\n")
+    with _pipeline() as p:
+        got = p | ReadOpenAIBatch(plan_jsonl(str(f))) | beam.Map(
+            lambda r: (r["_row"], r.get("id"), r.get("max_tokens"), "_error" in r))
+        assert_that(got, equal_to([(0, "a", 5, False), (1, None, None, True), (2, "c", None, False)]))
+
+
+def test_validate_splits_good_rows_from_dead_letters_with_reasons():
+    rows = [_row(0, id="a", prompt="fine"), _row(1, id="b", prompt="   "), _row(2, id="c", prompt="x", top_p=1.5),
+            _row(3, id="d", messages=json.dumps([{"role": "user", "content": "hello"}]))]
+    with _pipeline() as p:
+        out = p | beam.Create(rows) | Validate()
+        assert_that(out.ok | "ok ids" >> beam.Map(lambda r: (r.id, r.input_ref)),
+                    equal_to([("a", "0:0"), ("d", "0:3")]), label="ok")
+        assert_that(out[DEAD] | "dead" >> beam.Map(lambda d: (d.id, d.reason)),
+                    equal_to([("b", R.EMPTY_PROMPT), ("c", R.BAD_SAMPLING)]), label="dead")
+
+
+def test_dedup_ids_keeps_the_first_row_of_an_id_in_input_order():
+    recs = [PromptRecord(id="a", input_file=0, input_row=5, prompt="late"),
+            PromptRecord(id="a", input_file=0, input_row=2, prompt="early"),
+            PromptRecord(id="b", input_file=1, input_row=0, prompt="only")]
+    with _pipeline() as p:
+        out = p | beam.Create(recs) | DedupIds()
+        assert_that(out.ok | "ok" >> beam.Map(lambda r: (r.id, r.prompt)), equal_to([("a", "early"), ("b", "only")]),
+                    label="ok")
+        assert_that(out[DEAD] | "dead" >> beam.Map(lambda d: (d.id, d.input_ref, d.reason)),
+                    equal_to([("a", "0:5", R.DUPLICATE_ID)]), label="dead")
+
+
+def test_skip_done_drops_answered_ids_and_dead_lettered_rows(sqlite_url):
+    eng = S.connect(sqlite_url)
+    S.insert_rows(eng, OutputRow, [OutputRow(job_id="j", id="a", input_file=0, input_row=0).as_dict()])
+    S.insert_rows(eng, DeadLetterRow, [DeadLetterRow(job_id="j", input_file=0, input_row=1, id="b",
+                                                     reason=R.EMPTY_PROMPT, message="empty").as_dict()])
+    recs = [PromptRecord(id=i, input_file=0, input_row=n, prompt="q") for n, i in enumerate("abc")]
+    recs.append(PromptRecord(id="a", input_file=0, input_row=3, prompt="other job's id"))
+    with _pipeline() as p:
+        got = p | beam.Create(recs) | SkipDone(sqlite_url, "j") | beam.Map(lambda r: r.input_ref)
+        assert_that(got, equal_to(["0:2"]))
+
+
+def test_tokenize_counts_tokens_keys_prefixes_and_dead_letters_prompts_too_long(model_path):
+    system = {"role": "system", "content": "You answer in one word. " * 20}
+    recs = [PromptRecord(id="a", input_file=0, input_row=0, messages=[system, {"role": "user", "content": "Sky colour?"}]),
+            PromptRecord(id="b", input_file=0, input_row=1, messages=[system, {"role": "user", "content": "Grass colour?"}]),
+            PromptRecord(id="c", input_file=0, input_row=2, prompt="word " * 400)]
+    with _pipeline() as p:
+        out = p | beam.Create(recs) | Tokenize(model_path, max_model_len=256, default_max_tokens=8, block_size=16,
+                                               prefix_blocks=4)
+        # a and b share their system prompt: one prefix key, both prompts long, the job's max_tokens
+        shape = (out.ok | beam.Map(lambda t: (t.id, t.prefix_key, len(t.token_ids) > 100, t.max_tokens))
+                 | beam.combiners.ToList() | beam.Map(lambda ts: (len({k for _, k, _, _ in ts}), sorted(
+                     (i, long, mt) for i, _, long, mt in ts))))
+        assert_that(shape, equal_to([(1, [("a", True, 8), ("b", True, 8)])]), label="shared prefix")
+        assert_that(out[DEAD] | beam.Map(lambda d: (d.id, d.reason)), equal_to([("c", R.PROMPT_TOO_LONG)]),
+                    label="too long")
+
+
+def test_route_by_prefix_puts_each_prefix_group_on_one_shard():
+    prompts = [_prompt(i, [i], prefix_key=k) for i, k in enumerate(["0a", "0b", "0a", "1f", "0b", "0a"])]
+    with _pipeline() as p:
+        got = (p | beam.Create(prompts) | RouteByPrefix(3)
+               | beam.Map(lambda kv: (kv[0], sorted(x.id for x in kv[1]))))
+        expected: dict[int, list[str]] = {}
+        for x in prompts:
+            expected.setdefault(shard_of(x.prefix_key, 3), []).append(x.id)
+        assert_that(got, equal_to([(s, sorted(ids)) for s, ids in expected.items()]))
+
+
+def _generate_config(**batching) -> GenerateConfig:
+    return GenerateConfig(job_id="j", run_id="r", model_name="fake", model_path="", engine=EngineConfig(max_num_seqs=4),
+                          sampling=SamplingDefaults(max_tokens=3), batching=BatchingConfig(**batching))
+
+
+class _RejectingSession(FakeSession):
+    def __init__(self, cfg=None, model_path=""):
+        super().__init__(cfg, model_path, reject_token=666)
+
+
+def test_generate_answers_each_prompt_once_dead_letters_rejected_ones_and_reports_batches():
+    prompts = [_prompt(i, [100 + i] + [1] * 20) for i in range(9)] + [_prompt(9, [666, 1])]
+    with _pipeline() as p:
+        out = (p | beam.Create([(0, prompts)]) | Generate(_generate_config(token_budget=72), _RejectingSession))
+        answered = out.ok | "rows" >> beam.FlatMap(lambda rows: [(r["id"], r["text"], r["output_tokens"]) for r in rows])
+        assert_that(answered, equal_to([(f"p{i}", f"echo:{100 + i}", 3) for i in range(9)]), label="answered")
+        assert_that(out[DEAD] | "dead" >> beam.Map(lambda d: (d.id, d.reason)), equal_to([("p9", R.BAD_REQUEST)]),
+                    label="dead")
+        stats = out[STATS] | "stats" >> beam.Map(lambda s: s["requests"]) | beam.CombineGlobally(sum)
+        assert_that(stats, equal_to([10]), label="batch requests")
+
+
+def test_write_to_database_commits_outputs_dead_letters_and_batch_stats_idempotently(sqlite_url):
+    out = [OutputRow(job_id="j", id=f"o{i}", input_file=0, input_row=i, text="t").as_dict() for i in range(3)]
+    dead = [FailedRecord(input_file=0, input_row=7, id="x", reason=R.BAD_REQUEST, message="no")]
+    stats = [R.BatchStats(job_id="j", batch_id="b0", requests=3).as_dict()]
+    for _ in range(2):  # a retried bundle or a rerun writes the same keys again
+        with _pipeline() as p:
+            written = p | "outs" >> beam.Create([out]) | "w1" >> WriteToDatabase(sqlite_url, "j", "outputs")
+            assert_that(written, equal_to([3]))
+            _ = p | "dead" >> beam.Create(dead) | "w2" >> WriteToDatabase(sqlite_url, "j", "dead_letters")
+            _ = p | "stats" >> beam.Create(stats) | "w3" >> WriteToDatabase(sqlite_url, "j", "batches")
+    eng = S.connect(sqlite_url)
+    assert S.counts(eng, "j") == {"succeeded": 3, "failed": 1}
+    assert [b["batch_id"] for b in S.job_batches(eng, "j")] == ["b0"]
+
