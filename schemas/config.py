@@ -155,10 +155,13 @@ class JobSpec(_Strict):
         return "openai-jsonl" if self.input.rstrip("/").endswith((".jsonl", ".jsonl.gz")) else "parquet"
 
     def derived_job_id(self) -> str:
-        """A stable id from what defines the work, so rerunning the same spec resumes."""
+        """A stable id from what defines the work, so rerunning the same spec resumes.
+
+        Only keys set away from their defaults count, so a key that a later tokenmill adds
+        (with a default) does not move the ids of the specs written before it."""
         if self.job_id:
             return self.job_id
-        payload = self.model_dump(mode="json", exclude={"job_id", "db", "runner", "name"})
+        payload = self.model_dump(mode="json", exclude={"job_id", "db", "runner", "name"}, exclude_defaults=True)
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
         return f"job-{digest}"
 

@@ -87,3 +87,13 @@ def test_row_sampling_refuses_strings_and_bools_for_numbers():
                          ({"seed": 1.5}, "seed must be an integer, got 1.5")]:
         out = validate_row(row(prompt=b"hi", **fields))
         assert isinstance(out, FailedRecord) and out.reason == R.BAD_SAMPLING and out.message == says
+
+
+def test_derived_job_id_counts_only_keys_set_away_from_their_defaults():
+    from tokenmill.schemas.config import load_spec
+
+    base = {"input": "in.parquet", "output": "out/"}
+    plain = load_spec(base).derived_job_id()
+    assert load_spec({**base, "sampling": {"max_tokens": 128, "stop": None}}).derived_job_id() == plain
+    assert load_spec({**base, "sampling": {"max_tokens": 64}}).derived_job_id() != plain
+    assert load_spec({**base, "job_id": "nightly"}).derived_job_id() == "nightly"
