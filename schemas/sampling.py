@@ -33,6 +33,8 @@ class RowSampling(BaseModel):
     """Sampling seed."""
     stop: list[str] | None = None
     """Stop strings."""
+    min_tokens: int | None = Field(None, ge=0)
+    """Fewest output tokens before an end-of-sequence token or a stop string may end the row."""
 
 
 class RowSamplingError(ValueError):

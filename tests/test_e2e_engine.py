@@ -93,3 +93,22 @@ def test_cli_run_json_keeps_stdout_clean_of_engine_logs(tmp_path, sqlite_url, mo
     summary = json.loads(proc.stdout)
     assert (summary["status"], summary["rows_in"], summary["succeeded"]) == ("succeeded", 2, 2)
     assert "WARNING" in proc.stderr  # the engine did log, on stderr
+
+
+def test_per_row_min_tokens_reaches_the_engine(tmp_path, sqlite_url):
+    """`min_tokens` (a key declared only in schemas/sampling.py) holds the real engine to a
+    minimum: the same short-answer prompt stops early without it and runs on with it."""
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    inp = write_parquet(tmp_path / "in.parquet", [
+        {"id": "free", "messages": json.dumps(q), "min_tokens": None},
+        {"id": "held", "messages": json.dumps(q), "min_tokens": 20},
+        {"id": "bad", "messages": json.dumps(q), "min_tokens": -1},
+    ])
+    spec = load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "min-tokens",
+                      "engine": TEST_ENGINE, "sampling": {"max_tokens": 24}})
+    res = run_job(spec, db_url=sqlite_url)
+    out = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()}
+    dead = pq.read_table(tmp_path / "out" / "dead_letters.parquet").to_pylist()
+    assert res.status == "partial" and [(d["id"], d["reason"]) for d in dead] == [("bad", "bad_sampling")]
+    assert out["free"]["output_tokens"] < 20 and out["free"]["finish_reason"] == "stop"
+    assert out["held"]["output_tokens"] >= 20
