@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 
@@ -118,14 +118,21 @@ def column(sql: str, *, key: bool = False, required: bool = False, export: bool 
     return field(metadata=meta) if key or required else field(default=None, metadata=meta)
 
 
-class StoredRow:
-    """A row of one database table; its fields are the table's columns."""
+@cache
+def field_names(record: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(record))
 
-    __slots__ = ()
-    TABLE = ""
+
+@dataclass(slots=True, kw_only=True)
+class StoredRow:
+    """A row of one database table; its fields are the table's columns.  Every stored
+    row belongs to a job, and its job id leads its primary key."""
+
+    TABLE: ClassVar[str] = ""
+    job_id: str = column("str:128", key=True)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}
+        return {k: getattr(self, k) for k in field_names(type(self))}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -133,7 +140,6 @@ class OutputRow(StoredRow):
     """One answered request (table `outputs`, files outputs.parquet / outputs.jsonl)."""
 
     TABLE = "outputs"
-    job_id: str = column("str:128", key=True)
     id: str = column("str:512", key=True)
     input_file: int = column("int", required=True)
     input_row: int = column("int", required=True)
@@ -158,7 +164,6 @@ class DeadLetterRow(StoredRow):
     """One row that could not be served (table `dead_letters`, files dead_letters.parquet / errors.jsonl)."""
 
     TABLE = "dead_letters"
-    job_id: str = column("str:128", key=True)
     input_file: int = column("int", key=True)
     input_row: int = column("int", key=True)
     id: str | None = column("str:512")
@@ -173,7 +178,6 @@ class BatchStats(StoredRow):
     """Figures of one finished engine batch (table `batches`)."""
 
     TABLE = "batches"
-    job_id: str = column("str:128", key=True)
     batch_id: str = column("str:64", key=True)
     worker: str | None = column("str:128")
     requests: int | None = column("int")
