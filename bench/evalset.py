@@ -3,7 +3,7 @@
 Short arithmetic, capital cities and one-word facts: questions the default model
 (SmolLM2-135M-Instruct) partly solves, so a quantized or otherwise "optimized"
 run can be checked against the full-precision one with `tokenmill compare`.
-References use `a|b` for accepted alternatives (see jobs/compare.py).
+References use `a|b` for accepted alternatives (see jobs/modeltools/compare.py).
 
 Regenerate with `python -m bench.evalset [OUT]`; the rows are fixed
 (seeded), so the file is reproducible.

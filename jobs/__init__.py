@@ -1,0 +1,1 @@
+"""The launcher's side: the CLI, the job lifecycle, metrics and reports, model tools."""

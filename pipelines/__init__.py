@@ -1,0 +1,1 @@
+"""The Beam pipeline wiring (no logic of its own)."""

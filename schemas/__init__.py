@@ -1,0 +1,1 @@
+"""What every process shares: the job spec, the records, the tables and the storage interface."""

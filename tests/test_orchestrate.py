@@ -310,7 +310,7 @@ def test_progress_bar_shows_rows_tok_s_and_eta(monkeypatch):
 
 def test_module_commands_work_through_python_m_and_the_reexec(tmp_path):
     """`tokenmill run-pending` re-executes itself as `python -m tokenmill.jobs.cli`; the
-    commands that live in jobs/cli_*.py must be known there too."""
+    commands that live in jobs/cli/*.py must be known there too."""
     import subprocess
     import sys
 

@@ -1,1 +1,1 @@
-"""metrics"""
+"""What a job measured and cost: accounting, hardware, prices, reports."""
