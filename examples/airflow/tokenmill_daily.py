@@ -30,7 +30,7 @@ TOKENMILL = os.environ.get("TOKENMILL_BIN", "tokenmill")
 SPEC = os.environ.get("TOKENMILL_SPEC", "/etc/tokenmill/daily.yaml")
 INPUT = os.environ.get("TOKENMILL_INPUT", "s3://prompts/daily/{{ ds }}/")
 OUTPUT = os.environ.get("TOKENMILL_OUTPUT", "s3://answers/daily/{{ ds }}/")
-DB = os.environ.get("TOKENMILL_DB", "postgresql+psycopg2://tokenmill@db/tokenmill")
+DB = os.environ.get("TOKENMILL_DB", "postgresql://tokenmill@db/tokenmill")
 
 #: One job per logical date: the same id on every try, so a retry resumes.
 JOB_ID = "daily-{{ ds }}"
