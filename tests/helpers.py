@@ -17,18 +17,23 @@ def cli(*args: Any, catch_exceptions: bool = True) -> Result:
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=catch_exceptions)
 
 
-def one_error_line(res: Result) -> str:
-    """The one `error:` line a failed command printed (and no traceback)."""
+def one_error_line(res: Result, *, alone: bool = False) -> str:
+    """The one `error:` line a failed command printed (and no traceback);
+    with `alone`, the command printed nothing else either."""
     assert "Traceback" not in res.output, res.output
-    lines = [line for line in res.output.strip().splitlines() if line.startswith("error:")]
+    printed = res.output.strip().splitlines()
+    lines = [line for line in printed if line.startswith("error:")]
     assert len(lines) == 1, res.output
+    if alone:
+        assert len(printed) == 1, res.output
     return lines[0]
 
 
-def assert_one_line_error(res: Result, code: int, *parts: str) -> str:
-    """Exit code `code` and one `error:` line containing every one of `parts`."""
+def assert_one_line_error(res: Result, code: int, *parts: str, alone: bool = False) -> str:
+    """Exit code `code` and one `error:` line containing every one of `parts`
+    (with `alone`, the only line printed)."""
     assert res.exit_code == code, res.output
-    line = one_error_line(res)
+    line = one_error_line(res, alone=alone)
     for p in parts:
         assert p in line, line
     return line

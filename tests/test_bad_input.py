@@ -14,16 +14,14 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
 
 from tokenmill.schemas import storage as S
-from tokenmill.jobs.cli import main
 from tokenmill.jobs.lifecycle.runner import JobError, run_job
 from tokenmill.schemas import records as R
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.config import load_spec
 from tests.conftest import TEST_ENGINE, write_parquet
 from tests.fakes import FakeSession, PoisonedVllm
+from tests.helpers import cli, job_spec, one_error_line
 
 HANG_MAX_TOKENS = 777  # the fake engine never finishes such a request
 CRASH_MAX_TOKENS = 666  # the fake engine dies on such a request
@@ -99,11 +97,8 @@ def bad_job(tmp_path_factory):
     raw = pa.array([b"ok \xff\xfe bytes"], type=pa.binary()).view(pa.string())
     pq.write_table(pa.table({"id": [case_id(BAD_UTF8[0])], "prompt": raw}), inp / "c.parquet")
     db = f"sqlite:///{d / 'db.sqlite'}"
-    spec = load_spec({
-        "input": str(inp), "output": str(d / "out"), "job_id": "bad-input",
-        "engine": {"max_model_len": 1024}, "sampling": {"max_tokens": 4},
-        "batching": {"batch_timeout_s": 0.5},
-    })
+    spec = job_spec(inp, d / "out", job_id="bad-input", engine={"max_model_len": 1024}, sampling={"max_tokens": 4},
+                    batching={"batch_timeout_s": 0.5})
     res = run_job(spec, db_url=db, session_factory=MisbehavingSession)
     out = {r["id"]: r for r in pq.read_table(d / "out" / "outputs.parquet").to_pylist()}
     dead = pq.read_table(d / "out" / "dead_letters.parquet").to_pylist()
@@ -181,7 +176,7 @@ WHOLE_INPUT = [
 def test_whole_input_problem_stops_before_engine_work(tmp_path, sqlite_url, name, make, message):
     p = make(tmp_path)
     FakeSession.instances.clear()
-    spec = load_spec({"input": str(p), "output": str(tmp_path / "out"), "job_id": "whole"})
+    spec = job_spec(p, tmp_path / "out", job_id="whole")
     with pytest.raises(JobError) as err:
         run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     text = str(err.value)
@@ -194,17 +189,16 @@ def test_whole_input_problem_stops_before_engine_work(tmp_path, sqlite_url, name
 
 def test_whole_input_problem_is_one_cli_line(tmp_path, sqlite_url):
     p = _truncated(tmp_path)
-    res = CliRunner().invoke(main, ["run", "--input", str(p), "--output", str(tmp_path / "o"), "--db", sqlite_url])
+    res = cli("run", "--input", str(p), "--output", str(tmp_path / "o"), "--db", sqlite_url)
     assert res.exit_code == 1
-    lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: input file '{p}' is not a readable Parquet file"), res.output
+    line = one_error_line(res, alone=True)
+    assert line.startswith(f"error: input file '{p}' is not a readable Parquet file"), res.output
 
 
 def test_empty_dataset_succeeds_with_zero_rows_and_says_so(tmp_path, sqlite_url):
     p = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}), p)
-    res = run_job(load_spec({"input": str(p), "output": str(tmp_path / "out"), "job_id": "empty"}),
-                  db_url=sqlite_url, session_factory=FakeSession)
+    res = run_job(job_spec(p, tmp_path / "out", job_id="empty"), db_url=sqlite_url, session_factory=FakeSession)
     assert (res.status, res.total, res.succeeded, res.failed) == ("succeeded", 0, 0, 0)
     assert res.note == "the input has no rows: nothing to do"
     assert pq.read_table(tmp_path / "out" / "outputs.parquet").num_rows == 0
@@ -220,10 +214,8 @@ def test_real_engine_poison_row_is_isolated_and_the_rest_answered(tmp_path, sqli
     rows = [{"id": f"r{i}", "prompt": f"Count to {i}."} for i in range(7)]
     rows.insert(3, {"id": "x-POISON-x", "prompt": f"This row breaks the engine: {PoisonedVllm.MARKER}."})
     inp = write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec({
-        "input": str(inp), "output": str(tmp_path / "out"), "job_id": "poison",
-        "engine": TEST_ENGINE, "sampling": {"max_tokens": 4}, "batching": {"ordering": "none"},
-    })
+    spec = job_spec(inp, tmp_path / "out", job_id="poison", engine=TEST_ENGINE, sampling={"max_tokens": 4},
+                    batching={"ordering": "none"})
     res = run_job(spec, db_url=sqlite_url, session_factory=PoisonedVllm)
     assert (res.status, res.total, res.succeeded, res.failed) == ("partial", 8, 7, 1)
     dead = pq.read_table(tmp_path / "out" / "dead_letters.parquet").to_pylist()
@@ -252,11 +244,9 @@ def test_real_engine_core_that_freezes_or_dies_mid_batch_is_restarted_and_the_ba
 
     rows = [{"id": f"f{i}", "prompt": f"Name a colour, number {i}."} for i in range(24)]
     inp = write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec({
-        "input": str(inp), "output": str(tmp_path / "out"), "job_id": "frozen",
-        "engine": TEST_ENGINE, "sampling": {"max_tokens": 32, "ignore_eos": True},
-        "batching": {"ordering": "none", "batch_timeout_s": 8 if sig == "SIGSTOP" else 600},
-    })
+    spec = job_spec(inp, tmp_path / "out", job_id="frozen", engine=TEST_ENGINE,
+                    sampling={"max_tokens": 32, "ignore_eos": True},
+                    batching={"ordering": "none", "batch_timeout_s": 8 if sig == "SIGSTOP" else 600})
     frozen: list[int] = []
 
     def freeze_when_busy():
@@ -298,12 +288,12 @@ def test_row_count_mismatch_fails_the_job_loudly(tmp_path, sqlite_url):
                                             prompt_tokens=1, output_tokens=1, cached_tokens=0))
         c.execute(T.jobs.update().values(status="failed", owner=None, heartbeat_at=None))
     inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": "yo"}])
-    res = run_job(load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "reused",
-                             "sampling": {"max_tokens": 2}}), db_url=sqlite_url, session_factory=FakeSession)
+    res = run_job(job_spec(inp, tmp_path / "out", job_id="reused", sampling={"max_tokens": 2}),
+                  db_url=sqlite_url, session_factory=FakeSession)
     assert res.status == "failed"
     msg = "row count mismatch: 2 input rows but 3 outputs + 0 dead letters = 3"
     assert res.note == msg
     job = S.get_job(eng, "reused")
     assert (job["status"], job["error"]) == ("failed", msg)
-    st = CliRunner().invoke(main, ["status", "reused", "--json", "--db", sqlite_url])
+    st = cli("status", "reused", "--json", "--db", sqlite_url)
     assert json.loads(st.output)["reconciled"] is False

@@ -6,14 +6,12 @@ import threading
 import time
 
 import pyarrow.parquet as pq
-from click.testing import CliRunner
 
 from tokenmill.schemas import storage as S
-from tokenmill.jobs.cli import main
 from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.schemas.config import load_spec
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
+from tests.helpers import cli, job_spec
 
 ROWS = 200
 
@@ -27,11 +25,8 @@ class SlowSession(FakeSession):
 
 
 def spec(tmp_path, inp):
-    return load_spec({
-        "input": str(inp), "output": str(tmp_path / "out"), "job_id": "cancel-me",
-        "engine": {"max_num_seqs": 4}, "sampling": {"max_tokens": 4},
-        "batching": {"token_budget": 64, "ordering": "none"},
-    })
+    return job_spec(inp, tmp_path / "out", job_id="cancel-me", engine={"max_num_seqs": 4}, sampling={"max_tokens": 4},
+                    batching={"token_budget": 64, "ordering": "none"})
 
 
 def wait_for(cond, timeout=120.0):
@@ -59,7 +54,7 @@ def test_cancel_stops_a_running_job_and_keeps_what_finished(tmp_path, sqlite_url
     t = threading.Thread(target=target, daemon=True)
     t.start()
     assert wait_for(lambda: S.get_job(eng, "cancel-me") is not None and S.counts(eng, "cancel-me")["succeeded"] >= 8)
-    r = CliRunner().invoke(main, ["cancel", "cancel-me", "--db", sqlite_url])
+    r = cli("cancel", "cancel-me", "--db", sqlite_url)
     assert r.exit_code == 0 and r.output.strip() == "job cancel-me: cancel requested", r.output
     t.join(timeout=300)
     assert not t.is_alive() and "err" not in result, result
@@ -71,7 +66,7 @@ def test_cancel_stops_a_running_job_and_keeps_what_finished(tmp_path, sqlite_url
     assert (job["total"], job["succeeded"], job["failed"]) == (ROWS + 1, res.succeeded, 1)
     out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
     assert len(out) == res.succeeded == len({r["id"] for r in out})  # what finished is kept and exported
-    st = CliRunner().invoke(main, ["status", "cancel-me", "--db", sqlite_url])
+    st = cli("status", "cancel-me", "--db", sqlite_url)
     assert "status: cancelled" in st.output and f"succeeded: {res.succeeded}" in st.output
 
     # Rerunning the cancelled job answers the rest and duplicates nothing.
@@ -85,8 +80,8 @@ def test_cancel_stops_a_running_job_and_keeps_what_finished(tmp_path, sqlite_url
 def test_cancel_of_a_pending_job_is_immediate_and_of_unknown_job_fails(sqlite_url):
     eng = S.connect(sqlite_url)
     assert S.submit_job(eng, {"id": "later", "status": "pending", "spec": {}})
-    r = CliRunner().invoke(main, ["cancel", "later", "--db", sqlite_url])
+    r = cli("cancel", "later", "--db", sqlite_url)
     assert r.exit_code == 0 and r.output.strip() == "job later: cancelled"
     assert S.get_job(eng, "later")["status"] == "cancelled"
-    r = CliRunner().invoke(main, ["cancel", "nope", "--db", sqlite_url])
+    r = cli("cancel", "nope", "--db", sqlite_url)
     assert r.exit_code == 1 and r.output.strip() == "error: no job with id 'nope'"

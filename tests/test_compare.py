@@ -3,12 +3,12 @@
 import json
 
 import pytest
-from click.testing import CliRunner
 from sqlalchemy import update
 
-from tokenmill.jobs.cli import EXIT_QUALITY, main
+from tokenmill.jobs.cli import EXIT_QUALITY
 from tokenmill.jobs.modeltools.compare import CompareError, compare_rows, is_correct, word_similarity
 from tests.conftest import TEST_ENGINE
+from tests.helpers import cli, job_spec
 
 
 @pytest.mark.parametrize("out,ref,ok", [
@@ -74,10 +74,9 @@ def test_no_common_ids_is_an_error():
 def _fake_job(tmp_path, db, job_id):
     from tests.fakes import FakeSession
     from tokenmill.jobs.lifecycle.runner import run_job
-    from tokenmill.schemas.config import load_spec
 
-    spec = load_spec({"input": "data/eval_set.parquet", "output": str(tmp_path / job_id), "job_id": job_id,
-                      "reference_column": "reference", "sampling": {"max_tokens": 2}})
+    spec = job_spec("data/eval_set.parquet", tmp_path / job_id, job_id=job_id, reference_column="reference",
+                    sampling={"max_tokens": 2})
     return run_job(spec, db_url=db, session_factory=FakeSession)
 
 
@@ -88,8 +87,7 @@ def test_cli_gate_exit_codes_on_both_backends(tmp_path, any_db_url, monkeypatch)
     monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parent.parent)
     assert _fake_job(tmp_path, any_db_url, "base").status == "succeeded"
     assert _fake_job(tmp_path, any_db_url, "cand").status == "succeeded"
-    r = CliRunner()
-    res = r.invoke(main, ["compare", "base", "cand", "--db", any_db_url, "--json"])
+    res = cli("compare", "base", "cand", "--db", any_db_url, "--json")
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     assert d["matched"] == 60 and d["exact_match_rate"] == 1.0 and d["with_reference"] == 60
@@ -97,12 +95,12 @@ def test_cli_gate_exit_codes_on_both_backends(tmp_path, any_db_url, monkeypatch)
     eng = S.connect(any_db_url)
     with eng.begin() as conn:
         conn.execute(update(T.outputs).where(T.outputs.c.job_id == "base").values(text=T.outputs.c.reference))
-    res = r.invoke(main, ["compare", "base", "cand", "--db", any_db_url])
+    res = cli("compare", "base", "cand", "--db", any_db_url)
     assert res.exit_code == EXIT_QUALITY, res.output
     assert "drop +100.0%" in res.output and "FAIL" in res.output
-    res = r.invoke(main, ["compare", "base", "cand", "--db", any_db_url, "--max-drop", "1.0"])
+    res = cli("compare", "base", "cand", "--db", any_db_url, "--max-drop", "1.0")
     assert res.exit_code == 0 and "PASS" in res.output
-    res = r.invoke(main, ["compare", "base", "nope", "--db", any_db_url])
+    res = cli("compare", "base", "nope", "--db", any_db_url)
     assert res.exit_code == 1 and res.output.strip() == "error: no job with id 'nope'"
 
 
@@ -113,14 +111,13 @@ def test_real_eval_set_gate_and_kv_plan_against_the_engine(tmp_path, sqlite_url,
     from pathlib import Path
 
     from tokenmill.jobs.lifecycle.runner import run_job
-    from tokenmill.schemas.config import load_spec
 
     root = Path(__file__).resolve().parent.parent
 
     def job(job_id, max_tokens):
-        spec = load_spec({"input": str(root / "data" / "eval_set.parquet"), "output": str(tmp_path / job_id),
-                          "job_id": job_id, "reference_column": "reference", "engine": TEST_ENGINE,
-                          "sampling": {"max_tokens": max_tokens, "temperature": 0.0}})
+        spec = job_spec(root / "data" / "eval_set.parquet", tmp_path / job_id, job_id=job_id,
+                        reference_column="reference", engine=TEST_ENGINE,
+                        sampling={"max_tokens": max_tokens, "temperature": 0.0})
         res = run_job(spec, db_url=sqlite_url)
         assert res.status == "succeeded", res
         return res
@@ -128,20 +125,19 @@ def test_real_eval_set_gate_and_kv_plan_against_the_engine(tmp_path, sqlite_url,
     job("eval-base", 32)
     job("eval-again", 32)
     job("eval-short", 1)
-    r = CliRunner()
-    res = r.invoke(main, ["compare", "eval-base", "eval-again", "--db", sqlite_url, "--json"])
+    res = cli("compare", "eval-base", "eval-again", "--db", sqlite_url, "--json")
     assert res.exit_code == 0, res.output
     same = json.loads(res.output)
     # a greedy rerun: batch composition may differ run to run (fp32 reduction order), so near-identical
     assert same["exact_match_rate"] >= 0.9 and abs(same["accuracy_drop"]) <= 0.05
     assert 0.2 <= same["base_accuracy"] <= 0.95  # partly solved: neither trivial nor hopeless
-    res = r.invoke(main, ["compare", "eval-base", "eval-short", "--db", sqlite_url, "--json"])
+    res = cli("compare", "eval-base", "eval-short", "--db", sqlite_url, "--json")
     assert res.exit_code == EXIT_QUALITY, res.output
     short = json.loads(res.output)
     assert short["candidate_accuracy"] < short["base_accuracy"] and not short["passed"]
 
-    res = r.invoke(main, ["kv-plan", "--job", "eval-base", "--batch", str(TEST_ENGINE["max_num_seqs"]),
-                          "--db", sqlite_url, "--json"])
+    res = cli("kv-plan", "--job", "eval-base", "--batch", str(TEST_ENGINE["max_num_seqs"]),
+              "--db", sqlite_url, "--json")
     assert res.exit_code == 0, res.output
     p = json.loads(res.output)
     e = p["engine"]

@@ -11,8 +11,8 @@ import pytest
 from tokenmill.schemas import storage as S
 from bench.datasets import SYSTEM_PROMPTS
 from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.schemas.config import load_spec
 from tests.conftest import TEST_ENGINE, write_parquet
+from tests.helpers import job_spec
 
 pytestmark = pytest.mark.engine
 
@@ -33,10 +33,8 @@ def rows():
 
 def test_real_job_answers_sensibly_and_reconciles(tmp_path, sqlite_url, model_path):
     inp = write_parquet(tmp_path / "in.parquet", rows())
-    spec = load_spec({
-        "input": str(inp), "output": str(tmp_path / "out"), "job_id": "e2e",
-        "engine": TEST_ENGINE, "sampling": {"max_tokens": 24, "temperature": 0.0},
-    })
+    spec = job_spec(inp, tmp_path / "out", job_id="e2e", engine=TEST_ENGINE,
+                    sampling={"max_tokens": 24, "temperature": 0.0})
     res = run_job(spec, db_url=sqlite_url)
     assert res.status == "succeeded", res
     assert (res.total, res.succeeded, res.failed) == (6, 6, 0)
@@ -104,8 +102,7 @@ def test_per_row_min_tokens_reaches_the_engine(tmp_path, sqlite_url):
         {"id": "held", "messages": json.dumps(q), "min_tokens": 20},
         {"id": "bad", "messages": json.dumps(q), "min_tokens": -1},
     ])
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "min-tokens",
-                      "engine": TEST_ENGINE, "sampling": {"max_tokens": 24}})
+    spec = job_spec(inp, tmp_path / "out", job_id="min-tokens", engine=TEST_ENGINE, sampling={"max_tokens": 24})
     res = run_job(spec, db_url=sqlite_url)
     out = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()}
     dead = pq.read_table(tmp_path / "out" / "dead_letters.parquet").to_pylist()

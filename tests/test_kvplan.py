@@ -4,10 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from tokenmill.jobs.modeltools import kvplan as K
-from tokenmill.jobs.cli import main
+from tests.helpers import cli, job_spec
 
 SMOL = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
         "intermediate_size": 1536, "num_hidden_layers": 30, "vocab_size": 49152, "tie_word_embeddings": True,
@@ -70,22 +69,20 @@ def test_compare_with_engine_capacity():
 
 
 def test_cli_json_and_text(model_path):
-    r = CliRunner()
-    res = r.invoke(main, ["kv-plan", "--model", model_path, "--max-model-len", "2048", "--batch", "64",
-                          "--memory", "1GiB", "--json"])
+    res = cli("kv-plan", "--model", model_path, "--max-model-len", "2048", "--batch", "64",
+              "--memory", "1GiB", "--json")
     assert res.exit_code == 0, res.output
     p = json.loads(res.output)
     assert p["kv_cache_bytes"] == 23040 * 2048 * 64 and p["max_batch_in_memory"] == 22
-    res = r.invoke(main, ["kv-plan", "-m", model_path, "-l", "2048", "--batch", "64", "--memory", "1GiB"])
+    res = cli("kv-plan", "-m", model_path, "-l", "2048", "--batch", "64", "--memory", "1GiB")
     assert res.exit_code == 0
     assert "GQA saves 3.0×" in res.output and "does NOT fit" in res.output
 
 
 def test_cli_bad_memory_and_missing_args_are_one_line(model_path):
-    r = CliRunner()
-    res = r.invoke(main, ["kv-plan", "-m", model_path, "-l", "512", "--memory", "lots"])
+    res = cli("kv-plan", "-m", model_path, "-l", "512", "--memory", "lots")
     assert res.exit_code == 2 and res.output.strip().startswith("error: --memory")
-    res = r.invoke(main, ["kv-plan", "-m", model_path])
+    res = cli("kv-plan", "-m", model_path)
     assert res.exit_code == 2 and "--max-model-len" in res.output
 
 
@@ -93,14 +90,13 @@ def test_cli_job_option_reads_the_engine_info_of_a_job(tmp_path, sqlite_url):
     from tests.conftest import write_parquet
     from tests.fakes import FakeSession
     from tokenmill.jobs.lifecycle.runner import run_job
-    from tokenmill.schemas.config import load_spec
 
     inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])
-    run_job(load_spec({"input": str(inp), "output": str(tmp_path / "o"), "job_id": "kvj",
-                       "sampling": {"max_tokens": 2}}), db_url=sqlite_url, session_factory=FakeSession)
-    res = CliRunner().invoke(main, ["kv-plan", "--job", "kvj", "-l", "100", "--db", sqlite_url, "--json"])
+    run_job(job_spec(inp, tmp_path / "o", job_id="kvj", sampling={"max_tokens": 2}),
+            db_url=sqlite_url, session_factory=FakeSession)
+    res = cli("kv-plan", "--job", "kvj", "-l", "100", "--db", sqlite_url, "--json")
     assert res.exit_code == 0, res.output
     e = json.loads(res.output)["engine"]
     assert e["engine_kv_cache_tokens"] == 1000 and e["engine_max_sequences_at_max_len"] == 10
-    res = CliRunner().invoke(main, ["kv-plan", "--job", "nope", "-l", "100", "--db", sqlite_url])
+    res = cli("kv-plan", "--job", "nope", "-l", "100", "--db", sqlite_url)
     assert res.exit_code == 1 and "no job with id 'nope'" in res.output

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.schemas.config import load_spec
 from tokenmill.transforms.openai_batch import LineError, line_row, parse_request, plan_jsonl
 from tokenmill.transforms.validate import validate_row
 from tests.conftest import TEST_ENGINE
 from tests.fakes import FakeSession
+from tests.helpers import job_spec
 
 
 def chat_line(cid, content, model="smollm2-135m", **body):
@@ -121,7 +121,7 @@ def test_job_writes_one_output_or_error_line_per_input_line(tmp_path, sqlite_url
         chat_line("chat-2", "again", max_tokens=4),
     ]
     inp = write_jsonl(tmp_path / "batch.jsonl", lines)
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "oa"})
+    spec = job_spec(inp, tmp_path / "out", job_id="oa")
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert (res.total, res.succeeded, res.failed) == (8, 3, 5)
     assert res.status == "partial"
@@ -155,7 +155,7 @@ def test_job_writes_one_output_or_error_line_per_input_line(tmp_path, sqlite_url
 
 def test_rerun_resumes_and_export_is_identical(tmp_path, sqlite_url):
     inp = write_jsonl(tmp_path / "b.jsonl", [chat_line(f"q{i}", f"question {i}", max_tokens=2) for i in range(5)])
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "oa-resume"})
+    spec = job_spec(inp, tmp_path / "out", job_id="oa-resume")
     run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     first = (tmp_path / "out" / "outputs.jsonl").read_text()
     FakeSession.instances.clear()
@@ -177,8 +177,7 @@ def test_greedy_outputs_equal_vllm_run_batch(tmp_path, sqlite_url, model_path):
     lines[-1]["body"]["messages"].insert(0, {"role": "system", "content": "You are a terse pirate."})
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
 
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "oa-engine",
-                      "engine": {**TEST_ENGINE, "dtype": "float32"}})
+    spec = job_spec(inp, tmp_path / "out", job_id="oa-engine", engine={**TEST_ENGINE, "dtype": "float32"})
     res = run_job(spec, db_url=sqlite_url)
     assert res.status == "succeeded", res
     ours = {o["custom_id"]: o for o in read_jsonl(tmp_path / "out" / "outputs.jsonl")}

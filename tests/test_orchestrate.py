@@ -7,7 +7,6 @@ import json
 
 import click
 import pytest
-from click.testing import CliRunner
 from sqlalchemy import insert
 
 from tokenmill.jobs.lifecycle import queue as Q
@@ -15,15 +14,9 @@ from tokenmill.schemas import storage as S
 from tokenmill.jobs.cli import main
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.config import load_spec
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
-from tests.helpers import assert_one_line_error, job_spec, one_error_line
-
-
-@pytest.fixture
-def runner():
-    return CliRunner()
+from tests.helpers import assert_one_line_error, cli, job_spec, one_error_line
 
 
 def prompts(tmp_path, n=3, name="in.parquet"):
@@ -37,10 +30,10 @@ def fake_run(db_url):
 # ---------------------------------------------------------------- submit
 
 
-def test_submit_prints_the_id_and_records_a_pending_job(runner, tmp_path, any_db_url):
+def test_submit_prints_the_id_and_records_a_pending_job(tmp_path, any_db_url):
     inp = prompts(tmp_path)
-    res = runner.invoke(main, ["submit", "--input", str(inp), "--output", str(tmp_path / "o"), "--job-id", "nightly-1",
-                               "--max-tokens", "7", "--db", any_db_url])
+    res = cli("submit", "--input", str(inp), "--output", str(tmp_path / "o"), "--job-id", "nightly-1",
+              "--max-tokens", "7", "--db", any_db_url)
     assert res.exit_code == 0, res.output
     assert res.output.strip() == "nightly-1"
     job = S.get_job(S.connect(any_db_url), "nightly-1")
@@ -48,20 +41,20 @@ def test_submit_prints_the_id_and_records_a_pending_job(runner, tmp_path, any_db
     assert job["spec"]["sampling"]["max_tokens"] == 7 and job["spec"]["job_id"] == "nightly-1"
 
 
-def test_submit_stores_local_paths_absolute(runner, tmp_path, sqlite_url, monkeypatch):
+def test_submit_stores_local_paths_absolute(tmp_path, sqlite_url, monkeypatch):
     monkeypatch.chdir(tmp_path)
     prompts(tmp_path)
-    res = runner.invoke(main, ["submit", "--input", "in.parquet", "--output", "out", "--job-id", "rel", "--db", sqlite_url])
+    res = cli("submit", "--input", "in.parquet", "--output", "out", "--job-id", "rel", "--db", sqlite_url)
     assert res.exit_code == 0, res.output
     spec = S.get_job(S.connect(sqlite_url), "rel")["spec"]
     assert (spec["input"], spec["output"]) == (str(tmp_path / "in.parquet"), str(tmp_path / "out"))
 
 
-def test_submit_twice_is_one_job_and_a_derived_id_is_stable(runner, tmp_path, sqlite_url):
+def test_submit_twice_is_one_job_and_a_derived_id_is_stable(tmp_path, sqlite_url):
     inp = prompts(tmp_path)
     args = ["submit", "--input", str(inp), "--output", str(tmp_path / "o"), "--db", sqlite_url, "--json"]
-    first = json.loads(runner.invoke(main, args).output)
-    second = json.loads(runner.invoke(main, args).output)
+    first = json.loads(cli(*args).output)
+    second = json.loads(cli(*args).output)
     assert first["job_id"] == second["job_id"] and first["job_id"].startswith("job-")
     assert (first["status"], second["status"]) == ("pending", "already pending")
     assert [j["id"] for j in S.list_jobs(S.connect(sqlite_url))] == [first["job_id"]]
@@ -79,19 +72,19 @@ def test_submit_refuses_a_finished_id_and_requeues_a_failed_one(tmp_path, sqlite
     assert S.get_job(eng, "j")["status"] == "pending"
 
 
-def test_submit_invalid_spec_names_the_key_path(runner, tmp_path, sqlite_url):
+def test_submit_invalid_spec_names_the_key_path(tmp_path, sqlite_url):
     spec = tmp_path / "job.yaml"
     spec.write_text("input: a.parquet\noutput: out\nbatching:\n  ordering: random\nrunner:\n  num_workers: 0\n")
-    res = runner.invoke(main, ["submit", str(spec), "--db", sqlite_url])
+    res = cli("submit", str(spec), "--db", sqlite_url)
     assert res.exit_code == 2
     err = one_error_line(res)
     assert "batching.ordering" in err and "runner.num_workers" in err
     assert S.list_jobs(S.connect(sqlite_url)) == []
 
 
-def test_submit_of_a_missing_input_fails_at_once_in_one_line(runner, tmp_path, sqlite_url):
-    res = runner.invoke(main, ["submit", "--input", str(tmp_path / "nope.parquet"), "--output", str(tmp_path / "o"),
-                               "--db", sqlite_url])
+def test_submit_of_a_missing_input_fails_at_once_in_one_line(tmp_path, sqlite_url):
+    res = cli("submit", "--input", str(tmp_path / "nope.parquet"), "--output", str(tmp_path / "o"),
+              "--db", sqlite_url)
     assert_one_line_error(res, 1, "does not exist", "nope.parquet")
     assert S.list_jobs(S.connect(sqlite_url)) == []
 
@@ -103,8 +96,8 @@ def test_run_pending_runs_jobs_in_submission_order_and_resumes_none_twice(tmp_pa
     eng = S.connect(any_db_url)
     order = ["b-second", "a-first", "c-third"]  # ids sort differently from submission order
     for i, jid in enumerate(order):
-        Q.submit(eng, load_spec({"input": str(prompts(tmp_path, 2 + i, f"{jid}.parquet")), "output": str(tmp_path / jid),
-                                 "job_id": jid, "sampling": {"max_tokens": 2}}))
+        Q.submit(eng, job_spec(prompts(tmp_path, 2 + i, f"{jid}.parquet"), tmp_path / jid,
+                               job_id=jid, sampling={"max_tokens": 2}))
     seen = []
     outcomes = Q.run_pending(eng, fake_run(any_db_url), on_start=lambda j: seen.append(j["id"]))
     assert seen == order
@@ -120,8 +113,7 @@ def test_run_pending_resumes_a_job_whose_runner_died(tmp_path, sqlite_url):
     eng = S.connect(sqlite_url)
     spec = job_spec(prompts(tmp_path, 3), tmp_path / "o", job_id="orphan")
     Q.submit(eng, spec)
-    Q.submit(eng, load_spec({"input": str(prompts(tmp_path, 2, "b.parquet")), "output": str(tmp_path / "p"),
-                             "job_id": "live"}))
+    Q.submit(eng, job_spec(prompts(tmp_path, 2, "b.parquet"), tmp_path / "p", job_id="live"))
     stale = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=S.STALE_AFTER_S + 5)
     now = dt.datetime.now(dt.timezone.utc)
     from sqlalchemy import update
@@ -146,7 +138,7 @@ def test_one_failing_job_does_not_stop_the_queue(tmp_path, sqlite_url):
     assert S.get_job(eng, "bad")["status"] == "failed" and "does not exist" in S.get_job(eng, "bad")["error"]
 
 
-def test_run_pending_cli_exit_code_is_the_most_serious_outcome(runner, tmp_path, sqlite_url, monkeypatch):
+def test_run_pending_cli_exit_code_is_the_most_serious_outcome(tmp_path, sqlite_url, monkeypatch):
     import tokenmill.jobs.lifecycle.runner as runner_mod
 
     real = runner_mod.run_job
@@ -156,35 +148,35 @@ def test_run_pending_cli_exit_code_is_the_most_serious_outcome(runner, tmp_path,
     partial = write_parquet(tmp_path / "p.parquet", [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": ""}])
     Q.submit(eng, job_spec(ok, tmp_path / "o1", job_id="ok"))
     Q.submit(eng, job_spec(partial, tmp_path / "o2", job_id="part"))
-    res = runner.invoke(main, ["run-pending", "--db", sqlite_url, "--json"])
+    res = cli("run-pending", "--db", sqlite_url, "--json")
     assert res.exit_code == 3, res.output
     out = json.loads(res.output)
     assert [(j["job_id"], j["status"]) for j in out["jobs"]] == [("ok", "succeeded"), ("part", "partial")]
     assert out["jobs"][1]["summary"]["failed"] == 1
-    res = runner.invoke(main, ["run-pending", "--db", sqlite_url])
+    res = cli("run-pending", "--db", sqlite_url)
     assert res.exit_code == 0 and "no pending jobs" in res.output
 
 
-def test_second_runner_is_refused_while_the_lock_is_held(runner, sqlite_url):
+def test_second_runner_is_refused_while_the_lock_is_held(sqlite_url):
     eng = S.connect(sqlite_url)
     with S.named_lock(eng, Q.LOCK_NAME) as got:
         assert got
-        res = runner.invoke(main, ["run-pending", "--db", sqlite_url])
+        res = cli("run-pending", "--db", sqlite_url)
         assert res.exit_code == 5
         assert "holds the queue lock" in one_error_line(res)
-    res = runner.invoke(main, ["run-pending", "--db", sqlite_url])
+    res = cli("run-pending", "--db", sqlite_url)
     assert res.exit_code == 0  # released
 
 
-def test_overlapping_run_of_a_live_job_id_refuses_cleanly(runner, tmp_path, sqlite_url):
+def test_overlapping_run_of_a_live_job_id_refuses_cleanly(tmp_path, sqlite_url):
     """What cron needs: a run still going when the next one fires makes the second exit 5."""
     eng = S.connect(sqlite_url)
     now = dt.datetime.now(dt.timezone.utc)
     with eng.begin() as conn:
         conn.execute(insert(T.jobs).values(id="cron-job", status="running", spec={}, owner=S.owner_tag(),
                                            heartbeat_at=now, started_at=now, submitted_at=now))
-    res = runner.invoke(main, ["run", "--input", str(prompts(tmp_path)), "--output", str(tmp_path / "o"),
-                               "--job-id", "cron-job", "--db", sqlite_url])
+    res = cli("run", "--input", str(prompts(tmp_path)), "--output", str(tmp_path / "o"),
+              "--job-id", "cron-job", "--db", sqlite_url)
     assert res.exit_code == 5
     assert "already running" in one_error_line(res)
     assert S.get_job(eng, "cron-job")["owner"] == S.owner_tag()  # untouched
@@ -193,46 +185,46 @@ def test_overlapping_run_of_a_live_job_id_refuses_cleanly(runner, tmp_path, sqli
 # ---------------------------------------------------------------- validate
 
 
-def test_validate_ok_reports_rows_and_model(runner, tmp_path):
-    res = runner.invoke(main, ["validate", "--input", str(prompts(tmp_path, 4)), "--output", str(tmp_path / "o"), "--json"])
+def test_validate_ok_reports_rows_and_model(tmp_path):
+    res = cli("validate", "--input", str(prompts(tmp_path, 4)), "--output", str(tmp_path / "o"), "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["valid"] and out["rows"] == 4 and out["model_path"].endswith("smollm2-135m")
 
 
-def test_validate_openai_batch_file_lists_endpoints_and_models(runner, tmp_path):
+def test_validate_openai_batch_file_lists_endpoints_and_models(tmp_path):
     p = tmp_path / "b.jsonl"
     p.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
                              "body": {"model": "m", "prompt": "x"}}) + "\n")
-    res = runner.invoke(main, ["validate", "--input", str(p), "--output", str(tmp_path / "o"), "--json"])
+    res = cli("validate", "--input", str(p), "--output", str(tmp_path / "o"), "--json")
     out = json.loads(res.output)
     assert out["input_format"] == "openai-jsonl" and out["output_format"] == "openai-jsonl"
     assert out["endpoints"] == {"/v1/completions": 1} and out["models"] == {"m": 1}
     assert out["unserved_models"] == {"m": 1}  # the job serves smollm2-135m: that line would be a dead letter
-    res = runner.invoke(main, ["validate", "--input", str(p), "--output", str(tmp_path / "o")])
+    res = cli("validate", "--input", str(p), "--output", str(tmp_path / "o"))
     assert res.exit_code == 0 and "warning: lines naming another model will be dead letters: 'm' (1 lines)" in res.output
 
 
-def test_validate_reports_every_problem_on_one_line(runner, tmp_path):
+def test_validate_reports_every_problem_on_one_line(tmp_path):
     noprompt = write_parquet(tmp_path / "q.parquet", [{"question": "hi"}])
-    res = runner.invoke(main, ["validate", "--input", str(noprompt), "--output", str(tmp_path / "o"),
-                               "--model", "no-such-model"])
+    res = cli("validate", "--input", str(noprompt), "--output", str(tmp_path / "o"),
+              "--model", "no-such-model")
     assert res.exit_code == 1
     err = one_error_line(res)
     assert "unknown model 'no-such-model'" in err and "no 'prompt' or 'messages' column" in err
 
 
-def test_validate_spec_file_unknown_key_and_range(runner, tmp_path):
+def test_validate_spec_file_unknown_key_and_range(tmp_path):
     spec = tmp_path / "job.yaml"
     spec.write_text("input: a.parquet\noutput: o\nengine:\n  max_num_seqs: 0\n  gpu_memory_utilisation: 0.3\n")
-    res = runner.invoke(main, ["validate", str(spec)])
+    res = cli("validate", str(spec))
     assert res.exit_code == 2
     err = one_error_line(res)
     assert "engine.max_num_seqs" in err and "greater than or equal to 1" in err
     assert "engine.gpu_memory_utilisation: unknown key" in err
 
 
-def test_validate_and_run_refuse_an_fp8_checkpoint_on_cpu_with_the_same_message(runner, tmp_path, model_path,
+def test_validate_and_run_refuse_an_fp8_checkpoint_on_cpu_with_the_same_message(tmp_path, model_path,
                                                                               sqlite_url, monkeypatch):
     """validate checks what run checks: the checkpoint's quantization on this device too."""
     from tests.test_quantize import FP8_W, _qconfig_folder
@@ -241,7 +233,7 @@ def test_validate_and_run_refuse_an_fp8_checkpoint_on_cpu_with_the_same_message(
     monkeypatch.setenv("TOKENMILL_FORCE_CPU", "1")
     ckpt = _qconfig_folder(tmp_path, model_path, FP8_W)
     inp = prompts(tmp_path)
-    res = runner.invoke(main, ["validate", "--input", str(inp), "--output", str(tmp_path / "o"), "--model", str(ckpt)])
+    res = cli("validate", "--input", str(inp), "--output", str(tmp_path / "o"), "--model", str(ckpt))
     line = assert_one_line_error(res, 1, "FP8 weights, which need a CUDA GPU")
     with pytest.raises(JobError) as err:
         run_job(job_spec(inp, tmp_path / "o", engine={"model": str(ckpt)}), db_url=sqlite_url)
@@ -258,11 +250,11 @@ def _commands(cmd, path):
             yield from _commands(sub, [*path, name])
 
 
-def test_every_command_has_help_with_an_example_under_h_and_help(runner):
+def test_every_command_has_help_with_an_example_under_h_and_help():
     names = []
     for path, _ in _commands(main, []):
         for flag in ("-h", "--help"):
-            res = runner.invoke(main, [*path, flag])
+            res = cli(*path, flag)
             assert res.exit_code == 0, (path, res.output)
             assert "Example" in res.output, f"`tokenmill {' '.join(path)} {flag}` shows no example"
         names.append(" ".join(path))
@@ -272,19 +264,19 @@ def test_every_command_has_help_with_an_example_under_h_and_help(runner):
 # ---------------------------------------------------------------- run: --json, --quiet, progress
 
 
-def test_run_json_and_quiet_outputs(runner, tmp_path, sqlite_url, monkeypatch):
+def test_run_json_and_quiet_outputs(tmp_path, sqlite_url, monkeypatch):
     import tokenmill.jobs.lifecycle.runner as runner_mod
 
     real = runner_mod.run_job
     monkeypatch.setattr(runner_mod, "run_job", lambda spec, **kw: real(spec, **kw, session_factory=FakeSession))
     inp = prompts(tmp_path, 3)
-    res = runner.invoke(main, ["run", "--input", str(inp), "--output", str(tmp_path / "o"), "--job-id", "j1",
-                               "--db", sqlite_url, "--json"])
+    res = cli("run", "--input", str(inp), "--output", str(tmp_path / "o"), "--job-id", "j1",
+              "--db", sqlite_url, "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)  # nothing but the JSON document on stdout
     assert (out["job_id"], out["status"], out["rows_in"], out["succeeded"]) == ("j1", "succeeded", 3, 3)
-    res = runner.invoke(main, ["run", "--input", str(inp), "--output", str(tmp_path / "o2"), "--job-id", "j2",
-                               "--db", sqlite_url, "--quiet"])
+    res = cli("run", "--input", str(inp), "--output", str(tmp_path / "o2"), "--job-id", "j2",
+              "--db", sqlite_url, "--quiet")
     assert res.exit_code == 0 and res.output == ""
 
 

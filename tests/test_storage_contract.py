@@ -9,15 +9,14 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from sqlalchemy import inspect, text
 
 from tokenmill.schemas import storage as S
-from tokenmill.jobs.cli import main
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.db import db_engine
 from tokenmill.schemas.records import DeadLetterRow, OutputRow
 from tests.conftest import write_parquet
+from tests.helpers import assert_one_line_error, cli
 
 
 def _fresh(url):
@@ -148,11 +147,7 @@ def test_newer_schema_gives_a_one_line_error(any_db_url):
         S.connect(any_db_url)
     _fresh(any_db_url)
     for args in (["jobs"], ["status", "x"], ["report", "x", "--no-html"]):
-        res = CliRunner().invoke(main, [*args, "--db", any_db_url])
-        assert res.exit_code == 1, res.output
-        lines = res.output.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error:") and "9999_from_the_future" in lines[0], res.output
-        assert "Traceback" not in res.output
+        assert_one_line_error(cli(*args, "--db", any_db_url), 1, "9999_from_the_future", alone=True)
 
 
 # ---------------------------------------------------------------- two jobs at once
@@ -160,11 +155,10 @@ def test_newer_schema_gives_a_one_line_error(any_db_url):
 
 def _run_one(db_url, inp, out, job_id, barrier):
     from tokenmill.jobs.lifecycle.runner import run_job
-    from tokenmill.schemas.config import load_spec
     from tests.fakes import FakeSession
+    from tests.helpers import job_spec
 
-    spec = load_spec({"input": inp, "output": out, "job_id": job_id, "sampling": {"max_tokens": 3},
-                      "batching": {"token_budget": 512}})
+    spec = job_spec(inp, out, job_id=job_id, sampling={"max_tokens": 3}, batching={"token_budget": 512})
     barrier.wait(timeout=120)  # both processes are imported and ready: start writing together
     t0 = time.time()
     res = run_job(spec, db_url=db_url, session_factory=FakeSession)

@@ -7,6 +7,7 @@ import pytest
 from tokenmill.schemas import records as R
 from tokenmill.schemas.records import FailedRecord, PromptRecord
 from tokenmill.transforms.validate import pick_first, validate_row
+from tests.helpers import cli, job_spec
 
 
 def row(**kw):
@@ -92,29 +93,22 @@ def test_row_sampling_refuses_strings_and_bools_for_numbers():
 
 
 def test_derived_job_id_counts_only_keys_set_away_from_their_defaults():
-    from tokenmill.schemas.config import load_spec
-
-    base = {"input": "in.parquet", "output": "out/"}
-    plain = load_spec(base).derived_job_id()
-    assert load_spec({**base, "sampling": {"max_tokens": 128, "stop": None}}).derived_job_id() == plain
-    assert load_spec({**base, "sampling": {"max_tokens": 64}}).derived_job_id() != plain
-    assert load_spec({**base, "job_id": "nightly"}).derived_job_id() == "nightly"
+    plain = job_spec("in.parquet", "out/").derived_job_id()
+    assert job_spec("in.parquet", "out/", sampling={"max_tokens": 128, "stop": None}).derived_job_id() == plain
+    assert job_spec("in.parquet", "out/", sampling={"max_tokens": 64}).derived_job_id() != plain
+    assert job_spec("in.parquet", "out/", job_id="nightly").derived_job_id() == "nightly"
 
 
 def test_min_tokens_is_a_row_key_a_job_key_a_flag_and_an_openai_body_key():
     """The key was added in schemas/sampling.py alone; every surface sees it."""
-    from click.testing import CliRunner
-
-    from tokenmill.jobs.cli import main
-    from tokenmill.schemas.config import load_spec
     from tokenmill.transforms.openai_batch import parse_request
 
     ok = validate_row({"_file_index": 0, "_row": 0, "id": "a", "prompt": "hi", "min_tokens": 3.0})
     assert ok.sampling == {"min_tokens": 3}
     bad = validate_row({"_file_index": 0, "_row": 1, "id": "b", "prompt": "hi", "min_tokens": -1})
     assert (bad.reason, bad.message) == ("bad_sampling", "min_tokens must be an integer >= 0, got -1")
-    assert load_spec({"input": "i", "output": "o", "sampling": {"min_tokens": 2}}).sampling.min_tokens == 2
-    assert "--min-tokens" in CliRunner().invoke(main, ["run", "--help"]).output
+    assert job_spec("i", "o", sampling={"min_tokens": 2}).sampling.min_tokens == 2
+    assert "--min-tokens" in cli("run", "--help").output
     line = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions",
                        "body": {"model": "m", "prompt": "x", "min_tokens": 5}})
     assert parse_request(line)["min_tokens"] == 5
