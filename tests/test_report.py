@@ -144,7 +144,7 @@ def test_scrub_masks_passwords_in_any_url_string():
 
 def test_database_password_never_reaches_jobs_table_report_or_logs(pg_url, tmp_path, model_path, caplog):
     """A real PostgreSQL URL with a password (trust auth accepts and ignores it)."""
-    url = pg_url.replace("postgresql+psycopg2://postgres@", "postgresql+psycopg2://postgres:hunter2secret@")
+    url = pg_url.replace("://postgres@", "://postgres:hunter2secret@")
     assert "hunter2secret" in url
     caplog.set_level(logging.DEBUG)
     rows = [{"id": str(i), "prompt": f"q {i}"} for i in range(5)]
