@@ -114,15 +114,10 @@ def connect(url: str, *, migrate: bool = True) -> Engine:
     except StorageError:
         raise
     except SQLAlchemyError as err:
-        raise StorageError(f"cannot use database {mask_url(url)}: {_db_reason(err)}") from None
+        # the driver's own message (err.orig), not SQLAlchemy's wrapper with the SQL and a link
+        raise StorageError(f"cannot use database {mask_url(url)}: {first_line(getattr(err, 'orig', None) or err)}") from None
     except Exception as err:  # driver import errors, bad URLs
         raise StorageError(f"cannot use database {mask_url(url)}: {first_line(err)}") from None
-
-
-def _db_reason(err: SQLAlchemyError) -> str:
-    orig = getattr(err, "orig", None) or err
-    text = str(orig).strip().splitlines()
-    return (text[0] if text else type(orig).__name__)[:300]
 
 
 def owner_tag() -> str:

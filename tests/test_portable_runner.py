@@ -154,14 +154,14 @@ def test_deploy_specs_load_strictly_and_build_a_valid_pipeline(name, runner_cls,
     import apache_beam as beam
     from apache_beam.options.pipeline_options import DebugOptions, GoogleCloudOptions, PortableOptions, WorkerOptions
 
-    from tokenmill.jobs.lifecycle.runner import _pipeline_options
+    from tokenmill.jobs.lifecycle.preflight import pipeline_options
     from tokenmill.pipelines.batch import PipelineParts, build_pipeline
     from tokenmill.schemas.config import load_spec_file
     from tokenmill.transforms.read import plan_input
 
     spec = load_spec_file(ROOT / "deploy" / name)
     assert spec.runner.runner == runner_cls
-    opts = _pipeline_options(spec)
+    opts = pipeline_options(spec)
     if runner_cls == "DataflowRunner":
         worker, debug = opts.view_as(WorkerOptions), opts.view_as(DebugOptions)
         assert worker.sdk_container_image.endswith("/tokenmill/worker:0.1.0")

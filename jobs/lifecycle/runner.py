@@ -85,11 +85,6 @@ def hardware() -> dict[str, Any]:
     return describe()
 
 
-# tests/test_portable_runner.py imports the old private name; the lead switches it to
-# preflight.pipeline_options at merge.
-_pipeline_options = pipeline_options
-
-
 class _Heartbeat(threading.Thread):
     def __init__(self, eng, job_id: str, on_tick: Callable[[], None] | None = None, every_s: float = 5.0):
         super().__init__(daemon=True, name="tokenmill-heartbeat")
