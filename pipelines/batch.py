@@ -1,12 +1,15 @@
-"""The batch inference pipeline: one PCollection chain, each step a labelled PTransform.
+"""The batch inference pipeline: each step a labelled PTransform over work units.
 
-    ReadPrompts → Validate → SkipDone → DedupIds → Tokenize → RouteByPrefix
-      → Generate → WriteToDatabase(outputs)
-    dead letters of every step → WriteToDatabase(dead_letters)
+    PlanUnits ─┬─ ClaimIds ─────────────────────────────┐ (side input: every id claimed first)
+               └─ ReadPrompts → Validate → SkipDone → DedupIds → Tokenize → Generate → WriteOutputs
+    dead letters of Validate, DedupIds, Tokenize, Generate → WriteDeadLetters (one writer each)
+    batch stats of Generate → WriteBatchStats
 
-`build_pipeline` only wires; each step's logic lives in transforms/ and is
-tested there without a pipeline.  Pieces are injectable (the engine session
-factory) so pipeline tests can swap the engine for a fake.
+Every element after PlanUnits is one `Chunk`: a unit's rows, carried together
+from the read to the engine, so the chain fuses into one stage per worker and
+no runner buffers prompts between steps.  `build_pipeline` only wires; each
+step's logic lives in transforms/ and is tested there.  The engine session
+factory is injectable so pipeline tests can swap the engine for a fake.
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ from typing import Any, Callable
 import apache_beam as beam
 
 from tokenmill.schemas.config import JobSpec
-from tokenmill.transforms.batching import RouteByPrefix
+from tokenmill.transforms.chunks import DEAD
+from tokenmill.transforms.dedup import ClaimIds, DedupIds
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
-from tokenmill.transforms.read import InputPlan, ReadPrompts
+from tokenmill.transforms.read import InputPlan, PlanUnits, ReadPrompts, plan_units
 from tokenmill.transforms.resume import SkipDone
 from tokenmill.transforms.tokenize import DEFAULT_BLOCK_SIZE, Tokenize
-from tokenmill.transforms.validate import DEAD, DedupIds, Validate
+from tokenmill.transforms.validate import Validate
 from tokenmill.transforms.write import WriteToDatabase
+
+#: Runners whose workers all run on the launching machine (their engines share its cores).
+LOCAL_RUNNERS = ("DirectRunner", "direct", "DaskRunner")
 
 
 @dataclass
@@ -41,23 +48,32 @@ class PipelineParts:
     """The engine's KV block size; prefix keys align to it."""
 
 
-def num_shards(spec: JobSpec) -> int:
-    if spec.batching.shards:
-        return spec.batching.shards
-    return max(1, spec.runner.num_workers)
+def engines_per_host(spec: JobSpec) -> int:
+    """Engines that share one machine's cores: every worker of a local runner, else one."""
+    return spec.runner.num_workers if spec.runner.runner in LOCAL_RUNNERS else 1
 
 
-def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dict[str, beam.PCollection]:
+def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dict[str, Any]:
     block = parts.block_size or spec.engine.block_size or DEFAULT_BLOCK_SIZE
-    rows = p | "ReadPrompts" >> ReadPrompts(parts.plan)
+    plan = parts.plan
+    served = tuple(getattr(plan, "served_models", ()) or ())
+    units = p | "PlanUnits" >> PlanUnits(plan_units(plan, spec.batching.unit_bytes, spec.runner.num_workers))
+    rows = units | "ReadPrompts" >> ReadPrompts(served_models=served)
     valid = rows | "Validate" >> Validate(spec.reference_column)
     todo = valid.ok | "SkipDone" >> SkipDone(parts.db_url, parts.job_id)
-    unique = todo | "DedupIds" >> DedupIds()
-    tok = unique.ok | "Tokenize" >> Tokenize(
+    dead = {"Validate": valid[DEAD]}
+    if plan.format == "parquet" and "id" not in plan.columns:
+        unique = todo  # ids come from positions: no duplicates to look for
+    else:
+        id_columns = ["id"] if plan.format == "parquet" else None
+        claimed = units | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id, id_columns, served)
+        dedup = todo | "DedupIds" >> DedupIds(parts.db_url, parts.job_id, claimed)
+        unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
+    tok = unique | "Tokenize" >> Tokenize(
         parts.model_path, spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks
     )
-    shards = tok.ok | "Batch" >> RouteByPrefix(num_shards(spec))
-    gen = shards | "Generate" >> Generate(
+    dead["Tokenize"] = tok[DEAD]
+    gen = tok.ok | "Generate" >> Generate(
         GenerateConfig(
             job_id=parts.job_id,
             run_id=parts.run_id,
@@ -67,12 +83,15 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
             sampling=spec.sampling,
             batching=spec.batching,
             db_url=parts.db_url,
-            num_workers=spec.runner.num_workers if spec.runner.runner in ("DirectRunner", "direct") else 1,
+            num_workers=engines_per_host(spec),
         ),
         parts.session_factory,
     )
+    dead["Generate"] = gen[DEAD]
     written = gen.ok | "WriteOutputs" >> WriteToDatabase(parts.db_url, parts.job_id, "outputs")
-    dead = (valid[DEAD], unique[DEAD], tok[DEAD], gen[DEAD]) | "AllDeadLetters" >> beam.Flatten()
-    dead | "WriteDeadLetters" >> WriteToDatabase(parts.db_url, parts.job_id, "dead_letters")
+    # One writer per step, not a Flatten: each stays fused with its step, so no runner
+    # buffers a job's dead letters between stages.
+    for step, pc in dead.items():
+        pc | f"WriteDeadLetters{step}" >> WriteToDatabase(parts.db_url, parts.job_id, "dead_letters")
     gen[STATS] | "WriteBatchStats" >> WriteToDatabase(parts.db_url, parts.job_id, "batches")
-    return {"outputs": gen.ok, "dead": dead, "stats": gen[STATS], "written": written}
+    return {"outputs": gen.ok, "dead": tuple(dead.values()), "stats": gen[STATS], "written": written}

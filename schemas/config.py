@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenmill.schemas.sampling import RowSampling
 
@@ -94,8 +94,10 @@ class BatchingConfig(_Strict):
     `max_num_seqs` sequences of the job's mean size in flight."""
     prefix_blocks: int = Field(4, ge=1, le=1024)
     """Leading KV blocks hashed into the prefix key that routes a group to one worker."""
-    shards: int | None = Field(None, ge=1)
-    """Number of routing shards (prefix groups are hashed into these); default 1 per worker."""
+    unit_bytes: ByteSize | None = Field(None, ge=1 << 16)
+    """Prompt data per work unit (uncompressed input bytes; an integer or `64MiB`, `1GiB`): no process holds
+    more than about one unit of prompts at a time, and a failed unit re-reads only itself.
+    Default: sized from the machine (1/512 of its memory, 4-64 MiB), at most 8,192 rows."""
     max_inflight_batches: int = Field(2, ge=1, le=64)
     """Batches handed to the engine ahead of the one finishing (keeps the engine fed at batch tails)."""
     batch_timeout_s: float = Field(1800.0, gt=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import pyarrow as pa
 
@@ -70,7 +70,8 @@ class TokenizedPrompt(_FromInput):
     id: str
     input_file: int
     input_row: int
-    token_ids: list[int]
+    token_ids: Sequence[int]
+    """array("i") from Tokenize (4 bytes a token); any int sequence is accepted."""
     prefix_key: str
     max_tokens: int
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -91,6 +92,16 @@ class FailedRecord(_FromInput):
     reason: str
     message: str
     raw: str | None = None
+
+
+@dataclass(slots=True)
+class Chunk:
+    """The unit of work as it moves through the pipeline: the records of one planned
+    slice of the input (`unit`: its key), carried together so that no step holds more
+    than one slice of prompt data and each step does one lookup per slice."""
+
+    unit: str
+    items: list[Any]
 
 
 @dataclass(slots=True)

@@ -256,7 +256,7 @@ def failure_reasons(eng: Engine, job_id: str) -> dict[str, int]:
 
 def delete_job(eng: Engine, job_id: str) -> None:
     with eng.begin() as conn:
-        for t in (T.outputs, T.dead_letters, T.batches, T.workers):  # every table keyed by job_id
+        for t in (T.outputs, T.dead_letters, T.batches, T.workers, T.id_claims):  # every table keyed by job_id
             conn.execute(delete(t).where(t.c.job_id == job_id))
         conn.execute(delete(T.jobs).where(T.jobs.c.id == job_id))
 
@@ -399,13 +399,72 @@ def cancel_requested(eng: Engine, job_id: str) -> bool:
         return bool(conn.execute(select(T.jobs.c.cancel_requested).where(T.jobs.c.id == job_id)).scalar())
 
 
-def done_keys(eng: Engine, job_id: str) -> tuple[set[str], set[tuple[int, int]]]:
-    """What a rerun skips: (ids with an output, (input_file, input_row) of each dead letter)."""
-    d = T.dead_letters.c
+#: Ids per IN (...) list: well under SQLite's 32,766 bound parameters and PostgreSQL's 65,535.
+IN_CHUNK = 1000
+
+
+def _chunks(items: list, n: int = IN_CHUNK) -> Iterator[list]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+def done_in_range(eng: Engine, job_id: str, input_file: int, first_row: int, last_row: int,
+                  ids: Iterable[str]) -> tuple[set[str], set[int]]:
+    """What a rerun skips of one work unit (rows `first_row..last_row` of one input file):
+    (those of `ids` already answered, input rows already answered or dead-lettered).
+    Keyed lookups bounded by the unit, never the job's whole key set."""
+    o, d = T.outputs.c, T.dead_letters.c
+    done_rows: set[int] = set()
+    done_ids: set[str] = set()
     with eng.connect() as conn:
-        ids = set(conn.execute(select(T.outputs.c.id).where(T.outputs.c.job_id == job_id)).scalars())
-        refs = {(f, r) for f, r in conn.execute(select(d.input_file, d.input_row).where(d.job_id == job_id))}
-    return ids, refs
+        for t in (o, d):
+            q = select(t.input_row).where(
+                t.job_id == job_id, t.input_file == input_file, t.input_row.between(first_row, last_row))
+            done_rows.update(conn.execute(q).scalars())
+        for part in _chunks(list(ids)):
+            done_ids.update(conn.execute(select(o.id).where(o.job_id == job_id, o.id.in_(part))).scalars())
+    return done_ids, done_rows
+
+
+def claim_ids(eng: Engine, job_id: str, rows: list[tuple[str, int, int]]) -> int:
+    """Record (id, input_file, input_row) claims: each id keeps the first row in input
+    order that carries it, whatever order work units run in (an upsert that only moves
+    a claim to an earlier row), so the claim pass can run in parallel and be re-run."""
+    if not rows:
+        return 0
+    c = T.id_claims.c
+    best: dict[str, tuple[int, int]] = {}
+    for rid, f, r in rows:  # duplicates inside one call: one statement may not touch a row twice
+        if rid not in best or (f, r) < best[rid]:
+            best[rid] = (f, r)
+    values = [{"job_id": job_id, "id": k, "input_file": f, "input_row": r} for k, (f, r) in best.items()]
+    with eng.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as dialect_insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        stmt = dialect_insert(T.id_claims)
+        ex = stmt.excluded
+        earlier = (ex.input_file < c.input_file) | ((ex.input_file == c.input_file) & (ex.input_row < c.input_row))
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[c.job_id, c.id],
+            set_={"input_file": ex.input_file, "input_row": ex.input_row},
+            where=earlier,
+        )
+        for part in _chunks(values):
+            conn.execute(stmt, part)
+    return len(values)
+
+
+def id_claims(eng: Engine, job_id: str, ids: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """The claiming row (input_file, input_row) of each of `ids` that has one."""
+    c = T.id_claims.c
+    out: dict[str, tuple[int, int]] = {}
+    with eng.connect() as conn:
+        for part in _chunks(list(set(ids))):
+            q = select(c.id, c.input_file, c.input_row).where(c.job_id == job_id, c.id.in_(part))
+            out.update({i: (f, r) for i, f, r in conn.execute(q)})
+    return out
 
 
 # ---------------------------------------------------------------- what exports, reports and tools read

@@ -74,7 +74,7 @@ def row_table(record: type[StoredRow], *extra) -> Table:
     return Table(record.TABLE, metadata, *cols, *extra)
 
 
-outputs = row_table(OutputRow)
+outputs = row_table(OutputRow, Index("ix_outputs_job_input", "job_id", "input_file", "input_row"))
 dead_letters = row_table(DeadLetterRow, Index("ix_dead_letters_job_reason", "job_id", "reason"))
 batches = row_table(BatchStats)
 
@@ -89,8 +89,21 @@ workers = Table(
     Column("load_s", Float),
     Column("engine_info", JSON),
     Column("peak_rss_bytes", BigInteger),
+    Column("generated_rows", BigInteger),
+    Column("generated_tokens", BigInteger),
     Column("started_at", Float),
     Column("updated_at", Float),
+)
+
+#: Which row of the input each id belongs to: the first in input order (duplicates
+#: are dead letters).  Filled by the claim pass before any prompt is generated.
+id_claims = Table(
+    "id_claims",
+    metadata,
+    Column("job_id", String(128), primary_key=True),
+    Column("id", String(512), primary_key=True),
+    Column("input_file", Integer, nullable=False),
+    Column("input_row", Integer, nullable=False),
 )
 
 locks = Table(

@@ -1,5 +1,5 @@
 from tokenmill.schemas.records import TokenizedPrompt
-from tokenmill.transforms.batching import default_token_budget, order_prompts, pack, plan_batches, shard_of
+from tokenmill.transforms.batching import default_token_budget, order_prompts, pack, plan_batches
 from tokenmill.transforms.tokenize import prefix_key
 
 
@@ -40,11 +40,6 @@ def test_default_budget_keeps_max_num_seqs_full():
     assert default_token_budget(ps, max_num_seqs=8) == 160
     batches = plan_batches(ps, ordering="length", token_budget=None, max_num_seqs=8)
     assert [len(b.prompts) for b in batches][:3] == [8, 8, 8]
-
-
-def test_same_prefix_routes_to_same_shard():
-    k = prefix_key([5] * 40, 16, 2)
-    assert shard_of(k, 4) == shard_of(prefix_key([5] * 32 + [1, 2, 3], 16, 2), 4)
 
 
 def test_cpu_slots_split_cores_without_overlap():

@@ -124,7 +124,7 @@ def test_old_database_upgrades_without_losing_rows(any_db_url):
     assert S.get_job(eng, "old")["succeeded"] == 2
     outs = [(r["id"], r["input_file"], r["input_row"]) for rows in S.stream_rows(eng, OutputRow, "old") for r in rows]
     assert outs == [("a", 0, 10), ("b", 1, 2)]
-    assert S.done_keys(eng, "old") == ({"a", "b"}, {(0, 3)})
+    assert S.done_in_range(eng, "old", 0, 0, 20, ["a", "b", "z"]) == ({"a", "b"}, {3, 10})
     assert S.insert_rows(eng, DeadLetterRow, [_dead("old", 0, 3)]) == 0  # the new key holds the converted row
 
 
@@ -214,12 +214,30 @@ def test_exports_come_back_in_input_order(any_db_url, tmp_path):
     assert out.schema.names[:3] == ["job_id", "id", "input_ref"] and "input_file" not in out.schema.names
 
 
-def test_done_keys_are_answered_ids_and_dead_letter_positions(any_db_url):
+def test_done_in_range_is_bounded_by_the_unit_file_and_rows(any_db_url):
     eng = S.connect(any_db_url)
     S.insert_rows(eng, OutputRow, [_output("j-done", 0), _output("j-done", 1), _output("other", 5)])
-    S.insert_rows(eng, DeadLetterRow, [_dead("j-done", 1, 4), _dead("other", 2, 2)])
-    assert S.done_keys(eng, "j-done") == ({"r0", "r1"}, {(1, 4)})
-    assert S.done_keys(eng, "nothing") == (set(), set())
+    S.insert_rows(eng, DeadLetterRow, [_dead("j-done", 1, 4), _dead("j-done", 0, 9), _dead("other", 2, 2)])
+    # outputs r0, r1 sit at file 0 rows 0, 1 (see _output)
+    assert S.done_in_range(eng, "j-done", 0, 0, 5, ["r0", "r1", "r7"]) == ({"r0", "r1"}, {0, 1})
+    assert S.done_in_range(eng, "j-done", 0, 1, 9, []) == (set(), {1, 9})
+    assert S.done_in_range(eng, "j-done", 1, 0, 10, ["r5"]) == (set(), {4})
+    assert S.done_in_range(eng, "nothing", 0, 0, 10**9, ["r0"]) == (set(), set())
+
+
+def test_id_claims_keep_the_earliest_row_in_any_order_and_in_big_batches(any_db_url):
+    eng = S.connect(any_db_url)
+    S.claim_ids(eng, "j", [("a", 0, 9), ("b", 1, 0)])
+    S.claim_ids(eng, "j", [("a", 0, 3), ("b", 1, 5), ("a", 0, 4)])  # a moves earlier, b stays
+    S.claim_ids(eng, "j", [("a", 1, 0)])
+    S.claim_ids(eng, "other", [("a", 2, 2)])
+    assert S.id_claims(eng, "j", ["a", "b", "c"]) == {"a": (0, 3), "b": (1, 0)}
+    many = [(f"id{i}", 0, i) for i in range(2500)]  # more than one IN list and one statement
+    assert S.claim_ids(eng, "big", many) == 2500
+    got = S.id_claims(eng, "big", [f"id{i}" for i in range(0, 2500, 7)])
+    assert got == {f"id{i}": (0, i) for i in range(0, 2500, 7)}
+    S.delete_job(eng, "big")
+    assert S.id_claims(eng, "big", ["id0"]) == {}
 
 
 def test_submit_and_requeue_are_compare_and_set(any_db_url):

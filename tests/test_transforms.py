@@ -16,14 +16,15 @@ from apache_beam.testing.util import assert_that, equal_to
 from tokenmill.schemas import records as R
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
-from tokenmill.schemas.records import DeadLetterRow, FailedRecord, OutputRow, PromptRecord, TokenizedPrompt
-from tokenmill.transforms.batching import RouteByPrefix, shard_of
+from tokenmill.schemas.records import Chunk, DeadLetterRow, FailedRecord, OutputRow, PromptRecord, TokenizedPrompt
+from tokenmill.transforms.chunks import DEAD
+from tokenmill.transforms.dedup import ClaimIds, DedupIds
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
-from tokenmill.transforms.openai_batch import ReadOpenAIBatch, plan_jsonl
-from tokenmill.transforms.read import ReadPrompts, plan_input
+from tokenmill.transforms.openai_batch import plan_jsonl
+from tokenmill.transforms.read import PlanUnits, ReadPrompts, plan_input, plan_units
 from tokenmill.transforms.resume import SkipDone
 from tokenmill.transforms.tokenize import Tokenize
-from tokenmill.transforms.validate import DEAD, DedupIds, Validate
+from tokenmill.transforms.validate import Validate
 from tokenmill.transforms.write import WriteToDatabase
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
@@ -38,6 +39,15 @@ def _row(i: int, **kw) -> dict:
     return {"_file_index": 0, "_row": i, **kw}
 
 
+def _chunk(items, unit="0.0") -> Chunk:
+    return Chunk(unit, list(items))
+
+
+def _items(chunks):
+    """A PCollection of chunks → its records (one chunk per unit, never empty)."""
+    return chunks | beam.FlatMap(lambda c: c.items if c.items else [AssertionError("empty chunk")])
+
+
 def _prompt(i: int, ids: list[int], prefix_key: str = "0a", max_tokens: int = 3) -> TokenizedPrompt:
     return TokenizedPrompt(id=f"p{i}", input_file=0, input_row=i, token_ids=ids, prefix_key=prefix_key,
                            max_tokens=max_tokens)
@@ -48,7 +58,7 @@ def test_read_prompts_yields_every_row_of_every_row_group_with_its_position(tmp_
     plan = plan_input(str(write_parquet(tmp_path / "in.parquet", rows, row_group_size=3)))
     assert len(plan.shards) == 3
     with _pipeline() as p:
-        got = (p | ReadPrompts(plan)
+        got = (_items(p | PlanUnits(plan_units(plan)) | ReadPrompts())
                | beam.Map(lambda r: (r["id"].decode(), r["_file_index"], r["_row"], r["prompt"].decode())))
         assert_that(got, equal_to([(f"r{i}", 0, i, f"question {i}") for i in range(7)]))
 
@@ -63,7 +73,7 @@ def test_read_openai_batch_turns_lines_into_rows_and_keeps_bad_lines_for_validat
     f = tmp_path / "batch.jsonl"
     f.write_text("\n".join(json.dumps(x) if isinstance(x, dict) else x for x in lines) + "\n")
     with _pipeline() as p:
-        got = p | ReadOpenAIBatch(plan_jsonl(str(f))) | beam.Map(
+        got = _items(p | PlanUnits(plan_units(plan_jsonl(str(f)))) | ReadPrompts()) | beam.Map(
             lambda r: (r["_row"], r.get("id"), r.get("max_tokens"), "_error" in r))
         assert_that(got, equal_to([(0, "a", 5, False), (1, None, None, True), (2, "c", None, False)]))
 
@@ -72,23 +82,36 @@ def test_validate_splits_good_rows_from_dead_letters_with_reasons():
     rows = [_row(0, id="a", prompt="fine"), _row(1, id="b", prompt="   "), _row(2, id="c", prompt="x", top_p=1.5),
             _row(3, id="d", messages=json.dumps([{"role": "user", "content": "hello"}]))]
     with _pipeline() as p:
-        out = p | beam.Create(rows) | Validate()
-        assert_that(out.ok | "ok ids" >> beam.Map(lambda r: (r.id, r.input_ref)),
+        out = p | beam.Create([_chunk(rows)]) | Validate()
+        assert_that(_items(out.ok) | "ok ids" >> beam.Map(lambda r: (r.id, r.input_ref)),
                     equal_to([("a", "0:0"), ("d", "0:3")]), label="ok")
         assert_that(out[DEAD] | "dead" >> beam.Map(lambda d: (d.id, d.reason)),
                     equal_to([("b", R.EMPTY_PROMPT), ("c", R.BAD_SAMPLING)]), label="dead")
 
 
-def test_dedup_ids_keeps_the_first_row_of_an_id_in_input_order():
+def test_claim_ids_records_the_first_row_of_each_id_whatever_order_units_run_in(tmp_path, sqlite_url):
+    rows = [{"id": i, "prompt": "q"} for i in ["a", "b", "a", "c", "b", "a", "d"]]
+    plan = plan_input(str(write_parquet(tmp_path / "in.parquet", rows, row_group_size=2)))
+    units = plan_units(plan)[::-1]  # the last unit claims first: the upsert still keeps the earliest row
+    with _pipeline() as p:
+        total = p | PlanUnits(units) | ClaimIds(sqlite_url, "j", ["id"])
+        assert_that(total, equal_to([7]))
+    assert S.id_claims(S.connect(sqlite_url), "j", "abcdz") == {"a": (0, 0), "b": (0, 1), "c": (0, 3), "d": (0, 6)}
+
+
+def test_dedup_ids_keeps_the_claiming_row_of_an_id_and_dead_letters_the_rest(sqlite_url):
+    S.claim_ids(S.connect(sqlite_url), "j", [("a", 0, 5), ("a", 0, 2), ("b", 1, 0)])
     recs = [PromptRecord(id="a", input_file=0, input_row=5, prompt="late"),
             PromptRecord(id="a", input_file=0, input_row=2, prompt="early"),
             PromptRecord(id="b", input_file=1, input_row=0, prompt="only")]
     with _pipeline() as p:
-        out = p | beam.Create(recs) | DedupIds()
-        assert_that(out.ok | "ok" >> beam.Map(lambda r: (r.id, r.prompt)), equal_to([("a", "early"), ("b", "only")]),
-                    label="ok")
-        assert_that(out[DEAD] | "dead" >> beam.Map(lambda d: (d.id, d.input_ref, d.reason)),
-                    equal_to([("a", "0:5", R.DUPLICATE_ID)]), label="dead")
+        claimed = p | "claimed" >> beam.Create([3])
+        out = p | beam.Create([_chunk(recs)]) | DedupIds(sqlite_url, "j", claimed)
+        assert_that(_items(out.ok) | "ok" >> beam.Map(lambda r: (r.id, r.prompt)),
+                    equal_to([("a", "early"), ("b", "only")]), label="ok")
+        assert_that(out[DEAD] | "dead" >> beam.Map(lambda d: (d.id, d.input_ref, d.reason, d.message)),
+                    equal_to([("a", "0:5", R.DUPLICATE_ID, "duplicate id 'a': the row at 0:2 came first")]),
+                    label="dead")
 
 
 def test_skip_done_drops_answered_ids_and_dead_lettered_rows(sqlite_url):
@@ -99,7 +122,7 @@ def test_skip_done_drops_answered_ids_and_dead_lettered_rows(sqlite_url):
     recs = [PromptRecord(id=i, input_file=0, input_row=n, prompt="q") for n, i in enumerate("abc")]
     recs.append(PromptRecord(id="a", input_file=0, input_row=3, prompt="other job's id"))
     with _pipeline() as p:
-        got = p | beam.Create(recs) | SkipDone(sqlite_url, "j") | beam.Map(lambda r: r.input_ref)
+        got = _items(p | beam.Create([_chunk(recs)]) | SkipDone(sqlite_url, "j")) | beam.Map(lambda r: r.input_ref)
         assert_that(got, equal_to(["0:2"]))
 
 
@@ -109,26 +132,15 @@ def test_tokenize_counts_tokens_keys_prefixes_and_dead_letters_prompts_too_long(
             PromptRecord(id="b", input_file=0, input_row=1, messages=[system, {"role": "user", "content": "Grass colour?"}]),
             PromptRecord(id="c", input_file=0, input_row=2, prompt="word " * 400)]
     with _pipeline() as p:
-        out = p | beam.Create(recs) | Tokenize(model_path, max_model_len=256, default_max_tokens=8, block_size=16,
+        out = p | beam.Create([_chunk(recs)]) | Tokenize(model_path, max_model_len=256, default_max_tokens=8, block_size=16,
                                                prefix_blocks=4)
         # a and b share their system prompt: one prefix key, both prompts long, the job's max_tokens
-        shape = (out.ok | beam.Map(lambda t: (t.id, t.prefix_key, len(t.token_ids) > 100, t.max_tokens))
+        shape = (_items(out.ok) | beam.Map(lambda t: (t.id, t.prefix_key, len(t.token_ids) > 100, t.max_tokens))
                  | beam.combiners.ToList() | beam.Map(lambda ts: (len({k for _, k, _, _ in ts}), sorted(
                      (i, long, mt) for i, _, long, mt in ts))))
         assert_that(shape, equal_to([(1, [("a", True, 8), ("b", True, 8)])]), label="shared prefix")
         assert_that(out[DEAD] | beam.Map(lambda d: (d.id, d.reason)), equal_to([("c", R.PROMPT_TOO_LONG)]),
                     label="too long")
-
-
-def test_route_by_prefix_puts_each_prefix_group_on_one_shard():
-    prompts = [_prompt(i, [i], prefix_key=k) for i, k in enumerate(["0a", "0b", "0a", "1f", "0b", "0a"])]
-    with _pipeline() as p:
-        got = (p | beam.Create(prompts) | RouteByPrefix(3)
-               | beam.Map(lambda kv: (kv[0], sorted(x.id for x in kv[1]))))
-        expected: dict[int, list[str]] = {}
-        for x in prompts:
-            expected.setdefault(shard_of(x.prefix_key, 3), []).append(x.id)
-        assert_that(got, equal_to([(s, sorted(ids)) for s, ids in expected.items()]))
 
 
 def _generate_config(**batching) -> GenerateConfig:
@@ -144,7 +156,7 @@ class _RejectingSession(FakeSession):
 def test_generate_answers_each_prompt_once_dead_letters_rejected_ones_and_reports_batches():
     prompts = [_prompt(i, [100 + i] + [1] * 20) for i in range(9)] + [_prompt(9, [666, 1])]
     with _pipeline() as p:
-        out = (p | beam.Create([(0, prompts)]) | Generate(_generate_config(token_budget=72), _RejectingSession))
+        out = (p | beam.Create([_chunk(prompts)]) | Generate(_generate_config(token_budget=72), _RejectingSession))
         answered = out.ok | "rows" >> beam.FlatMap(lambda rows: [(r["id"], r["text"], r["output_tokens"]) for r in rows])
         assert_that(answered, equal_to([(f"p{i}", f"echo:{100 + i}", 3) for i in range(9)]), label="answered")
         assert_that(out[DEAD] | "dead" >> beam.Map(lambda d: (d.id, d.reason)), equal_to([("p9", R.BAD_REQUEST)]),

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from tokenmill.schemas import records as R
-from tokenmill.schemas.records import FailedRecord, PromptRecord
-from tokenmill.transforms.validate import pick_first, validate_row
+from tokenmill.schemas.records import Chunk, FailedRecord, PromptRecord
+from tokenmill.transforms.validate import validate_row
 from tests.helpers import cli, job_spec
 
 
@@ -53,14 +53,21 @@ def test_good_rows_keep_overrides_and_generate_stable_ids():
     assert msgs.id == "a1" and msgs.messages == [{"role": "user", "content": "Hi"}]
 
 
-def test_duplicate_ids_first_in_input_order_wins():
+def test_duplicate_ids_first_in_input_order_wins(sqlite_url):
+    from tokenmill.schemas import storage as S
+    from tokenmill.transforms.dedup import DedupIdsFn
+
+    eng = S.connect(sqlite_url)
     a = PromptRecord(id="x", input_file=1, input_row=0, prompt="later file")
     b = PromptRecord(id="x", input_file=0, input_row=9, prompt="first")
     c = PromptRecord(id="x", input_file=0, input_row=10, prompt="second")
-    out = pick_first(("x", [a, c, b]))
-    assert out[0] is b
-    assert [o.reason for o in out[1:]] == [R.DUPLICATE_ID, R.DUPLICATE_ID]
-    assert {o.input_ref for o in out[1:]} == {"1:0", "0:10"}
+    S.claim_ids(eng, "j", [(r.id, r.input_file, r.input_row) for r in (a, c, b)])
+    out = list(DedupIdsFn(sqlite_url, "j").process(Chunk("u", [a, c, b])))
+    kept = [o for o in out if isinstance(o, Chunk)]
+    dead = [o.value for o in out if not isinstance(o, Chunk)]
+    assert [k.items for k in kept] == [[b]]
+    assert [d.reason for d in dead] == [R.DUPLICATE_ID, R.DUPLICATE_ID]
+    assert {d.input_ref for d in dead} == {"1:0", "0:10"}
 
 
 def test_a_sampling_key_added_to_the_model_is_a_flag_and_is_validated_per_row():

@@ -1,17 +1,15 @@
-"""Batch: route prefix groups to shards and pack them into token-budgeted batches.
+"""Batch: order one work unit's prompts and pack them into token-budgeted batches.
 
 With continuous batching, padding costs nothing; what costs is repeated
 prefill of shared prefixes and idle engine time at batch tails.  So:
 
-* every prompt is routed by its prefix key, so one prefix group lands on one
-  shard, and a shard is processed by one worker, back to back (the Generate
-  step is fused after the grouping);
-* inside a shard, prompts are ordered (`prefix`: by prefix key then token
+* inside a unit, prompts are ordered (`prefix`: by prefix key then token
   sequence, which puts prompts that share a system prompt or document next to
-  each other; `length`: longest first; `none`: input order);
+  each other, back to back on one engine; `length`: longest first; `none`:
+  input order);
 * the ordered stream is cut into batches by a token budget (prompt tokens +
-  max output tokens), not by request count.  Large groups are split at the
-  budget, but stay on their shard.
+  max output tokens), not by request count.  A prefix group larger than a unit
+  spans units, so it is spread over workers a unit at a time (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -19,13 +17,7 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-import apache_beam as beam
-
 from tokenmill.schemas.records import Batch, TokenizedPrompt
-
-
-def shard_of(prefix_key: str, shards: int) -> int:
-    return int(prefix_key, 16) % shards
 
 
 def order_prompts(prompts: list[TokenizedPrompt], ordering: str) -> list[TokenizedPrompt]:
@@ -74,19 +66,3 @@ def plan_batches(
     ordered = order_prompts(prompts, ordering)
     budget = token_budget or default_token_budget(ordered, max_num_seqs)
     return pack(ordered, budget, batch_prefix)
-
-
-class RouteByPrefix(beam.PTransform):
-    """TokenizedPrompt → (shard, [TokenizedPrompt, ...]) with one prefix group per shard."""
-
-    def __init__(self, shards: int):
-        super().__init__()
-        self._shards = shards
-
-    def expand(self, prompts):
-        shards = self._shards
-        return (
-            prompts
-            | "KeyByPrefixShard" >> beam.Map(lambda p: (shard_of(p.prefix_key, shards), p))
-            | "GroupShard" >> beam.GroupByKey()
-        )

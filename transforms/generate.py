@@ -1,7 +1,8 @@
 """Generate: token-budgeted batches through one engine per worker, kept fed.
 
-For each shard (one prefix-routed group of prompts), batches are handed to the
-engine in order.  The next batch is admitted as soon as the engine has free
+For each work unit (one `Chunk` of tokenized prompts), the prompts are ordered
+and packed into batches (transforms/batching.py), and the batches are handed to
+the engine in order.  The next batch is admitted as soon as the engine has free
 sequence slots, i.e. while the current batch's tail is still decoding, so the
 engine never idles at a batch boundary.  A batch's results are emitted (and
 committed by the Write step) as soon as all of its requests are done.
@@ -22,6 +23,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,12 +33,12 @@ import apache_beam as beam
 from tokenmill.schemas import records as R
 from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.records import Batch, BatchStats, FailedRecord, OutputRow, TokenizedPrompt
+from tokenmill.schemas.records import Batch, BatchStats, Chunk, FailedRecord, OutputRow, TokenizedPrompt
 from tokenmill.schemas.sampling import request_sampling
 from tokenmill.transforms.batching import plan_batches
 from tokenmill.transforms.engines.protocol import EngineSession, Finished
 from tokenmill.transforms.engines.worker import worker_session
-from tokenmill.transforms.validate import DEAD
+from tokenmill.transforms.chunks import DEAD
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +133,14 @@ class BatchRunner:
         self.worker = worker
         self.cancelled = False
         self._watchdog = StepWatchdog()
+        self.generated_rows = 0
+        """Requests the engine finished (committed or not): engine-side work, for rework figures."""
+        self.generated_tokens = 0
 
     # -- helpers
     def _output_row(self, p: TokenizedPrompt, f: Finished, batch_id: str) -> dict[str, Any]:
+        self.generated_rows += 1
+        self.generated_tokens += f.output_tokens or 0
         return OutputRow(
             job_id=self.cfg.job_id, id=p.id, input_file=p.input_file, input_row=p.input_row,
             model=self.cfg.model_name, text=f.text, finish_reason=f.finish_reason,
@@ -311,7 +318,7 @@ class BatchRunner:
 
 
 class GenerateFn(beam.DoFn):
-    """(shard, prompts) → per batch: list of output rows (main), FailedRecords (`dead`), batch stats (`stats`)."""
+    """Chunk of TokenizedPrompts → per batch: list of output rows (main), FailedRecords (`dead`), batch stats (`stats`)."""
 
     def __init__(self, cfg: GenerateConfig, session_factory=None):
         self.cfg = cfg
@@ -319,6 +326,8 @@ class GenerateFn(beam.DoFn):
         self._worker = ""
         self._last_cancel_check = 0.0
         self._cancel = False
+        self._done_rows = 0
+        self._done_tokens = 0
 
     def _session(self, restart: bool = False) -> EngineSession:
         return worker_session(self.cfg.engine, self.cfg.model_path, self._factory, workers=self.cfg.num_workers,
@@ -347,16 +356,15 @@ class GenerateFn(beam.DoFn):
             self._cancel = cancel_requested(self.cfg.db_url, self.cfg.job_id)
         return self._cancel
 
-    def process(self, element):
-        shard, prompts = element
-        prompts = list(prompts)
+    def process(self, chunk: Chunk):
         s = self._session()
         batches = plan_batches(
-            prompts,
+            chunk.items,
             ordering=self.cfg.batching.ordering,
             token_budget=self.cfg.batching.token_budget,
             max_num_seqs=s.max_num_seqs,
-            batch_prefix=f"{self.cfg.run_id}-{shard}-",
+            # unique per attempt: a unit retried after a failure plans new batches
+            batch_prefix=f"{self.cfg.run_id}-{chunk.unit}-{uuid.uuid4().hex[:6]}-",
         )
         runner = BatchRunner(
             self.cfg, self._session, self._restart, cancelled=self._cancelled, worker=self._worker
@@ -367,10 +375,18 @@ class GenerateFn(beam.DoFn):
             for d in dead:
                 yield beam.pvalue.TaggedOutput(DEAD, d)
             yield beam.pvalue.TaggedOutput(STATS, stats)
+            self._report(runner)
+        self._done_rows += runner.generated_rows
+        self._done_tokens += runner.generated_tokens
+
+    def _report(self, runner: BatchRunner) -> None:
+        """The worker's row: what its engine finished so far, and its peak memory."""
         if self.cfg.db_url:
             from tokenmill.transforms.write import update_worker_peak
 
-            update_worker_peak(self.cfg.db_url, self.cfg.job_id, self._worker)
+            update_worker_peak(self.cfg.db_url, self.cfg.job_id, self._worker,
+                               generated_rows=self._done_rows + runner.generated_rows,
+                               generated_tokens=self._done_tokens + runner.generated_tokens)
 
 
 class Generate(beam.PTransform):
@@ -378,5 +394,5 @@ class Generate(beam.PTransform):
         super().__init__()
         self._fn = GenerateFn(cfg, session_factory)
 
-    def expand(self, shards):
-        return shards | "EngineGenerate" >> beam.ParDo(self._fn).with_outputs(DEAD, STATS, main="ok")
+    def expand(self, chunks):
+        return chunks | "EngineGenerate" >> beam.ParDo(self._fn).with_outputs(DEAD, STATS, main="ok")

@@ -5,7 +5,7 @@ Input, one request per line (blank lines are skipped, as OpenAI and vLLM do)::
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "smollm2-135m", "messages": [...], "max_tokens": 64}}
 
-Each line becomes the same row dict the Parquet reader yields (`id` = custom_id,
+Each line becomes the same row dict the Parquet reader yields (a run of lines is a work unit, read by read.ReadPrompts) (`id` = custom_id,
 `messages` or `prompt`, and the per-row sampling keys of
 schemas/sampling.RowSampling, `max_completion_tokens` read as `max_tokens`), so
 Validate, dedup and the rest of the pipeline are unchanged.  A line that is not
@@ -23,7 +23,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-import apache_beam as beam
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.sampling import RowSampling
@@ -61,6 +60,10 @@ class JsonlShard:
     start_line: int
     num_lines: int
     offset: int | None
+
+    @property
+    def key(self) -> str:
+        return f"{self.file_index}.{self.start_line}"
 
 
 @dataclass
@@ -251,28 +254,3 @@ def read_jsonl_shard(shard: JsonlShard, served_models: tuple[str, ...] = ()) -> 
                 break
             if line.strip():
                 yield line_row(line, shard.file_index, first + k, served_models)
-
-
-class ReadJsonlShardFn(beam.DoFn):
-    def __init__(self, served_models: tuple[str, ...] = ()):
-        self._served = tuple(served_models)
-
-    def process(self, shard: JsonlShard):
-        yield from read_jsonl_shard(shard, self._served)
-
-
-class ReadOpenAIBatch(beam.PTransform):
-    """Planned JSONL shards → row dicts (malformed lines carry an `_error` for Validate)."""
-
-    def __init__(self, plan: JsonlPlan):
-        super().__init__()
-        self._plan = plan
-
-    def expand(self, pbegin):
-        return (
-            pbegin
-            | "Shards" >> beam.Create(self._plan.shards, reshuffle=False)
-            | "Spread" >> beam.Reshuffle()
-            | "ReadLines" >> beam.ParDo(ReadJsonlShardFn(getattr(self._plan, "served_models", ())))
-        )
-

@@ -1,9 +1,13 @@
-"""ReadPrompts: Parquet (local or s3://) into row dicts, each with its stable place in the input (`_file_index`, `_row`).
+"""ReadPrompts: Parquet (local or s3://) into chunks of row dicts, each row with its stable place in the input (`_file_index`, `_row`).
 
 The input is planned at pipeline-construction time (files, row groups, columns,
-row counts), so a missing path, a file that is not Parquet or a schema without
-a prompt column fails before any worker starts.  Workers then read one row
-group at a time in small record batches, so no process holds the whole input.
+row counts; the files' footers read in parallel), so a missing path, a file that
+is not Parquet or a schema without a prompt column fails before any worker
+starts.  The plan is then cut into work units (`plan_units`): slices of one row
+group of about `unit_bytes` of uncompressed input, so the number of units grows
+with the input (a 10-million-row file with one row group is still many units).
+A worker reads one unit at a time (`read_unit`) and the rest of the pipeline
+carries it as one `Chunk`: no process holds more than a unit of prompt data.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any, Iterator
 import apache_beam as beam
 
 from tokenmill.schemas.errors import first_line
+from tokenmill.schemas.records import Chunk
 
 PROMPT_COLUMNS = ("prompt", "messages")
 READ_BATCH_ROWS = 1024
@@ -25,10 +30,22 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class Shard:
+    """Rows `start` .. `start + num_rows` of one row group (a whole row group at planning;
+    a work unit after `plan_units`).  `first_row` is the file-level number of the row
+    group's first row."""
+
     file_index: int
     path: str
     row_group: int
     num_rows: int
+    start: int = 0
+    first_row: int = 0
+    bytes_per_row: float = 0.0
+    """Uncompressed bytes per row of the row group (Parquet metadata), for sizing units."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.file_index}.{self.first_row + self.start}"
 
 
 @dataclass
@@ -128,47 +145,99 @@ def open_file(path: str):
     return FileSystems.open(path, compression_type="uncompressed")
 
 
-def plan_parquet(path: str) -> InputPlan:
+def _footer(f: str):
     import pyarrow.parquet as pq
 
+    try:
+        with open_file(f) as fh:
+            return pq.ParquetFile(fh).metadata
+    except InputError:
+        raise
+    except Exception as err:
+        raise InputError(f"input file {f!r} is not a readable Parquet file: {first_line(err)}") from None
+
+
+#: Footers read at once when planning (an S3 prefix of thousands of objects).
+PLAN_THREADS = 16
+
+
+def plan_parquet(path: str) -> InputPlan:
+    from concurrent.futures import ThreadPoolExecutor
+
     files = expand_input(path)
+    with ThreadPoolExecutor(min(PLAN_THREADS, len(files))) as pool:
+        metas = list(pool.map(_footer, files))
     shards: list[Shard] = []
     columns: list[str] | None = None
     total = 0
-    for i, f in enumerate(files):
-        try:
-            with open_file(f) as fh:
-                meta = pq.ParquetFile(fh).metadata
-                names = meta.schema.to_arrow_schema().names
-        except InputError:
-            raise
-        except Exception as err:
-            raise InputError(f"input file {f!r} is not a readable Parquet file: {first_line(err)}") from None
+    for i, (f, meta) in enumerate(zip(files, metas)):
+        names = meta.schema.to_arrow_schema().names
         if not any(c in names for c in PROMPT_COLUMNS):
             raise InputError(
                 f"input file {f!r} has no 'prompt' or 'messages' column; columns found: {', '.join(names) or '(none)'}"
             )
         columns = columns or names
+        first = 0
         for rg in range(meta.num_row_groups):
-            n = meta.row_group(rg).num_rows
+            g = meta.row_group(rg)
+            n = g.num_rows
             if n:
-                shards.append(Shard(i, f, rg, n))
+                shards.append(Shard(i, f, rg, n, first_row=first, bytes_per_row=g.total_byte_size / n))
+            first += n
         total += meta.num_rows
     return InputPlan(files=files, shards=shards, columns=columns or [], total_rows=total)
 
 
+def default_unit_bytes() -> int:
+    """Prompt data per work unit, sized from the machine: 1/512 of its memory, between
+    4 MiB and 64 MiB (48 MiB on a 24 GiB machine)."""
+    import psutil
+
+    return int(min(64 << 20, max(4 << 20, psutil.virtual_memory().total // 512)))
+
+
+#: Rows per unit at most (bounds per-row overhead for short prompts and the work a
+#: retried unit re-reads), and at least (prefix groups need rows to meet in a unit).
+MAX_UNIT_ROWS = 8192
+MIN_UNIT_ROWS = 128
+
+
+def plan_units(plan: InputPlan, unit_bytes: int | None = None, workers: int = 1) -> list:
+    """Cut the planned row groups into work units of about `unit_bytes` of input and at
+    most MAX_UNIT_ROWS rows; with several workers, while the input allows, at least two
+    units per worker so every worker has work to the end.  JSONL shards are already units."""
+    if plan.format != "parquet":
+        return list(plan.shards)
+    budget = unit_bytes or default_unit_bytes()
+    spread = max(MIN_UNIT_ROWS, -(-plan.total_rows // (2 * workers))) if workers > 1 else MAX_UNIT_ROWS
+    units: list[Shard] = []
+    for sh in plan.shards:
+        by_bytes = int(budget // sh.bytes_per_row) if sh.bytes_per_row > 0 else MAX_UNIT_ROWS
+        rows = max(1, min(by_bytes, MAX_UNIT_ROWS, spread))
+        for start in range(sh.start, sh.start + sh.num_rows, rows):
+            n = min(rows, sh.start + sh.num_rows - start)
+            units.append(Shard(sh.file_index, sh.path, sh.row_group, n, start, sh.first_row, sh.bytes_per_row))
+    return units
+
+
 def read_shard(shard: Shard, columns: list[str] | None = None) -> Iterator[dict[str, Any]]:
-    """Rows of one row group as dicts; string prompt columns come back as bytes so that
-    invalid UTF-8 becomes a per-row dead letter rather than a failed read."""
+    """Rows of one unit (a row group's slice) as dicts; string prompt columns come back as
+    bytes so that invalid UTF-8 becomes a per-row dead letter rather than a failed read."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    end = shard.start + shard.num_rows
     with open_file(shard.path) as fh:
-        pf = pq.ParquetFile(fh)
-        # Row offset of this row group inside the file.
-        offset = sum(pf.metadata.row_group(i).num_rows for i in range(shard.row_group))
-        row = offset
-        for rb in pf.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[shard.row_group], columns=columns):
+        at = 0  # position of `rb`'s first row inside the row group
+        for rb in pq.ParquetFile(fh).iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[shard.row_group], columns=columns):
+            lo, hi = max(shard.start - at, 0), min(end - at, rb.num_rows)
+            first = shard.first_row + at + lo
+            at += rb.num_rows
+            if lo >= hi:
+                if at >= end:
+                    break
+                continue
+            rb = rb.slice(lo, hi - lo)
             cols = {}
             for name in rb.schema.names:
                 arr = rb.column(name)
@@ -177,39 +246,54 @@ def read_shard(shard: Shard, columns: list[str] | None = None) -> Iterator[dict[
                 cols[name] = arr.to_pylist()
             for j in range(rb.num_rows):
                 rec = {k: v[j] for k, v in cols.items()}
-                rec["_row"] = row  # with the file index: where the row came from, stable across reruns
+                rec["_row"] = first + j  # with the file index: where the row came from, stable across reruns
                 rec["_file_index"] = shard.file_index
-                row += 1
                 yield rec
+            if at >= end:
+                break
 
 
-class ReadShardFn(beam.DoFn):
-    def __init__(self, columns: list[str] | None = None):
+def read_unit(unit, columns: list[str] | None = None, served_models: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """All rows of one work unit (a Parquet slice or a JSONL run of lines)."""
+    if isinstance(unit, Shard):
+        return list(read_shard(unit, columns))
+    from tokenmill.transforms.openai_batch import read_jsonl_shard
+
+    return list(read_jsonl_shard(unit, served_models))
+
+
+class ReadUnitFn(beam.DoFn):
+    def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = ()):
         self._columns = columns
+        self._served = served_models
 
-    def process(self, shard: Shard):
-        yield from read_shard(shard, self._columns)
+    def process(self, unit):
+        rows = read_unit(unit, self._columns, self._served)
+        if rows:
+            yield Chunk(unit.key, rows)
+
+
+class PlanUnits(beam.PTransform):
+    """The work units, spread over workers (each unit one element)."""
+
+    def __init__(self, units: list):
+        super().__init__()
+        self._units = units
+
+    def expand(self, pbegin):
+        return pbegin | "Units" >> beam.Create(self._units, reshuffle=False) | "Spread" >> beam.Reshuffle()
 
 
 class ReadPrompts(beam.PTransform):
-    """Planned shards → row dicts. `plan` comes from `plan_input()` at construction."""
+    """Work units → one `Chunk` of row dicts per unit."""
 
-    def __init__(self, plan: InputPlan, columns: list[str] | None = None):
+    def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = ()):
         super().__init__()
-        self._plan = plan
         self._columns = columns
+        self._served = served_models
 
-    def expand(self, pbegin):
-        if self._plan.format == "openai-jsonl":
-            from tokenmill.transforms.openai_batch import ReadOpenAIBatch
-
-            return pbegin | "ReadJsonl" >> ReadOpenAIBatch(self._plan)
-        return (
-            pbegin
-            | "Shards" >> beam.Create(self._plan.shards, reshuffle=False)
-            | "Spread" >> beam.Reshuffle()
-            | "ReadRowGroups" >> beam.ParDo(ReadShardFn(self._columns))
-        )
+    def expand(self, units):
+        return units | "ReadUnit" >> beam.ParDo(ReadUnitFn(self._columns, self._served))
 
 
 def plan_input(path: str, fmt: str = "parquet") -> InputPlan:

@@ -1,25 +1,41 @@
-"""SkipDone: on a rerun of a job, drop rows already answered or already dead-lettered."""
+"""SkipDone: on a rerun of a job, drop rows already answered or already dead-lettered.
+
+One lookup per work unit, bounded by the unit: the rows of its file and row range
+that the database holds (outputs or dead letters), and which of its ids already
+have an output.  No process loads the job's whole key set."""
 
 from __future__ import annotations
 
 import apache_beam as beam
 
 from tokenmill.schemas import storage as S
+from tokenmill.schemas.records import Chunk
+
+
+def undone(eng, job_id: str, chunk: Chunk) -> Chunk | None:
+    """The chunk's records that still need work (None: none do)."""
+    recs = chunk.items
+    if not recs:
+        return None
+    by_file: dict[int, list] = {}
+    for r in recs:
+        by_file.setdefault(r.input_file, []).append(r)
+    keep = []
+    for f, rs in by_file.items():
+        rows = [r.input_row for r in rs]
+        done_ids, done_rows = S.done_in_range(eng, job_id, f, min(rows), max(rows), [r.id for r in rs])
+        keep += [r for r in rs if r.id not in done_ids and r.input_row not in done_rows]
+    return Chunk(chunk.unit, keep) if keep else None
 
 
 class SkipDoneFn(beam.DoFn):
     def __init__(self, db_url: str, job_id: str):
         self._url, self._job_id = db_url, job_id
-        self._ids: set[str] = set()
-        self._refs: set[tuple[int, int]] = set()
 
-    def setup(self):
-        self._ids, self._refs = S.done_keys(S.connect(self._url), self._job_id)
-
-    def process(self, rec):
-        if rec.id in self._ids or rec.input_order in self._refs:
-            return
-        yield rec
+    def process(self, chunk: Chunk):
+        left = undone(S.connect(self._url), self._job_id, chunk)
+        if left is not None:
+            yield left
 
 
 class SkipDone(beam.PTransform):
@@ -27,5 +43,5 @@ class SkipDone(beam.PTransform):
         super().__init__()
         self._fn = SkipDoneFn(db_url, job_id)
 
-    def expand(self, records):
-        return records | "DropAnswered" >> beam.ParDo(self._fn)
+    def expand(self, chunks):
+        return chunks | "DropAnswered" >> beam.ParDo(self._fn)

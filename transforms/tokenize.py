@@ -15,7 +15,7 @@ import apache_beam as beam
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.records import FailedRecord, PromptRecord, TokenizedPrompt
-from tokenmill.transforms.validate import DEAD
+from tokenmill.transforms.chunks import MapRows, with_dead
 from tokenmill.schemas.errors import first_line
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's KV block size on CUDA; the job passes the engine's real one (128 on CPU)
@@ -78,7 +78,7 @@ def tokenize_record(
         id=rec.id,
         input_file=rec.input_file,
         input_row=rec.input_row,
-        token_ids=ids,
+        token_ids=array("i", ids),  # 4 bytes a token, not a Python int's 36: a unit's prompts stay small
         prefix_key=prefix_key(ids, block_size, prefix_blocks),
         max_tokens=max_tokens,
         sampling=rec.sampling,
@@ -86,7 +86,7 @@ def tokenize_record(
     )
 
 
-class TokenizeFn(beam.DoFn):
+class TokenizeFn(MapRows):
     def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int):
         self._model_path = model_path
         self._kw = dict(
@@ -100,12 +100,8 @@ class TokenizeFn(beam.DoFn):
     def setup(self):
         self._tok = load_tokenizer(self._model_path)
 
-    def process(self, rec: PromptRecord):
-        out = tokenize_record(self._tok, rec, **self._kw)
-        if isinstance(out, FailedRecord):
-            yield beam.pvalue.TaggedOutput(DEAD, out)
-        else:
-            yield out
+    def map_row(self, rec: PromptRecord):
+        return tokenize_record(self._tok, rec, **self._kw)
 
 
 class Tokenize(beam.PTransform):
@@ -113,5 +109,5 @@ class Tokenize(beam.PTransform):
         super().__init__()
         self._fn = TokenizeFn(model_path, max_model_len, default_max_tokens, block_size, prefix_blocks)
 
-    def expand(self, records):
-        return records | "ChatTemplateAndCount" >> beam.ParDo(self._fn).with_outputs(DEAD, main="ok")
+    def expand(self, chunks):
+        return chunks | with_dead(self._fn, "ChatTemplateAndCount")

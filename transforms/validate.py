@@ -16,8 +16,8 @@ import apache_beam as beam
 from tokenmill.schemas import records as R
 from tokenmill.schemas.records import FailedRecord, PromptRecord
 from tokenmill.schemas.sampling import RowSampling, RowSamplingError, validate_row_sampling
+from tokenmill.transforms.chunks import MapRows, with_dead
 
-DEAD = "dead"
 RAW_LIMIT = 2000
 
 
@@ -149,63 +149,20 @@ def validate_row(row: dict[str, Any], reference_column: str | None = None) -> Pr
         return FailedRecord(**ref, id=rid, reason=err.reason, message=str(err), raw=raw_repr(row))
 
 
-class ValidateFn(beam.DoFn):
+class ValidateFn(MapRows):
     def __init__(self, reference_column: str | None = None):
         self._ref = reference_column
 
-    def process(self, row):
-        rec = validate_row(row, self._ref)
-        if isinstance(rec, FailedRecord):
-            yield beam.pvalue.TaggedOutput(DEAD, rec)
-        else:
-            yield rec
-
-
-def pick_first(id_and_records) -> list[PromptRecord | FailedRecord]:
-    """Among records sharing an id, the first in input order wins; the rest are dead letters."""
-    rid, recs = id_and_records
-    recs = sorted(recs, key=lambda r: r.input_order)
-    first = recs[0]
-    out: list[PromptRecord | FailedRecord] = [first]
-    for r in recs[1:]:
-        out.append(
-            FailedRecord(
-                input_file=r.input_file,
-                input_row=r.input_row,
-                id=rid,
-                reason=R.DUPLICATE_ID,
-                message=f"duplicate id {rid!r}: the row at {first.input_ref} came first",
-                raw=json.dumps({"id": rid, "prompt": r.prompt, "messages": r.messages}, ensure_ascii=False)[:RAW_LIMIT],
-            )
-        )
-    return out
-
-
-class _SplitDup(beam.DoFn):
-    def process(self, group):
-        for r in pick_first(group):
-            if isinstance(r, FailedRecord):
-                yield beam.pvalue.TaggedOutput(DEAD, r)
-            else:
-                yield r
+    def map_row(self, row):
+        return validate_row(row, self._ref)
 
 
 class Validate(beam.PTransform):
-    """Row dicts → PromptRecords (main) and FailedRecords (tag `dead`)."""
+    """Chunks of row dicts → chunks of PromptRecords (main) and FailedRecords (tag `dead`)."""
 
     def __init__(self, reference_column: str | None = None):
         super().__init__()
         self._ref = reference_column
 
-    def expand(self, rows):
-        return rows | "ValidateRows" >> beam.ParDo(ValidateFn(self._ref)).with_outputs(DEAD, main="ok")
-
-
-class DedupIds(beam.PTransform):
-    def expand(self, records):
-        return (
-            records
-            | "KeyById" >> beam.Map(lambda r: (r.id, r))
-            | "GroupById" >> beam.GroupByKey()
-            | "FirstWins" >> beam.ParDo(_SplitDup()).with_outputs(DEAD, main="ok")
-        )
+    def expand(self, chunks):
+        return chunks | with_dead(ValidateFn(self._ref), "ValidateRows")

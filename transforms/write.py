@@ -133,8 +133,9 @@ def record_worker(db_url: str, job_id: str, worker: str, session, started_at: fl
     S.record_worker(S.connect(db_url), row)
 
 
-def update_worker_peak(db_url: str, job_id: str, worker: str) -> None:
-    S.update_worker(S.connect(db_url), job_id, worker, peak_rss_bytes=_rss_peak_bytes(), updated_at=time.time())
+def update_worker_peak(db_url: str, job_id: str, worker: str, **counters: int) -> None:
+    S.update_worker(S.connect(db_url), job_id, worker, peak_rss_bytes=_rss_peak_bytes(), updated_at=time.time(),
+                    **counters)
 
 
 def cancel_requested(db_url: str, job_id: str) -> bool:

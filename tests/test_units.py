@@ -1,0 +1,65 @@
+"""Work units: the input cut into slices whose number follows the data, read back exactly."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tokenmill.transforms.read import MAX_UNIT_ROWS, MIN_UNIT_ROWS, plan_input, plan_units, read_unit
+
+
+def write(path, n, row_group_size, start=0):
+    ids = [f"r{start + i}" for i in range(n)]
+    pq.write_table(pa.table({"id": ids, "prompt": [f"prompt {i} " + "x" * 100 for i in range(n)]}), path,
+                   row_group_size=row_group_size)
+    return ids
+
+
+def rows_of(units):
+    return [(r["_file_index"], r["_row"], r["id"].decode() if isinstance(r["id"], bytes) else r["id"])
+            for u in units for r in read_unit(u)]
+
+
+def test_one_big_row_group_is_split_into_units_that_read_back_every_row_once(tmp_path):
+    ids = write(tmp_path / "a.parquet", 5000, row_group_size=5000)
+    plan = plan_input(str(tmp_path / "a.parquet"))
+    assert len(plan.shards) == 1
+    units = plan_units(plan, unit_bytes=64 << 10)  # ~64 KiB of ~110-byte rows: ~600 rows a unit
+    assert len(units) > 5
+    got = rows_of(units)
+    assert [g[2] for g in got] == ids
+    assert [g[1] for g in got] == list(range(5000))  # file-level row numbers, in order, none twice
+
+
+def test_units_span_files_and_row_groups_with_file_level_row_numbers(tmp_path):
+    write(tmp_path / "a.parquet", 1000, row_group_size=300)
+    write(tmp_path / "b.parquet", 700, row_group_size=256, start=1000)
+    plan = plan_input(str(tmp_path))
+    units = plan_units(plan, unit_bytes=16 << 10)
+    got = rows_of(units)
+    assert sorted((f, r) for f, r, _ in got) == [(0, r) for r in range(1000)] + [(1, r) for r in range(700)]
+    assert {i for _, _, i in got} == {f"r{i}" for i in range(1700)}
+    assert len({u.key for u in units}) == len(units)
+
+
+def test_unit_count_follows_the_input_not_the_workers(tmp_path):
+    write(tmp_path / "a.parquet", 40_000, row_group_size=40_000)
+    plan = plan_input(str(tmp_path / "a.parquet"))
+    one = plan_units(plan, workers=1)
+    assert len(one) == -(-40_000 // MAX_UNIT_ROWS)  # by the row cap: a 10x bigger input has 10x the units
+    assert sum(u.num_rows for u in one) == 40_000
+
+
+def test_small_inputs_still_give_every_worker_units(tmp_path):
+    write(tmp_path / "a.parquet", 1000, row_group_size=1000)
+    plan = plan_input(str(tmp_path / "a.parquet"))
+    assert len(plan_units(plan, workers=1)) == 1  # one worker: no reason to cut
+    four = plan_units(plan, workers=4)
+    assert len(four) >= 4 and min(u.num_rows for u in four[:-1]) >= MIN_UNIT_ROWS
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_units_cover_the_plan_exactly(tmp_path, workers):
+    write(tmp_path / "a.parquet", 2345, row_group_size=1000)
+    plan = plan_input(str(tmp_path / "a.parquet"))
+    units = plan_units(plan, unit_bytes=32 << 10, workers=workers)
+    assert sum(u.num_rows for u in units) == plan.total_rows == 2345

@@ -1,0 +1,36 @@
+"""Steps over work units: each `Chunk` (one unit's records) goes in, the chunk of what
+survived comes out, and every row that cannot go on leaves as a dead letter on the
+`dead` output.  A step that maps row by row subclasses `MapRows`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import apache_beam as beam
+
+from tokenmill.schemas.records import Chunk, FailedRecord
+
+DEAD = "dead"
+
+
+class MapRows(beam.DoFn):
+    """Chunk → Chunk of `map_row(item)` results; FailedRecords go to `dead`, None drops a row."""
+
+    def map_row(self, item: Any) -> Any:
+        raise NotImplementedError
+
+    def process(self, chunk: Chunk):
+        ok = []
+        for item in chunk.items:
+            out = self.map_row(item)
+            if isinstance(out, FailedRecord):
+                yield beam.pvalue.TaggedOutput(DEAD, out)
+            elif out is not None:
+                ok.append(out)
+        if ok:
+            yield Chunk(chunk.unit, ok)
+
+
+def with_dead(fn: beam.DoFn, label: str):
+    """A ParDo of `fn` with its main output `ok` and dead letters on `dead`."""
+    return label >> beam.ParDo(fn).with_outputs(DEAD, main="ok")

@@ -1,0 +1,88 @@
+"""Duplicate ids at scale: the first row of an id in input order wins, found by a claim
+pass in the database instead of a shuffle of every id.
+
+`ClaimIds` reads only the id column of each work unit and upserts (id → input
+file, input row) into `id_claims`, keeping the earliest row whatever order the
+units run in.  `DedupIds` runs after every claim is in (the claim count is its
+side input, so runners schedule it after the claim pass) and looks up the
+claims of one chunk's ids: a row that is not its id's claim is a
+`duplicate_id` dead letter naming the row that came first.  Rows without an id
+take `row-<file>-<row>` (validate.row_id); a Parquet input without an `id` column
+has no duplicates and skips both steps."""
+
+from __future__ import annotations
+
+import json
+
+import apache_beam as beam
+
+from tokenmill.schemas import records as R
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.records import Chunk, FailedRecord, format_ref
+from tokenmill.transforms.chunks import DEAD
+from tokenmill.transforms.read import read_unit
+from tokenmill.transforms.validate import RAW_LIMIT, row_id
+
+
+class ClaimIdsFn(beam.DoFn):
+    """unit → number of ids it claimed.  `columns`: what to read of a Parquet unit (the
+    id column alone); JSONL lines are read whole (the id is `custom_id`)."""
+
+    def __init__(self, db_url: str, job_id: str, columns: list[str] | None, served_models: tuple[str, ...] = ()):
+        self._url, self._job_id, self._columns, self._served = db_url, job_id, columns, served_models
+
+    def process(self, unit):
+        rows = read_unit(unit, self._columns, self._served)
+        yield S.claim_ids(S.connect(self._url), self._job_id, [(row_id(r), r["_file_index"], r["_row"]) for r in rows])
+
+
+class ClaimIds(beam.PTransform):
+    """Work units → the total of claims made (a singleton, for DedupIds to wait on)."""
+
+    def __init__(self, db_url: str, job_id: str, columns: list[str] | None, served_models: tuple[str, ...] = ()):
+        super().__init__()
+        self._fn = ClaimIdsFn(db_url, job_id, columns, served_models)
+
+    def expand(self, units):
+        return units | "ClaimUnitIds" >> beam.ParDo(self._fn) | "AllClaimed" >> beam.CombineGlobally(sum)
+
+
+def duplicate(rec, first: tuple[int, int]) -> FailedRecord:
+    return FailedRecord(
+        input_file=rec.input_file,
+        input_row=rec.input_row,
+        id=rec.id,
+        reason=R.DUPLICATE_ID,
+        message=f"duplicate id {rec.id!r}: the row at {format_ref(*first)} came first",
+        raw=json.dumps({"id": rec.id, "prompt": rec.prompt, "messages": rec.messages}, ensure_ascii=False)[:RAW_LIMIT],
+    )
+
+
+class DedupIdsFn(beam.DoFn):
+    def __init__(self, db_url: str, job_id: str):
+        self._url, self._job_id = db_url, job_id
+
+    def process(self, chunk: Chunk, claimed: int = 0):
+        claims = S.id_claims(S.connect(self._url), self._job_id, [r.id for r in chunk.items])
+        ok = []
+        for r in chunk.items:
+            first = claims.get(r.id)
+            if first is None or first == (r.input_file, r.input_row):
+                ok.append(r)
+            else:
+                yield beam.pvalue.TaggedOutput(DEAD, duplicate(r, first))
+        if ok:
+            yield Chunk(chunk.unit, ok)
+
+
+class DedupIds(beam.PTransform):
+    """Chunks → chunks without duplicate ids (dead letters on `dead`); `claimed` is ClaimIds' output."""
+
+    def __init__(self, db_url: str, job_id: str, claimed):
+        super().__init__()
+        self._fn = DedupIdsFn(db_url, job_id)
+        self._claimed = claimed
+
+    def expand(self, chunks):
+        return chunks | "FirstWins" >> beam.ParDo(self._fn, beam.pvalue.AsSingleton(self._claimed)).with_outputs(
+            DEAD, main="ok")
