@@ -1,7 +1,7 @@
 """The batch inference pipeline: each step a labelled PTransform over work units.
 
-    PlanUnits ─┬─ ClaimIds ─────────────────────────────┐ (side input: every id claimed first)
-               └─ ReadPrompts → Validate → SkipDone → DedupIds → Tokenize → Generate → WriteOutputs
+    PlanUnits ─┬─ ClaimIds ──────────────────┐ (side input: every id claimed first)
+               └─ ReadPrompts → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate → WriteOutputs
     dead letters of Validate, DedupIds, Tokenize, Generate → WriteDeadLetters (one writer each)
     batch stats of Generate → WriteBatchStats
 
@@ -23,7 +23,8 @@ from tokenmill.schemas.config import JobSpec
 from tokenmill.transforms.chunks import DEAD
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
-from tokenmill.transforms.read import InputPlan, PlanUnits, ReadPrompts, plan_units
+from tokenmill.transforms.batching import TakePart
+from tokenmill.transforms.read import InputPlan, PlanUnits, ReadPrompts, plan_units, plan_work
 from tokenmill.transforms.resume import SkipDone
 from tokenmill.transforms.tokenize import DEFAULT_BLOCK_SIZE, Tokenize
 from tokenmill.transforms.validate import Validate
@@ -57,23 +58,27 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     block = parts.block_size or spec.engine.block_size or DEFAULT_BLOCK_SIZE
     plan = parts.plan
     served = tuple(getattr(plan, "served_models", ()) or ())
-    units = p | "PlanUnits" >> PlanUnits(plan_units(plan, spec.batching.unit_bytes, spec.runner.num_workers))
-    rows = units | "ReadPrompts" >> ReadPrompts(served_models=served)
+    units = plan_units(plan, spec.batching.unit_bytes)
+    work = p | "PlanUnits" >> PlanUnits(plan_work(units, spec.runner.num_workers))
+    rows = work | "ReadPrompts" >> ReadPrompts(served_models=served)
     valid = rows | "Validate" >> Validate(spec.reference_column)
-    todo = valid.ok | "SkipDone" >> SkipDone(parts.db_url, parts.job_id)
     dead = {"Validate": valid[DEAD]}
     if plan.format == "parquet" and "id" not in plan.columns:
-        unique = todo  # ids come from positions: no duplicates to look for
+        unique = valid.ok  # ids come from positions: no duplicates to look for
     else:
         id_columns = ["id"] if plan.format == "parquet" else None
-        claimed = units | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id, id_columns, served)
-        dedup = todo | "DedupIds" >> DedupIds(parts.db_url, parts.job_id, claimed)
+        claimed = work | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id, id_columns, served)
+        dedup = valid.ok | "DedupIds" >> DedupIds(parts.db_url, parts.job_id, claimed)
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(
         parts.model_path, spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks
     )
     dead["Tokenize"] = tok[DEAD]
-    gen = tok.ok | "Generate" >> Generate(
+    # The part is taken from the whole unit, before the database is asked what is done,
+    # so every part of a unit cuts the same order whatever the others have committed.
+    mine = tok.ok | "TakePart" >> TakePart(spec.batching.ordering)
+    todo = mine | "SkipDone" >> SkipDone(parts.db_url, parts.job_id)
+    gen = todo | "Generate" >> Generate(
         GenerateConfig(
             job_id=parts.job_id,
             run_id=parts.run_id,

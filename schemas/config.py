@@ -93,7 +93,7 @@ class BatchingConfig(_Strict):
     """Prompt + max output tokens admitted per batch. Default: enough to keep
     `max_num_seqs` sequences of the job's mean size in flight."""
     prefix_blocks: int = Field(4, ge=1, le=1024)
-    """Leading KV blocks hashed into the prefix key that routes a group to one worker."""
+    """Leading KV blocks hashed into the prefix key that orders a unit's prompts (`ordering: prefix`)."""
     unit_bytes: ByteSize | None = Field(None, ge=1 << 16)
     """Prompt data per work unit (uncompressed input bytes; an integer or `64MiB`, `1GiB`): no process holds
     more than about one unit of prompts at a time, and a failed unit re-reads only itself.

@@ -98,10 +98,20 @@ class FailedRecord(_FromInput):
 class Chunk:
     """The unit of work as it moves through the pipeline: the records of one planned
     slice of the input (`unit`: its key), carried together so that no step holds more
-    than one slice of prompt data and each step does one lookup per slice."""
+    than one slice of prompt data and each step does one lookup per slice.
+
+    When a job has fewer units than its workers can share, each unit is run as
+    `parts` work items: every part reads and tokenizes the whole unit, orders it
+    the same way, and keeps its own contiguous segment (`part`) of that order, so
+    prefix groups stay together and only part 0 reports the unit's dead letters."""
 
     unit: str
     items: list[Any]
+    part: int = 0
+    parts: int = 1
+
+    def with_items(self, items: list[Any]) -> "Chunk":
+        return Chunk(self.unit, items, self.part, self.parts)
 
 
 @dataclass(slots=True)

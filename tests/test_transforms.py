@@ -19,9 +19,10 @@ from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefau
 from tokenmill.schemas.records import Chunk, DeadLetterRow, FailedRecord, OutputRow, PromptRecord, TokenizedPrompt
 from tokenmill.transforms.chunks import DEAD
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
+from tokenmill.transforms.batching import TakePart
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
 from tokenmill.transforms.openai_batch import plan_jsonl
-from tokenmill.transforms.read import PlanUnits, ReadPrompts, plan_input, plan_units
+from tokenmill.transforms.read import PlanUnits, ReadPrompts, plan_input, plan_units, plan_work
 from tokenmill.transforms.resume import SkipDone
 from tokenmill.transforms.tokenize import Tokenize
 from tokenmill.transforms.validate import Validate
@@ -58,7 +59,7 @@ def test_read_prompts_yields_every_row_of_every_row_group_with_its_position(tmp_
     plan = plan_input(str(write_parquet(tmp_path / "in.parquet", rows, row_group_size=3)))
     assert len(plan.shards) == 3
     with _pipeline() as p:
-        got = (_items(p | PlanUnits(plan_units(plan)) | ReadPrompts())
+        got = (_items(p | PlanUnits(plan_work(plan_units(plan))) | ReadPrompts())
                | beam.Map(lambda r: (r["id"].decode(), r["_file_index"], r["_row"], r["prompt"].decode())))
         assert_that(got, equal_to([(f"r{i}", 0, i, f"question {i}") for i in range(7)]))
 
@@ -73,7 +74,7 @@ def test_read_openai_batch_turns_lines_into_rows_and_keeps_bad_lines_for_validat
     f = tmp_path / "batch.jsonl"
     f.write_text("\n".join(json.dumps(x) if isinstance(x, dict) else x for x in lines) + "\n")
     with _pipeline() as p:
-        got = _items(p | PlanUnits(plan_units(plan_jsonl(str(f)))) | ReadPrompts()) | beam.Map(
+        got = _items(p | PlanUnits(plan_work(plan_units(plan_jsonl(str(f))))) | ReadPrompts()) | beam.Map(
             lambda r: (r["_row"], r.get("id"), r.get("max_tokens"), "_error" in r))
         assert_that(got, equal_to([(0, "a", 5, False), (1, None, None, True), (2, "c", None, False)]))
 
@@ -92,9 +93,10 @@ def test_validate_splits_good_rows_from_dead_letters_with_reasons():
 def test_claim_ids_records_the_first_row_of_each_id_whatever_order_units_run_in(tmp_path, sqlite_url):
     rows = [{"id": i, "prompt": "q"} for i in ["a", "b", "a", "c", "b", "a", "d"]]
     plan = plan_input(str(write_parquet(tmp_path / "in.parquet", rows, row_group_size=2)))
-    units = plan_units(plan)[::-1]  # the last unit claims first: the upsert still keeps the earliest row
+    work = plan_work(plan_units(plan)[::-1], workers=3)  # the last unit claims first; the upsert keeps the earliest
+    assert {w.parts for w in work} == {2}  # every unit in two parts: part 0 claims, part 1 does not
     with _pipeline() as p:
-        total = p | PlanUnits(units) | ClaimIds(sqlite_url, "j", ["id"])
+        total = p | PlanUnits(work) | ClaimIds(sqlite_url, "j", ["id"])
         assert_that(total, equal_to([7]))
     assert S.id_claims(S.connect(sqlite_url), "j", "abcdz") == {"a": (0, 0), "b": (0, 1), "c": (0, 3), "d": (0, 6)}
 
@@ -141,6 +143,16 @@ def test_tokenize_counts_tokens_keys_prefixes_and_dead_letters_prompts_too_long(
         assert_that(shape, equal_to([(1, [("a", True, 8), ("b", True, 8)])]), label="shared prefix")
         assert_that(out[DEAD] | beam.Map(lambda d: (d.id, d.reason)), equal_to([("c", R.PROMPT_TOO_LONG)]),
                     label="too long")
+
+
+def test_take_part_gives_each_part_a_contiguous_segment_of_the_unit_order():
+    prompts = [_prompt(i, [i % 3] * 8 + [i], prefix_key=f"0{i % 3}") for i in range(12)]
+    with _pipeline() as p:
+        parts = [p | f"part{k}" >> beam.Create([Chunk("u", prompts[::-1], k, 3)]) | f"take{k}" >> TakePart("prefix")
+                 | f"ids{k}" >> beam.Map(lambda c: (c.part, [x.id for x in c.items])) for k in range(3)]
+        got = parts | beam.Flatten()
+        # prefix order groups i % 3 == 0, 1, 2: each part gets exactly one whole group
+        assert_that(got, equal_to([(k, [f"p{i}" for i in range(k, 12, 3)]) for k in range(3)]))
 
 
 def _generate_config(**batching) -> GenerateConfig:

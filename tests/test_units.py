@@ -2,9 +2,9 @@
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
-
-from tokenmill.transforms.read import MAX_UNIT_ROWS, MIN_UNIT_ROWS, plan_input, plan_units, read_unit
+from tokenmill.transforms.batching import segment
+from tokenmill.transforms.read import MAX_UNIT_ROWS, plan_input, plan_units, plan_work, read_unit
+from tests.test_batching import tp
 
 
 def write(path, n, row_group_size, start=0):
@@ -44,22 +44,32 @@ def test_units_span_files_and_row_groups_with_file_level_row_numbers(tmp_path):
 def test_unit_count_follows_the_input_not_the_workers(tmp_path):
     write(tmp_path / "a.parquet", 40_000, row_group_size=40_000)
     plan = plan_input(str(tmp_path / "a.parquet"))
-    one = plan_units(plan, workers=1)
-    assert len(one) == -(-40_000 // MAX_UNIT_ROWS)  # by the row cap: a 10x bigger input has 10x the units
-    assert sum(u.num_rows for u in one) == 40_000
+    units = plan_units(plan)
+    assert len(units) == -(-40_000 // MAX_UNIT_ROWS)  # by the row cap: a 10x bigger input has 10x the units
+    assert sum(u.num_rows for u in units) == 40_000
+    assert len(plan_work(units, workers=2)) == len(units)  # enough units: one work item each
 
 
-def test_small_inputs_still_give_every_worker_units(tmp_path):
+def test_small_inputs_are_split_into_parts_so_every_worker_gets_work(tmp_path):
     write(tmp_path / "a.parquet", 1000, row_group_size=1000)
-    plan = plan_input(str(tmp_path / "a.parquet"))
-    assert len(plan_units(plan, workers=1)) == 1  # one worker: no reason to cut
-    four = plan_units(plan, workers=4)
-    assert len(four) >= 4 and min(u.num_rows for u in four[:-1]) >= MIN_UNIT_ROWS
+    units = plan_units(plan_input(str(tmp_path / "a.parquet")))
+    assert len(units) == 1
+    assert [(w.part, w.parts) for w in plan_work(units, workers=1)] == [(0, 1)]
+    four = plan_work(units, workers=4)
+    assert [(w.part, w.parts) for w in four] == [(k, 8) for k in range(8)]  # two items per worker
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_units_cover_the_plan_exactly(tmp_path, workers):
+def test_segments_of_a_unit_cover_it_once_balanced_by_tokens():
+    prompts = [tp(i, [i % 7] * (5 + i % 11)) for i in range(200)]
+    for parts in (1, 2, 3, 8):
+        segs = [segment(prompts, k, parts) for k in range(parts)]
+        assert [p.id for s in segs for p in s] == [p.id for p in prompts]  # contiguous, in order, each once
+        loads = [sum(p.budget_tokens for p in s) for s in segs]
+        assert max(loads) - min(loads) <= 2 * max(p.budget_tokens for p in prompts)
+
+
+def test_units_cover_the_plan_exactly(tmp_path):
     write(tmp_path / "a.parquet", 2345, row_group_size=1000)
     plan = plan_input(str(tmp_path / "a.parquet"))
-    units = plan_units(plan, unit_bytes=32 << 10, workers=workers)
+    units = plan_units(plan, unit_bytes=32 << 10)
     assert sum(u.num_rows for u in units) == plan.total_rows == 2345

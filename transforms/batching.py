@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
-from tokenmill.schemas.records import Batch, TokenizedPrompt
+import apache_beam as beam
+
+from tokenmill.schemas.records import Batch, Chunk, TokenizedPrompt
 
 
 def order_prompts(prompts: list[TokenizedPrompt], ordering: str) -> list[TokenizedPrompt]:
@@ -66,3 +68,41 @@ def plan_batches(
     ordered = order_prompts(prompts, ordering)
     budget = token_budget or default_token_budget(ordered, max_num_seqs)
     return pack(ordered, budget, batch_prefix)
+
+
+def segment(ordered: list[TokenizedPrompt], part: int, parts: int) -> list[TokenizedPrompt]:
+    """Contiguous segment `part` of `parts` of an ordered unit, balanced by budget tokens:
+    prefix groups stay whole but at the parts-1 cuts, and a group larger than a part's
+    share is spread over parts in batch-sized runs."""
+    if parts <= 1:
+        return ordered
+    total = sum(p.budget_tokens for p in ordered)
+    lo, hi = total * part / parts, total * (part + 1) / parts
+    out, at = [], 0
+    for p in ordered:
+        mid = at + p.budget_tokens / 2  # a prompt belongs to the part its middle falls in
+        if lo <= mid < hi:
+            out.append(p)
+        at += p.budget_tokens
+    return out
+
+
+class TakePartFn(beam.DoFn):
+    """Chunk of a whole unit's prompts → this work item's segment of its ordering."""
+
+    def __init__(self, ordering: str):
+        self._ordering = ordering
+
+    def process(self, chunk: Chunk):
+        mine = segment(order_prompts(chunk.items, self._ordering), chunk.part, chunk.parts)
+        if mine:
+            yield chunk.with_items(mine)
+
+
+class TakePart(beam.PTransform):
+    def __init__(self, ordering: str):
+        super().__init__()
+        self._ordering = ordering
+
+    def expand(self, chunks):
+        return chunks | "OwnSegment" >> beam.ParDo(TakePartFn(self._ordering))

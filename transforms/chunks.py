@@ -14,7 +14,8 @@ DEAD = "dead"
 
 
 class MapRows(beam.DoFn):
-    """Chunk → Chunk of `map_row(item)` results; FailedRecords go to `dead`, None drops a row."""
+    """Chunk → Chunk of `map_row(item)` results; FailedRecords go to `dead` (from part 0
+    only: every part of a unit sees the same rows), None drops a row."""
 
     def map_row(self, item: Any) -> Any:
         raise NotImplementedError
@@ -24,11 +25,12 @@ class MapRows(beam.DoFn):
         for item in chunk.items:
             out = self.map_row(item)
             if isinstance(out, FailedRecord):
-                yield beam.pvalue.TaggedOutput(DEAD, out)
+                if chunk.part == 0:
+                    yield beam.pvalue.TaggedOutput(DEAD, out)
             elif out is not None:
                 ok.append(out)
         if ok:
-            yield Chunk(chunk.unit, ok)
+            yield chunk.with_items(ok)
 
 
 def with_dead(fn: beam.DoFn, label: str):

@@ -25,14 +25,16 @@ from tokenmill.transforms.validate import RAW_LIMIT, row_id
 
 
 class ClaimIdsFn(beam.DoFn):
-    """unit → number of ids it claimed.  `columns`: what to read of a Parquet unit (the
+    """work item → number of ids its unit claimed (part 0 only).  `columns`: what to read of a Parquet unit (the
     id column alone); JSONL lines are read whole (the id is `custom_id`)."""
 
     def __init__(self, db_url: str, job_id: str, columns: list[str] | None, served_models: tuple[str, ...] = ()):
         self._url, self._job_id, self._columns, self._served = db_url, job_id, columns, served_models
 
-    def process(self, unit):
-        rows = read_unit(unit, self._columns, self._served)
+    def process(self, item):
+        if item.part:
+            return  # every part of a unit holds the same ids: part 0 claims them
+        rows = read_unit(item.unit, self._columns, self._served)
         yield S.claim_ids(S.connect(self._url), self._job_id, [(row_id(r), r["_file_index"], r["_row"]) for r in rows])
 
 
@@ -69,10 +71,10 @@ class DedupIdsFn(beam.DoFn):
             first = claims.get(r.id)
             if first is None or first == (r.input_file, r.input_row):
                 ok.append(r)
-            else:
+            elif chunk.part == 0:
                 yield beam.pvalue.TaggedOutput(DEAD, duplicate(r, first))
         if ok:
-            yield Chunk(chunk.unit, ok)
+            yield chunk.with_items(ok)
 
 
 class DedupIds(beam.PTransform):

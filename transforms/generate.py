@@ -364,7 +364,7 @@ class GenerateFn(beam.DoFn):
             token_budget=self.cfg.batching.token_budget,
             max_num_seqs=s.max_num_seqs,
             # unique per attempt: a unit retried after a failure plans new batches
-            batch_prefix=f"{self.cfg.run_id}-{chunk.unit}-{uuid.uuid4().hex[:6]}-",
+            batch_prefix=f"{self.cfg.run_id}-{chunk.unit}.{chunk.part}-{uuid.uuid4().hex[:6]}-",
         )
         runner = BatchRunner(
             self.cfg, self._session, self._restart, cancelled=self._cancelled, worker=self._worker

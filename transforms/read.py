@@ -197,23 +197,20 @@ def default_unit_bytes() -> int:
 
 
 #: Rows per unit at most (bounds per-row overhead for short prompts and the work a
-#: retried unit re-reads), and at least (prefix groups need rows to meet in a unit).
+#: retried unit re-reads).
 MAX_UNIT_ROWS = 8192
-MIN_UNIT_ROWS = 128
 
 
-def plan_units(plan: InputPlan, unit_bytes: int | None = None, workers: int = 1) -> list:
+def plan_units(plan: InputPlan, unit_bytes: int | None = None) -> list:
     """Cut the planned row groups into work units of about `unit_bytes` of input and at
-    most MAX_UNIT_ROWS rows; with several workers, while the input allows, at least two
-    units per worker so every worker has work to the end.  JSONL shards are already units."""
+    most MAX_UNIT_ROWS rows.  JSONL shards are already units."""
     if plan.format != "parquet":
         return list(plan.shards)
     budget = unit_bytes or default_unit_bytes()
-    spread = max(MIN_UNIT_ROWS, -(-plan.total_rows // (2 * workers))) if workers > 1 else MAX_UNIT_ROWS
     units: list[Shard] = []
     for sh in plan.shards:
         by_bytes = int(budget // sh.bytes_per_row) if sh.bytes_per_row > 0 else MAX_UNIT_ROWS
-        rows = max(1, min(by_bytes, MAX_UNIT_ROWS, spread))
+        rows = max(1, min(by_bytes, MAX_UNIT_ROWS))
         for start in range(sh.start, sh.start + sh.num_rows, rows):
             n = min(rows, sh.start + sh.num_rows - start)
             units.append(Shard(sh.file_index, sh.path, sh.row_group, n, start, sh.first_row, sh.bytes_per_row))
@@ -262,30 +259,46 @@ def read_unit(unit, columns: list[str] | None = None, served_models: tuple[str, 
     return list(read_jsonl_shard(unit, served_models))
 
 
+@dataclass(frozen=True)
+class WorkItem:
+    """One element of work: part `part` of `parts` of a unit (see records.Chunk)."""
+
+    unit: Any
+    part: int = 0
+    parts: int = 1
+
+
+def plan_work(units: list, workers: int = 1) -> list[WorkItem]:
+    """The work items: one per unit, or, when the units are fewer than two per worker,
+    each unit in enough parts that every worker gets at least two items."""
+    parts = max(1, -(-2 * workers // max(1, len(units)))) if workers > 1 else 1
+    return [WorkItem(u, p, parts) for u in units for p in range(parts)]
+
+
 class ReadUnitFn(beam.DoFn):
     def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = ()):
         self._columns = columns
         self._served = served_models
 
-    def process(self, unit):
-        rows = read_unit(unit, self._columns, self._served)
+    def process(self, item: WorkItem):
+        rows = read_unit(item.unit, self._columns, self._served)
         if rows:
-            yield Chunk(unit.key, rows)
+            yield Chunk(item.unit.key, rows, item.part, item.parts)
 
 
 class PlanUnits(beam.PTransform):
-    """The work units, spread over workers (each unit one element)."""
+    """The work items, spread over workers (each item one element)."""
 
-    def __init__(self, units: list):
+    def __init__(self, items: list[WorkItem]):
         super().__init__()
-        self._units = units
+        self._items = items
 
     def expand(self, pbegin):
-        return pbegin | "Units" >> beam.Create(self._units, reshuffle=False) | "Spread" >> beam.Reshuffle()
+        return pbegin | "Units" >> beam.Create(self._items, reshuffle=False) | "Spread" >> beam.Reshuffle()
 
 
 class ReadPrompts(beam.PTransform):
-    """Work units → one `Chunk` of row dicts per unit."""
+    """Work items → one `Chunk` of row dicts per item (its unit's rows)."""
 
     def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = ()):
         super().__init__()
