@@ -94,6 +94,23 @@ def test_job_reads_and_writes_s3(s3, sqlite_url):
     assert (manifest["outputs"], manifest["dead_letters"]) == (5, 1)
 
 
+def test_a_prefix_of_many_objects_is_planned_in_parallel_and_every_row_read_once(s3, sqlite_url):
+    """An S3 prefix of hundreds of objects (footers read 16 at a time, one unit per object)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    b = s3.buckets
+    n = 300
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda i: put_parquet(s3, b["in"], f"many/part-{i:04d}.parquet",
+                                            [{"id": f"o{i}-{j}", "prompt": f"q {i} {j}"} for j in range(2)]), range(n)))
+    spec = job_spec(f"s3://{b['in']}/many/", f"s3://{b['out']}/many", job_id="s3-many", sampling={"max_tokens": 2})
+    res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    assert (res.status, res.total, res.succeeded, res.failed) == ("succeeded", 2 * n, 2 * n, 0)
+    out = get_parquet(s3, b["out"], "many/outputs.parquet")
+    assert sorted(r["id"] for r in out) == sorted(f"o{i}-{j}" for i in range(n) for j in range(2))
+    assert [r["input_ref"] for r in out][:3] == ["0:0", "0:1", "1:0"]  # exported in input order
+
+
 def cli_error(args, sqlite_url, endpoint):
     return assert_one_line_error(cli("run", *args, "--db", sqlite_url, "--s3-endpoint-url", endpoint), 1, alone=True)
 

@@ -32,10 +32,10 @@ class ClaimIdsFn(beam.DoFn):
         self._url, self._job_id, self._columns, self._served = db_url, job_id, columns, served_models
 
     def process(self, item):
-        if item.part:
-            return  # every part of a unit holds the same ids: part 0 claims them
-        rows = read_unit(item.unit, self._columns, self._served)
-        yield S.claim_ids(S.connect(self._url), self._job_id, [(row_id(r), r["_file_index"], r["_row"]) for r in rows])
+        if item.part == 0:  # every part of a unit holds the same ids: part 0 claims them
+            rows = read_unit(item.unit, self._columns, self._served)
+            claims = [(row_id(r), r["_file_index"], r["_row"]) for r in rows]
+            yield S.claim_ids(S.connect(self._url), self._job_id, claims)
 
 
 class ClaimIds(beam.PTransform):
