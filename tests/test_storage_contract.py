@@ -272,3 +272,16 @@ def test_worker_rows_cancel_flag_and_engine_info(any_db_url):
     assert S.cancel_requested(eng, "j-w") is True
     S.insert_rows(eng, OutputRow, [_output("j-w", 0, output_tokens=7), _output("j-w", 1, output_tokens=8)])
     assert S.output_tokens(eng, "j-w") == 15 and S.output_tokens(eng, "none") == 0
+
+
+def test_request_columns_stream_per_request_figures_as_float_arrays(any_db_url):
+    import math
+
+    eng = S.connect(any_db_url)
+    rows = [_output("cols", i, ttft_s=None if i == 3 else 0.1 * i) for i in range(12_000)]  # > CHUNK_ROWS
+    S.insert_rows(eng, OutputRow, rows)
+    cols = S.request_columns(eng, "cols")
+    assert set(cols) == set(S.METRIC_COLUMNS) and all(len(v) == 12_000 for v in cols.values())
+    assert cols["output_tokens"].sum() == 5 * 12_000
+    assert sum(math.isnan(v) for v in cols["ttft_s"]) == 1
+    assert S.request_columns(eng, "none")["e2e_s"].size == 0

@@ -17,7 +17,9 @@ arrives when the batch is admitted, so TTFT includes waiting for a slot.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
 
 
 #: Which clock each figure is measured on (shown beside the figures in reports).
@@ -34,29 +36,39 @@ CLOCKS: dict[str, str] = {
 }
 
 
-def percentile(values: Sequence[float | None], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), ignoring None and NaN; None for no values."""
-    import numpy as np
+def _values(values: Iterable[float | None]) -> np.ndarray:
+    """Float array of the given values, None and NaN left out."""
+    vals = values if isinstance(values, np.ndarray) else np.array(list(values), dtype=float)
+    vals = vals.astype(float, copy=False)
+    return vals[~np.isnan(vals)]
 
-    vals = np.array([v for v in values if v is not None], dtype=float)
-    vals = vals[~np.isnan(vals)]
+
+def percentile(values: Iterable[float | None], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), ignoring None and NaN; None for no values."""
+    vals = _values(values)
     return float(np.percentile(vals, q)) if vals.size else None
 
 
 def dist(values: Iterable[float | None]) -> dict[str, float | None]:
-    vals = [v for v in values if v is not None]
-    return {
-        "mean": (sum(vals) / len(vals)) if vals else None,
-        "p50": percentile(vals, 50),
-        "p95": percentile(vals, 95),
-        "p99": percentile(vals, 99),
-        "max": max(vals) if vals else None,
-        "n": len(vals),
-    }
+    vals = _values(values)
+    if not vals.size:
+        return {"mean": None, "p50": None, "p95": None, "p99": None, "max": None, "n": 0}
+    p50, p95, p99 = (float(x) for x in np.percentile(vals, [50, 95, 99]))
+    return {"mean": float(vals.mean()), "p50": p50, "p95": p95, "p99": p99, "max": float(vals.max()),
+            "n": int(vals.size)}
+
+
+def request_columns(rows: Sequence[dict[str, Any]] | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-request figures as one float array per column (None → NaN): what storage's
+    `request_columns` streams out of the database, or the same built from row dicts."""
+    if isinstance(rows, Mapping):
+        return dict(rows)
+    names = ("prompt_tokens", "output_tokens", "cached_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s")
+    return {k: np.array([r.get(k) for r in rows], dtype=float) for k in names}
 
 
 def job_metrics(
-    rows: Sequence[dict[str, Any]],
+    rows: Sequence[dict[str, Any]] | Mapping[str, np.ndarray],
     batches: Sequence[dict[str, Any]],
     workers: Sequence[dict[str, Any]],
     *,
@@ -72,25 +84,26 @@ def job_metrics(
     """The job's serving metrics (see the module docstring for what each counts).
 
     `rows`: per-request outputs (prompt/output/cached tokens, ttft_s, tpot_s,
-    e2e_s, queue_s); `batches`/`workers`: the job's batch and worker rows;
+    e2e_s, queue_s), as row dicts or as columns (`request_columns`: a few bytes a
+    request, so a job of millions of rows is summed in the launcher without a
+    Python object per row); `batches`/`workers`: the job's batch and worker rows;
     `utilization`: the launcher's `UtilizationSampler` summary, if any."""
-    n = len(rows)
-    prompt = sum(r["prompt_tokens"] or 0 for r in rows)
-    output = sum(r["output_tokens"] or 0 for r in rows)
-    cached = sum(r["cached_tokens"] or 0 for r in rows)
+    cols = request_columns(rows)
+    n = len(cols["prompt_tokens"])
+    prompt = int(np.nansum(cols["prompt_tokens"]))
+    output = int(np.nansum(cols["output_tokens"]))
+    cached = int(np.nansum(cols["cached_tokens"]))
     if batches:
         gen_wall = max(b["finished_at"] for b in batches) - min(b["started_at"] for b in batches)
     else:
         gen_wall = 0.0
-    per_req = [
-        (r["output_tokens"] / r["e2e_s"]) for r in rows if r.get("e2e_s") and r["e2e_s"] > 0 and r["output_tokens"]
-    ]
+    e2e, outs = cols["e2e_s"], cols["output_tokens"]
+    ok = (e2e > 0) & (outs > 0)  # NaN compares False
+    per_req = outs[ok] / e2e[ok]
     failed = sum(failed_by_reason.values())
     load = [w.get("load_s") for w in workers if w.get("load_s") is not None]
     peak_rss = max((w.get("peak_rss_bytes") or 0 for w in workers), default=0)
     info = next((w.get("engine_info") for w in workers if w.get("engine_info")), {}) or {}
-    in_lens = [r["prompt_tokens"] for r in rows if r["prompt_tokens"] is not None]
-    out_lens = [r["output_tokens"] for r in rows if r["output_tokens"] is not None]
     m: dict[str, Any] = {
         "requests": {"total": total, "succeeded": n, "failed": failed},
         "concurrency": {
@@ -102,13 +115,13 @@ def job_metrics(
             "batches": len(batches),
             "mean_batch_requests": (sum(b["requests"] for b in batches) / len(batches)) if batches else None,
         },
-        "lengths": {"prompt_tokens": dist(in_lens), "output_tokens": dist(out_lens)},
+        "lengths": {"prompt_tokens": dist(cols["prompt_tokens"]), "output_tokens": dist(outs)},
         "tokens": {"prompt": prompt, "output": output, "total": prompt + output, "cached": cached},
         "latency_s": {
-            "ttft": dist(r.get("ttft_s") for r in rows),
-            "tpot": dist(r.get("tpot_s") for r in rows),
-            "e2e": dist(r.get("e2e_s") for r in rows),
-            "queue": dist(r.get("queue_s") for r in rows),
+            "ttft": dist(cols["ttft_s"]),
+            "tpot": dist(cols["tpot_s"]),
+            "e2e": dist(e2e),
+            "queue": dist(cols["queue_s"]),
         },
         "throughput": {
             "generation_wall_s": gen_wall,
@@ -117,7 +130,7 @@ def job_metrics(
             "output_tok_per_s": (output / gen_wall) if gen_wall > 0 else None,
             "total_tok_per_s": ((prompt + output) / gen_wall) if gen_wall > 0 else None,
             "requests_per_s": (n / gen_wall) if gen_wall > 0 else None,
-            "mean_request_output_tok_per_s": (sum(per_req) / len(per_req)) if per_req else None,
+            "mean_request_output_tok_per_s": float(per_req.mean()) if per_req.size else None,
             "counts": "tokens from the engine's outputs over generation wall time (model load excluded)",
         },
         "prefix_cache": {

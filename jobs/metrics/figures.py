@@ -28,7 +28,7 @@ def stored_metrics(
     job's request rows when the caller has read them already."""
     price, source = price_for(hardware, price_per_hour)
     m = job_metrics(
-        S.request_rows(eng, job_id) if rows is None else rows,
+        S.request_columns(eng, job_id) if rows is None else rows,
         S.job_batches(eng, job_id),
         S.job_workers(eng, job_id),
         total=total,
