@@ -89,6 +89,7 @@ workers = Table(
     Column("load_s", Float),
     Column("engine_info", JSON),
     Column("peak_rss_bytes", BigInteger),
+    Column("admitted_rows", BigInteger),
     Column("generated_rows", BigInteger),
     Column("generated_tokens", BigInteger),
     Column("started_at", Float),

@@ -133,8 +133,10 @@ class BatchRunner:
         self.worker = worker
         self.cancelled = False
         self._watchdog = StepWatchdog()
+        self.admitted_rows = 0
+        """Requests handed to the engine, retries included: engine-side work, for rework figures."""
         self.generated_rows = 0
-        """Requests the engine finished (committed or not): engine-side work, for rework figures."""
+        """Requests the engine finished (committed or not)."""
         self.generated_tokens = 0
 
     # -- helpers
@@ -154,6 +156,7 @@ class BatchRunner:
             s.add(rid, p.token_ids, request_sampling(self.cfg.sampling, p))
         except Exception as err:
             return FailedRecord(p.input_file, p.input_row, p.id, R.BAD_REQUEST, f"engine rejected the request: {first_line(err)}")
+        self.admitted_rows += 1
         return None
 
     def run(self, batches: list[Batch]):
@@ -326,8 +329,8 @@ class GenerateFn(beam.DoFn):
         self._worker = ""
         self._last_cancel_check = 0.0
         self._cancel = False
-        self._done_rows = 0
-        self._done_tokens = 0
+        self._done = (0, 0, 0)
+        """(admitted, generated rows, generated tokens) of this worker's finished chunks."""
 
     def _session(self, restart: bool = False) -> EngineSession:
         return worker_session(self.cfg.engine, self.cfg.model_path, self._factory, workers=self.cfg.num_workers,
@@ -376,8 +379,8 @@ class GenerateFn(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(DEAD, d)
             yield beam.pvalue.TaggedOutput(STATS, stats)
             self._report(runner)
-        self._done_rows += runner.generated_rows
-        self._done_tokens += runner.generated_tokens
+        self._done = (self._done[0] + runner.admitted_rows, self._done[1] + runner.generated_rows,
+                      self._done[2] + runner.generated_tokens)
 
     def _report(self, runner: BatchRunner) -> None:
         """The worker's row: what its engine finished so far, and its peak memory."""
@@ -385,8 +388,9 @@ class GenerateFn(beam.DoFn):
             from tokenmill.transforms.write import update_worker_peak
 
             update_worker_peak(self.cfg.db_url, self.cfg.job_id, self._worker,
-                               generated_rows=self._done_rows + runner.generated_rows,
-                               generated_tokens=self._done_tokens + runner.generated_tokens)
+                               admitted_rows=self._done[0] + runner.admitted_rows,
+                               generated_rows=self._done[1] + runner.generated_rows,
+                               generated_tokens=self._done[2] + runner.generated_tokens)
 
 
 class Generate(beam.PTransform):

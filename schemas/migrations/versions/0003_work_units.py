@@ -4,8 +4,9 @@
 it, so duplicate ids are found per work unit with a keyed lookup instead of a
 shuffle of every id.  `ix_outputs_job_input` serves the per-unit resume lookup
 (answered rows of one file's row range) and exports in input order.
-`workers.generated_rows` / `generated_tokens` count what a worker's engine
-finished, committed or not (rework after a failure = their sum − outputs).
+`workers.admitted_rows` / `generated_rows` / `generated_tokens` count what a
+worker handed its engine and what the engine finished, committed or not
+(requests run twice after a failure = Σ admitted − rows answered).
 
 Revision ID: 0003
 Revises: 0002
@@ -31,6 +32,7 @@ def upgrade() -> None:
     )
     op.create_index("ix_outputs_job_input", "outputs", ["job_id", "input_file", "input_row"])
     with op.batch_alter_table("workers") as b:
+        b.add_column(sa.Column("admitted_rows", sa.BigInteger))
         b.add_column(sa.Column("generated_rows", sa.BigInteger))
         b.add_column(sa.Column("generated_tokens", sa.BigInteger))
 
@@ -39,5 +41,6 @@ def downgrade() -> None:
     with op.batch_alter_table("workers") as b:
         b.drop_column("generated_tokens")
         b.drop_column("generated_rows")
+        b.drop_column("admitted_rows")
     op.drop_index("ix_outputs_job_input", "outputs")
     op.drop_table("id_claims")
