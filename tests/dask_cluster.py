@@ -126,21 +126,23 @@ def start_cluster(logs: Path, n_workers: int = 2, nanny: bool = True) -> DaskClu
                  "--nworkers", "1", "--nthreads", "1", "--memory-limit", "0", "--no-dashboard",
                  "--nanny" if nanny else "--no-nanny"],
                 logs / f"worker-{i}.log", WORKER_ENV))
-        from distributed import Client
+        if n_workers:
+            from distributed import Client
 
-        with Client(address, timeout=30) as c:
-            c.wait_for_workers(n_workers, timeout=START_TIMEOUT_S)
+            with Client(address, timeout=30) as c:
+                c.wait_for_workers(n_workers, timeout=START_TIMEOUT_S)
     except BaseException:
         cluster.stop()
         raise
     return cluster
 
 
-@pytest.fixture
-def dask_cluster(tmp_path):
-    """A scheduler and two one-thread worker processes (each under a nanny) on loopback."""
+@pytest.fixture(scope="module")
+def dask_cluster(tmp_path_factory):
+    """A scheduler and two one-thread worker processes (each under a nanny) on loopback,
+    shared by a test module (the workers' imports and engines are paid for once)."""
     try:
-        cluster = start_cluster(tmp_path / "dask-logs")
+        cluster = start_cluster(tmp_path_factory.mktemp("dask-logs"))
     except RuntimeError as err:
         pytest.fail(str(err))
     yield cluster
