@@ -272,5 +272,6 @@ def test_tokenmill_run_on_dask_every_row_once_both_workers(dask_cluster, tmp_pat
     workers = S.job_workers(S.connect(pg_url), "dask-real")
     assert {w["pid"] for w in workers} == pids  # one row per worker process, each its own engine
     assert all(w["load_s"] and w["load_s"] > 0 for w in workers)
-    answered_by = Counter(int(r["worker"].rsplit(":", 1)[1]) for r in rows)
+    stored = S.request_rows(S.connect(pg_url), "dask-real", ("id", "worker"))
+    answered_by = Counter(int(r["worker"].rsplit(":", 1)[1]) for r in stored)
     assert set(answered_by) == pids, answered_by
