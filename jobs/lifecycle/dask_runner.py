@@ -43,10 +43,6 @@ from apache_beam.runners.runner import PipelineState
 from apache_beam.transforms.sideinputs import SideInputMap
 from apache_beam.utils.windowed_value import WindowedValue
 
-#: What `--runner` names for this runner (preflight maps `DaskRunner` to it).
-QUALIFIED_NAME = f"{__name__}.DaskRunner"
-
-
 class _TagReceiver(Receiver):
     def __init__(self, tag: str | None, out: list):
         self.tag, self.out = tag, out
@@ -207,9 +203,13 @@ class DaskRunner(beam_dask.DaskRunner):
         dask_options = options.view_as(beam_dask.DaskOptions).get_all_options(drop_default=True, current_only=True)
         bag_kwargs = beam_dask.DaskOptions._extract_bag_kwargs(dask_options)
         client = ddist.Client(**dask_options)
-        pipeline.replace_all(dask_overrides())
-        visitor = _Visitor(bag_kwargs)
-        pipeline.visit(visitor)
-        sinks = [bag.map_partitions(_count) for bag in visitor.sinks()]
-        futures = client.compute(sinks) if sinks else []  # one graph: shared steps run once
+        try:
+            pipeline.replace_all(dask_overrides())
+            visitor = _Visitor(bag_kwargs)
+            pipeline.visit(visitor)
+            sinks = [bag.map_partitions(_count) for bag in visitor.sinks()]
+            futures = client.compute(sinks) if sinks else []  # one graph: shared steps run once
+        except BaseException:  # a transform it cannot translate (a Read source, Impulse)
+            client.close()
+            raise
         return DaskRunnerResult(client, futures)

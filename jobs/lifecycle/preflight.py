@@ -102,20 +102,20 @@ def check_dask(options, *, reach: bool = True) -> None:
         raise ValueError(f"runner DaskRunner needs dask.distributed ({err}); install tokenmill[dask]") from None
     from tokenmill.schemas.errors import first_line
 
-    dask = options.view_as(DaskOptions)
-    if not dask.address and not dask.scheduler_file:
+    opts = options.view_as(DaskOptions)
+    if not opts.address and not opts.scheduler_file:
         raise ValueError("runner DaskRunner needs a scheduler: --pipeline-option=--dask_client_address=tcp://HOST:PORT "
                          "(or --dask_scheduler_file=PATH)")
     if not reach:
         return
-    where = dask.address or f"in {dask.scheduler_file}"
-    timeout = dask.timeout if isinstance(dask.timeout, int) else DASK_CONNECT_TIMEOUT_S
-    if dask.scheduler_file and not os.path.isfile(dask.scheduler_file):  # dask would wait for it for ever
-        raise ValueError(f"dask scheduler file {dask.scheduler_file!r} does not exist")
-    if dask.address:
-        _check_reachable(dask.address, timeout)  # a refused port fails now, not after dask's retries
+    where = opts.address or f"in {opts.scheduler_file}"
+    timeout = opts.timeout if isinstance(opts.timeout, int) else DASK_CONNECT_TIMEOUT_S
+    if opts.scheduler_file and not os.path.isfile(opts.scheduler_file):  # dask would wait for it for ever
+        raise ValueError(f"dask scheduler file {opts.scheduler_file!r} does not exist")
+    if opts.address:
+        _check_reachable(opts.address, timeout)  # a refused port fails now, not after dask's retries
     try:
-        client = distributed.Client(address=dask.address, scheduler_file=dask.scheduler_file, timeout=timeout,
+        client = distributed.Client(address=opts.address, scheduler_file=opts.scheduler_file, timeout=timeout,
                                     set_as_default=False)
     except Exception as err:  # OSError, TimeoutError, a missing scheduler file
         raise ValueError(f"dask scheduler {where} cannot be reached: {first_line(err)}") from None
