@@ -199,7 +199,11 @@ def test_beams_own_dask_runner_still_loses_rows(dask_cluster, tmp_path):
     p = _dask_pipeline(dask_cluster, f"{BeamDaskRunner.__module__}.DaskRunner")
     split = p | beam.Create(range(4)) | beam.ParDo(SplitOdd()).with_outputs("odd", main="even")
     split.odd | "Buffer" >> beam.ParDo(BufferToFinish()) | "Finished" >> beam.ParDo(Record(out, "finished"))
-    assert p.run().wait_until_finish() == "DONE"
+    result = p.run()
+    try:
+        assert result.wait_until_finish() == "DONE"
+    finally:
+        result.client.close()  # Beam's result leaves its client open
     # The odd branch saw the even numbers too (tags mixed); the odd ones it held went nowhere.
     assert sorted(r["value"] for r in _recorded(tmp_path, "finished")) == [0, 2]
 
