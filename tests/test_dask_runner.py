@@ -32,9 +32,9 @@ from tokenmill.schemas import storage as S
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def dask_spec(tmp_path, *options, runner: str = "DaskRunner"):
+def dask_spec(tmp_path, *options):
     inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])
-    return job_spec(inp, tmp_path / "out", runner={"runner": runner, "pipeline_options": list(options)})
+    return job_spec(inp, tmp_path / "out", runner={"runner": "DaskRunner", "pipeline_options": list(options)})
 
 
 # ---------------------------------------------------------------- options and preflight (no cluster)
@@ -43,10 +43,9 @@ def dask_spec(tmp_path, *options, runner: str = "DaskRunner"):
 def test_dask_runner_runs_on_tokenmills_runner_one_work_unit_per_task(tmp_path):
     from tokenmill.jobs.lifecycle.dask_runner import DaskRunner
 
-    for name in ("DaskRunner", "dask"):
-        opts = P.pipeline_options(dask_spec(tmp_path, "--dask_client_address=tcp://127.0.0.1:8786", runner=name))
-        got = opts.get_all_options(drop_default=True)
-        assert got["runner"] == P.DASK_RUNNER and got["partition_size"] == 1 and got["address"] == "tcp://127.0.0.1:8786"
+    opts = P.pipeline_options(dask_spec(tmp_path, "--dask_client_address=tcp://127.0.0.1:8786"))
+    got = opts.get_all_options(drop_default=True)
+    assert got["runner"] == P.DASK_RUNNER and got["partition_size"] == 1 and got["address"] == "tcp://127.0.0.1:8786"
     assert type(beam.Pipeline(options=opts).runner) is DaskRunner
 
 

@@ -55,7 +55,8 @@ DASK_CONNECT_TIMEOUT_S = 10
 
 
 def is_dask(spec: JobSpec) -> bool:
-    return spec.runner.runner.lower() in ("dask", "daskrunner", DASK_RUNNER.lower())
+    # The exact name, as pipelines/batch.py's LOCAL_RUNNERS (engines per host) reads it.
+    return spec.runner.runner == "DaskRunner"
 
 
 def _has_flag(flags: list[str], *names: str) -> bool:
