@@ -2,9 +2,10 @@
 
 What can fail before the first row is read is checked here, in this order:
 the model resolves to a local folder; the engine options (and the checkpoint's
-quantization) suit the device the engine runs on; the output path is usable;
-the input and output buckets exist and accept the credentials; the input plans
-(files, row groups, a prompt column).  `run_job` stops at the first problem,
+quantization) suit the device the engine runs on; the runner can start (a
+DaskRunner names a scheduler that answers, has workers and the same
+environment); the output path is usable; the input and output buckets exist and
+accept the credentials; the input plans (files, row groups, a prompt column).  `run_job` stops at the first problem,
 `tokenmill validate` reports them all on one line; both see the same messages,
 so a spec that validates is one that runs.
 """
@@ -46,6 +47,22 @@ class Preflight:
         return {m: n for m, n in models.items() if served and m not in served}
 
 
+#: The runner class `runner: DaskRunner` runs on: Beam's DaskRunner with the faults that lose
+#: rows put right (jobs/lifecycle/dask_runner.py); Beam itself knows no short name for it.
+DASK_RUNNER = "tokenmill.jobs.lifecycle.dask_runner.DaskRunner"
+#: How long the preflight waits for a dask scheduler to answer (`--dask_connection_timeout` wins).
+DASK_CONNECT_TIMEOUT_S = 10
+
+
+def is_dask(spec: JobSpec) -> bool:
+    # The exact name, as pipelines/batch.py's LOCAL_RUNNERS (engines per host) reads it.
+    return spec.runner.runner == "DaskRunner"
+
+
+def _has_flag(flags: list[str], *names: str) -> bool:
+    return any(f == n or f.startswith(n + "=") for f in flags for n in names)
+
+
 def pipeline_options(spec: JobSpec):
     """The Beam PipelineOptions of a job: runner and workers, S3 endpoint and region, extra flags."""
     from apache_beam.options.pipeline_options import PipelineOptions
@@ -56,6 +73,12 @@ def pipeline_options(spec: JobSpec):
             flags += ["--direct_running_mode=multi_processing", f"--direct_num_workers={spec.runner.num_workers}"]
         else:
             flags += ["--direct_running_mode=in_memory", "--direct_num_workers=1"]
+    elif is_dask(spec):
+        flags = [f"--runner={DASK_RUNNER}"]
+        if not _has_flag(spec.runner.pipeline_options, "--dask_partition_size", "--dask_npartitions"):
+            # One input element (a work unit) per dask task: units spread over the workers
+            # one at a time, as they free up, instead of 128 to a task (Beam's default).
+            flags.append("--dask_partition_size=1")
     endpoint = spec.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         flags.append(f"--s3_endpoint_url={endpoint}")
@@ -67,6 +90,68 @@ def pipeline_options(spec: JobSpec):
         flags.append(f"--s3_region_name={region}")
     flags += list(spec.runner.pipeline_options)
     return PipelineOptions(flags)
+
+
+def check_dask(options, *, reach: bool = True) -> None:
+    """A DaskRunner job names its scheduler (`--dask_client_address` or `--dask_scheduler_file`);
+    with `reach`, the scheduler answers, has workers, and it and every worker can import
+    tokenmill (they unpickle the pipeline's steps).  ValueError (one line) otherwise."""
+    try:
+        from apache_beam.runners.dask.dask_runner import DaskOptions
+        import distributed
+    except ImportError as err:
+        raise ValueError(f"runner DaskRunner needs dask.distributed ({err}); install tokenmill[dask]") from None
+    from tokenmill.schemas.errors import first_line
+
+    opts = options.view_as(DaskOptions)
+    if not opts.address and not opts.scheduler_file:
+        raise ValueError("runner DaskRunner needs a scheduler: --pipeline-option=--dask_client_address=tcp://HOST:PORT "
+                         "(or --dask_scheduler_file=PATH)")
+    if not reach:
+        return
+    where = opts.address or f"in {opts.scheduler_file}"
+    timeout = opts.timeout if isinstance(opts.timeout, int) else DASK_CONNECT_TIMEOUT_S
+    if opts.scheduler_file and not os.path.isfile(opts.scheduler_file):  # dask would wait for it for ever
+        raise ValueError(f"dask scheduler file {opts.scheduler_file!r} does not exist")
+    if opts.address:
+        _check_reachable(opts.address, timeout)  # a refused port fails now, not after dask's retries
+    try:
+        client = distributed.Client(address=opts.address, scheduler_file=opts.scheduler_file, timeout=timeout,
+                                    set_as_default=False)
+    except Exception as err:  # OSError, TimeoutError, a missing scheduler file
+        raise ValueError(f"dask scheduler {where} cannot be reached: {first_line(err)}") from None
+    try:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        if not workers:
+            raise ValueError(f"dask scheduler {where} has no workers")
+        found = [("scheduler", client.run_on_scheduler(eval, _IMPORTS_TOKENMILL)),
+                 *client.run(eval, _IMPORTS_TOKENMILL).items()]
+        missing = [name for name, ok in found if not ok]
+        if missing:
+            raise ValueError(f"dask scheduler {where}: {', '.join(missing)} cannot import tokenmill "
+                             "(scheduler and workers need the launcher's environment)")
+    finally:
+        client.close()
+
+
+def _check_reachable(address: str, timeout: float) -> None:
+    import socket
+
+    from distributed.comm import parse_address, parse_host_port
+
+    scheme, loc = parse_address(address)
+    if scheme not in ("tcp", "tls"):
+        return
+    host, port = parse_host_port(loc)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        raise ValueError(f"dask scheduler {address} cannot be reached: {err.strerror or err}") from None
+
+
+#: Asked of the scheduler and each worker through the builtin `eval`: a function of this
+#: module would itself need tokenmill there to be unpickled.
+_IMPORTS_TOKENMILL = "__import__('importlib.util').util.find_spec('tokenmill.transforms') is not None"
 
 
 def check_output_path(output: str) -> None:
@@ -85,8 +170,9 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) 
     """Run every check, collecting the problems (one line each) instead of stopping at the first.
 
     Also points Beam's filesystems (local, s3://) at the job's options in this process.
-    `engine=False` leaves out the model and engine checks, for a job that runs later on
-    another machine (`submit`: the runner's models folder and device decide those).
+    `engine=False` leaves out the model and engine checks, and whether a dask scheduler
+    answers, for a job that runs later on another machine (`submit`: the runner's models
+    folder, device and network decide those).
     `fake_engine`: the engine is a test double, so no device-specific refusal applies."""
     from apache_beam.io.filesystems import FileSystems
 
@@ -105,6 +191,11 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) 
         try:
             check_engine_config(spec.engine, on_gpu=pf.on_gpu or fake_engine, model_path=pf.model_path)
         except EngineStartError as err:
+            pf.problems.append(str(err))
+    if is_dask(spec):
+        try:
+            check_dask(pf.options, reach=engine)
+        except ValueError as err:
             pf.problems.append(str(err))
     try:
         check_output_path(spec.output)
