@@ -100,8 +100,8 @@ def engine_options(f):
         click.option("--gpu-memory-utilization", type=float, default=None, help="Share of device memory (of RAM on CPU)."),
         click.option("--ordering", type=click.Choice(["prefix", "length", "none"]), default=None, help="Batch ordering."),
         click.option("--token-budget", type=int, default=None, help="Prompt+output tokens per batch."),
-        click.option("--workers", type=int, default=None, help="Worker processes (DirectRunner)."),
-        click.option("--runner", default=None, help="Beam runner (DirectRunner, PortableRunner, DataflowRunner, ...)."),
+        click.option("--workers", type=int, default=None, help="Worker processes on this machine (DirectRunner, DaskRunner): each runs one engine on its share of the cores."),
+        click.option("--runner", default=None, help="Beam runner (DirectRunner, DaskRunner, PortableRunner, DataflowRunner, ...)."),
         click.option("--pipeline-option", "pipeline_options", multiple=True, help="Extra Beam pipeline flag (repeatable)."),
     ]
     return apply_options(f, opts)
