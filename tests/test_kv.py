@@ -79,7 +79,9 @@ def test_without_the_work_the_default_stays(smol_folder):
     cfg = EngineConfig(gpu_memory_utilization=0.5)
     assert cpu.cpu_kv_cache(cfg, smol_folder, "bfloat16")[0] is None  # vLLM sizes one engine itself
     n, why = cpu.cpu_kv_cache(cfg, smol_folder, "bfloat16", workers=2, total_memory_bytes=8 << 30)
-    assert n == 2 << 30 == cpu.worker_engine_config(cfg, 2, 8 << 30).kv_cache_memory_bytes and why["source"] == "share"
+    assert n == 2 << 30 == cpu.kv_share_bytes(cfg, 2, 8 << 30) and why["source"] == "share"  # half of 0.5 × 8 GiB
+    assert cpu.kv_share_bytes(EngineConfig(gpu_memory_utilization=0.4), 2, 10 << 30) == int((10 << 30) * 0.4 / 2)
+    assert cpu.kv_share_bytes(EngineConfig(gpu_memory_utilization=0.01), 8, 1 << 30) == 64 << 20  # never below 64 MiB
 
 
 def test_the_work_sizes_the_cache_in_the_engines_dtype_and_blocks(smol_folder):

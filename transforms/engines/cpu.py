@@ -154,15 +154,6 @@ def kv_share_bytes(cfg: EngineConfig, workers: int, total_memory_bytes: int | No
     return max(int(total_memory_bytes * cfg.gpu_memory_utilization / max(workers, 1)), 64 << 20)
 
 
-def worker_engine_config(cfg: EngineConfig, workers: int, total_memory_bytes: int | None = None) -> EngineConfig:
-    """The engine config one of `workers` CPU engines on this host uses when nothing
-    is known of its work: unless the job sized the KV cache itself, each engine gets
-    its share of the RAM (`kv_share_bytes`)."""
-    if workers <= 1 or cfg.kv_cache_memory_bytes:
-        return cfg
-    return cfg.model_copy(update={"kv_cache_memory_bytes": kv_share_bytes(cfg, workers, total_memory_bytes)})
-
-
 def cpu_kv_cache(cfg: EngineConfig, model_path: str, dtype: str, *, job_tokens: kv.JobTokens | None = None,
                  workers: int = 1, total_memory_bytes: int | None = None) -> tuple[int | None, dict[str, Any]]:
     """The `kv_cache_memory_bytes` a CPU engine starts with (None: vLLM's own sizing
