@@ -1,5 +1,6 @@
 """vLLM-CPU set-up on a worker: cores bound, allocators preloaded, cores and KV memory
-shared between several engines on one host, and the dtype chosen by measurement."""
+shared between several engines on one host, the KV cache an engine starts with, the
+engine core's OpenMP environment, and the dtype chosen by measurement."""
 
 from __future__ import annotations
 
