@@ -68,14 +68,3 @@ def test_each_worker_process_claims_its_own_slot_and_binds_its_cores(tmp_path):
     assert sorted(g[0] for g in got) == [0, 1]
     assert not set(got[0][1]) & set(got[1][1]) or len(got[0][1]) == 1 == len(set(got[0][1] + got[1][1]))
     assert all(g[2] == ",".join(map(str, g[1])) for g in got)
-
-
-def test_worker_engine_config_splits_kv_memory_between_engines():
-    from tokenmill.schemas.config import EngineConfig
-    from tokenmill.transforms.engines.cpu import worker_engine_config
-
-    cfg = EngineConfig(gpu_memory_utilization=0.4)
-    assert worker_engine_config(cfg, 1) is cfg
-    assert worker_engine_config(cfg, 2, total_memory_bytes=10 << 30).kv_cache_memory_bytes == int((10 << 30) * 0.4 / 2)
-    sized = EngineConfig(kv_cache_memory_bytes=1 << 28)
-    assert worker_engine_config(sized, 4) is sized

@@ -172,7 +172,9 @@ def claims(monkeypatch):
     made: list[tuple[int, str]] = []
 
     class DefaultFake(FakeSession):
-        pass
+        def __init__(self, cfg=None, model_path="", *, workers=1, job_tokens=None):
+            super().__init__(cfg, model_path)
+            self.workers = workers
 
     monkeypatch.setattr(worker, "claim_cpu_slot", lambda n, group: made.append((n, group)) or (0, [0]))
     monkeypatch.setattr(worker, "_SHARED_CPU", {})
@@ -186,18 +188,19 @@ def test_cpu_workers_of_the_default_engine_claim_one_slot_and_share_the_kv_memor
     s = worker.worker_session(cfg, "/m", workers=2, group="job-run")
     assert worker.worker_session(cfg, "/m", workers=2, group="job-run") is s
     assert claims == [(2, "job-run")]  # once per process and run
-    assert s.cfg.kv_cache_memory_bytes == worker.worker_engine_config(cfg, 2).kv_cache_memory_bytes
+    assert s.workers == 2  # the engine takes its share of the KV memory (cpu.cpu_kv_cache, tests/test_kv.py)
     s2 = worker.worker_session(cfg, "/m", workers=2, group="job-run", restart=True)
-    assert s.shut and s2 is not s and s2.cfg == s.cfg and claims == [(2, "job-run")]
+    assert s.shut and s2 is not s and s2.cfg == s.cfg and s2.workers == 2 and claims == [(2, "job-run")]
 
 
 def test_gpu_workers_fake_factories_and_single_workers_claim_nothing(claims, monkeypatch):
     cfg = EngineConfig()
     monkeypatch.setattr(worker, "has_nvidia_gpu", lambda: False)
     assert worker.worker_session(cfg, "/m", FakeSession, workers=2, group="g").cfg is cfg
-    assert worker.worker_session(cfg, "/m", workers=1, group="g").cfg is cfg
+    assert worker.worker_session(cfg, "/m", workers=1, group="g").workers == 1
     monkeypatch.setattr(worker, "has_nvidia_gpu", lambda: True)
-    assert worker.worker_session(cfg, "/m", workers=2, group="gpu").cfg is cfg
+    s = worker.worker_session(cfg, "/m", workers=2, group="gpu")
+    assert s.cfg is cfg and s.workers == 1
     assert claims == []
 
 

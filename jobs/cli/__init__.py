@@ -17,6 +17,7 @@ Exit codes (docs/JOBS.md):
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import sys
@@ -68,6 +69,40 @@ def _maybe_reexec() -> None:
         return
 
 
+def _skip_interpreter_teardown(status: list[int]) -> None:
+    """The last exit handler of a command that ended with an exit status: flush the
+    logs and the standard streams, then leave without the interpreter's teardown.
+
+    Freeing every module of torch, vLLM and Beam object by object took 2.5-4.5 s of
+    the demo's wall after the job had finished.  Handlers registered after this one
+    (during the command: engines, Beam, vLLM, SQLAlchemy) have run by now; before it
+    only `logging`'s, which this does itself."""
+    if not status:  # an uncaught exception: the interpreter reports it and exits as usual
+        return
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status[0])
+
+
+def _status(code) -> int:
+    """The process exit status `sys.exit(code)` gives."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
 def cli_entry() -> None:
     _maybe_reexec()
-    main(prog_name="tokenmill")
+    status: list[int] = []
+    atexit.register(_skip_interpreter_teardown, status)
+    try:
+        main(prog_name="tokenmill")
+    except SystemExit as done:
+        status.append(_status(done.code))
+        raise

@@ -1,31 +1,32 @@
 """Size the KV cache and the weights of a model before a job, from its own config.json.
 
-KV cache bytes = 2 (K and V) × layers × kv_heads × head_dim × sequence_length ×
-batch × bytes_per_element.  `kv_heads` is the number of key/value heads, not
-query heads: grouped-query (GQA) and multi-query (MQA) attention store
-`query_heads / kv_heads` times less than full multi-head attention would.
+The KV formula (2 × layers × kv_heads × head_dim × sequence_length × batch ×
+bytes_per_element) lives in `tokenmill.transforms.engines.kv`, which the
+engine also sizes its cache with; this module plans with it and adds the
+weights.
 
 Nothing here loads torch or vLLM; a plan takes milliseconds.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-#: Bytes per element by dtype name (model dtype or kv_cache_dtype).
-DTYPE_BYTES = {
-    "float32": 4, "float": 4, "fp32": 4,
-    "bfloat16": 2, "float16": 2, "half": 2, "bf16": 2, "fp16": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
-}
+from tokenmill.transforms.engines.kv import (
+    KvError,
+    attention_shape,
+    bytes_per_token,
+    elem_bytes,
+    text_config,
+)
+
 #: Weight bits per element for the quantization schemes tokenmill writes.
 SCHEME_WEIGHT_BITS = {"w8a8-int8": 8, "w4a16": 4}
 
 
-class PlanError(ValueError):
-    """A plan that cannot be made (missing config keys, unknown dtype); one line."""
+#: A plan that cannot be made (missing config keys, unknown dtype); one line.
+PlanError = KvError
 
 
 def load_config(model: str) -> tuple[dict[str, Any], Path]:
@@ -36,28 +37,7 @@ def load_config(model: str) -> tuple[dict[str, Any], Path]:
         folder = resolve_model(model, need_weights=False)
     except ModelNotFound as err:
         raise PlanError(str(err)) from None
-    cfg = json.loads((folder / "config.json").read_text())
-    return cfg.get("text_config") or cfg, folder
-
-
-def _elem_bytes(name: str, what: str) -> int:
-    try:
-        return DTYPE_BYTES[name.replace("torch.", "")]
-    except KeyError:
-        raise PlanError(f"unknown {what} {name!r}; one of {sorted(DTYPE_BYTES)}") from None
-
-
-def attention_shape(cfg: dict[str, Any]) -> dict[str, int]:
-    """layers, query heads, kv heads and head dim from a Hugging Face config."""
-    try:
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-    except KeyError as err:
-        raise PlanError(f"config.json lacks {err.args[0]!r}: not a decoder model kv-plan understands") from None
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    return {"layers": layers, "query_heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    return text_config(folder), folder
 
 
 def parameter_counts(cfg: dict[str, Any]) -> dict[str, int]:
@@ -76,7 +56,7 @@ def weights_bytes(cfg: dict[str, Any], dtype: str, scheme: str | None = None, gr
     """Bytes of weights in memory: `dtype` for everything, or with `scheme` the
     block Linear layers at the scheme's bits plus their scales (one per output
     channel for w8a8, one per group for w4a16) and the rest in `dtype`."""
-    elem = _elem_bytes(dtype, "dtype")
+    elem = elem_bytes(dtype, "dtype")
     p = parameter_counts(cfg)
     if scheme is None:
         return p["total"] * elem
@@ -117,10 +97,10 @@ def plan(cfg: dict[str, Any], *, max_model_len: int, batch: int = 1, kv_cache_dt
     s = attention_shape(cfg)
     model_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16") if dtype == "auto" else dtype
     kv_dtype = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    elem = _elem_bytes(kv_dtype, "kv_cache_dtype")
-    _elem_bytes(model_dtype, "dtype")
-    per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * elem
-    mha_per_token = 2 * s["layers"] * s["query_heads"] * s["head_dim"] * elem
+    elem = elem_bytes(kv_dtype, "kv_cache_dtype")
+    elem_bytes(model_dtype, "dtype")
+    per_token = bytes_per_token(s, elem)
+    mha_per_token = bytes_per_token(s, elem, heads="query_heads")
     found_scheme, found_group = scheme_of(cfg)
     scheme = scheme or found_scheme
     g = group_size or found_group or 128

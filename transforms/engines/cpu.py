@@ -1,5 +1,6 @@
 """vLLM-CPU set-up on a worker: cores bound, allocators preloaded, cores and KV memory
-shared between several engines on one host, and the dtype chosen by measurement."""
+shared between several engines on one host, the KV cache an engine starts with, the
+engine core's OpenMP environment, and the dtype chosen by measurement."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import logging
 import os
 import platform
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tokenmill.schemas.config import EngineConfig
+from tokenmill.transforms.engines import kv
+from tokenmill.transforms.engines.checks import effective_block_size
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,43 @@ def apply_cpu_env() -> None:
     for k, v in cpu_runtime_env().items():
         if k != "LD_PRELOAD":
             os.environ.setdefault(k, v)
+
+
+# ---------------------------------------------------------------- the engine core runs the model itself
+
+
+def single_process_omp_env() -> dict[str, str] | None:
+    """The OpenMP environment for an engine core process that runs the model itself
+    (vLLM's `UniProcExecutor`) instead of starting one more process for it, or None
+    when the cores to bind are not an explicit list (`auto`, `nobind`, several ranks):
+    those stay with vLLM's own multiprocess executor.
+
+    vLLM-CPU's multiprocess executor starts its one worker process with these
+    variables (vllm/utils/ompmultiprocessing.py, `configure_omp_envs`); starting
+    that process re-imports torch and vLLM (~8 s of the demo's start on 2 cores).
+    The engine core process must be started with them: OpenMP reads them once.
+    Imports vLLM (the engine's caller has)."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind in ("auto", "nobind") or "|" in bind:
+        return None
+    from vllm.utils.cpu_resource_utils import parse_id_list  # how vLLM reads its own variable
+
+    try:
+        cores = parse_id_list(bind)
+    except ValueError:
+        return None
+    if not cores:
+        return None
+    listed = ",".join(str(c) for c in cores)
+    env = {"OMP_NUM_THREADS": str(len(cores))}
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "libiomp" in preload or "libomp" in preload:
+        env.update(KMP_AFFINITY=f"granularity=fine,explicit,proclist=[{listed}]", KMP_BLOCKTIME="5", KMP_TPAUSE="0")
+    elif "libgomp" in preload:
+        env["GOMP_CPU_AFFINITY"] = " ".join(str(c) for c in cores)
+    else:
+        env.update(OMP_PLACES="{" + listed + "}", OMP_PROC_BIND="true")
+    return env
 
 
 # ---------------------------------------------------------------- several engines on one CPU host
@@ -105,17 +146,42 @@ def claim_cpu_slot(workers: int, group: str, lock_dir: str | None = None) -> tup
     return slot, mine
 
 
-def worker_engine_config(cfg: EngineConfig, workers: int, total_memory_bytes: int | None = None) -> EngineConfig:
-    """The engine config one of `workers` CPU engines on this host uses: unless the job
-    sized the KV cache itself, each engine gets its share of the RAM that
-    `gpu_memory_utilization` would reserve for one (vLLM-CPU reads that fraction
-    per engine, so N engines would reserve N times it)."""
-    if workers <= 1 or cfg.kv_cache_memory_bytes:
-        return cfg
+def kv_share_bytes(cfg: EngineConfig, workers: int, total_memory_bytes: int | None = None) -> int:
+    """The RAM one of `workers` CPU engines on this host may give its KV cache by
+    default: its share of what `gpu_memory_utilization` reserves (vLLM-CPU reads that
+    fraction per engine, so N engines would reserve N times it)."""
     if total_memory_bytes is None:
         total_memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    share = int(total_memory_bytes * cfg.gpu_memory_utilization / workers)
-    return cfg.model_copy(update={"kv_cache_memory_bytes": max(share, 64 << 20)})
+    return max(int(total_memory_bytes * cfg.gpu_memory_utilization / max(workers, 1)), 64 << 20)
+
+
+def cpu_kv_cache(cfg: EngineConfig, model_path: str, dtype: str, *, job_tokens: kv.JobTokens | None = None,
+                 workers: int = 1, total_memory_bytes: int | None = None) -> tuple[int | None, dict[str, Any]]:
+    """The `kv_cache_memory_bytes` a CPU engine starts with (None: vLLM's own sizing
+    from `gpu_memory_utilization`) and why, for the engine's report.
+
+    The job's `kv_cache_memory_bytes` wins.  Otherwise, with the work the engine is
+    started for (`job_tokens`), the cache holds that work (`kv.size_for_job`) and
+    never more than this engine's default share; without it, or when the job would
+    want more than the share, the default stays: vLLM's sizing for one engine, the
+    share for one of several (`kv_share_bytes`).  vLLM-CPU allocates and zeroes the
+    whole cache at start (seconds per GiB) and, sized by itself, skips no warm-up."""
+    if cfg.kv_cache_memory_bytes:
+        return cfg.kv_cache_memory_bytes, {"source": "config", "bytes": cfg.kv_cache_memory_bytes}
+    share = kv_share_bytes(cfg, workers, total_memory_bytes)
+    default: tuple[int | None, dict[str, Any]] = (
+        (share, {"source": "share", "bytes": share, "workers": workers}) if workers > 1
+        else (None, {"source": "vllm", "gpu_memory_utilization": cfg.gpu_memory_utilization}))
+    if job_tokens is None:
+        return default
+    kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+    per_token = kv.bytes_per_token(kv.attention_shape(kv.text_config(model_path)), kv.elem_bytes(kv_dtype, "kv_cache_dtype"))
+    sizing = kv.size_for_job(job_tokens, per_token=per_token, block_size=effective_block_size(cfg, on_gpu=False),
+                             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, ceiling_bytes=share)
+    info = {**sizing.as_info(), "job_tokens": asdict(job_tokens), "kv_bytes_per_token": per_token}
+    if sizing.source == "ceiling":
+        return default[0], {**default[1], "job": info}
+    return sizing.bytes, info
 
 
 def _dtype_cache_file() -> Path:

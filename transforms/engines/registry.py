@@ -30,11 +30,13 @@ def _config_key(cfg: EngineConfig, model_path: str) -> str:
     return json.dumps([model_path, cfg.model_dump(mode="json")], sort_keys=True)
 
 
-def get_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | None = None) -> EngineSession:
+def get_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | None = None, **start) -> EngineSession:
     """The process's session of `factory` (default: vLLM) for this config, made once and
     reused across bundles and pipelines.  A session of the same factory with another
     config, or a dead one, is shut down and replaced; sessions of other factories are
-    untouched (so test fakes never displace the real engine)."""
+    untouched (so test fakes never displace the real engine).  `start`: keywords for
+    the factory when a session is made (the work it is started for); they are not
+    part of the config a session is reused for."""
     factory = factory or default_factory()
     key = _config_key(cfg, model_path)
     with _LOCK:
@@ -44,7 +46,7 @@ def get_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | No
         if held is not None:
             del _SESSIONS[factory]
             held[1].shutdown()
-        s = factory(cfg, model_path)
+        s = factory(cfg, model_path, **start)
         _SESSIONS[factory] = (key, s)
         _register_atexit()
         return s

@@ -4,6 +4,7 @@ vllm is imported lazily, inside worker-side calls."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -13,7 +14,8 @@ from typing import Any
 
 from tokenmill.schemas.config import EngineConfig
 from tokenmill.transforms.engines.checks import check_engine_config
-from tokenmill.transforms.engines.cpu import apply_cpu_env, cpu_dtype
+from tokenmill.transforms.engines import kv
+from tokenmill.transforms.engines.cpu import apply_cpu_env, cpu_dtype, cpu_kv_cache, single_process_omp_env
 from tokenmill.transforms.engines.device import has_nvidia_gpu
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 from tokenmill.schemas.errors import first_line
@@ -39,6 +41,16 @@ def engine_kwargs(cfg: EngineConfig, model_path: str, *, on_gpu: bool) -> dict[s
     return kw
 
 
+def _single_process_env(kwargs: dict[str, Any]) -> dict[str, str] | None:
+    """On CPU, the engine core process runs the model itself (one process fewer to
+    start, each re-importing torch and vLLM) unless the job chose an executor, the
+    engine core runs inside this process, or the cores are not an explicit list: the
+    OpenMP environment to start it with, or None for vLLM's own executor."""
+    if "distributed_executor_backend" in kwargs or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "1":
+        return None
+    return single_process_omp_env()
+
+
 # ---------------------------------------------------------------- vLLM session
 
 
@@ -58,7 +70,10 @@ class VllmSession:
     """`vllm.LLM` driven request by request through its LLMEngine, so the Generate
     step can hand the engine the next batch while the current one's tail decodes."""
 
-    def __init__(self, cfg: EngineConfig, model_path: str):
+    def __init__(self, cfg: EngineConfig, model_path: str, *, job_tokens: kv.JobTokens | None = None,
+                 workers: int = 1):
+        """`job_tokens`: the work this engine is started for, which sizes its KV cache
+        on CPU (`cpu.cpu_kv_cache`); `workers`: CPU engines sharing this host."""
         self.cfg = cfg
         self.model_path = model_path
         on_gpu = has_nvidia_gpu()
@@ -73,10 +88,30 @@ class VllmSession:
         from vllm import LLM
 
         self.kwargs = engine_kwargs(cfg, model_path, on_gpu=on_gpu)
+        self.kv_sizing: dict[str, Any] = {"source": "vllm"}
+        omp_env: dict[str, str] | None = None
+        if not on_gpu:
+            kv_bytes, self.kv_sizing = cpu_kv_cache(cfg, model_path, self.kwargs["dtype"], job_tokens=job_tokens,
+                                                    workers=workers)
+            if kv_bytes is not None:
+                self.kwargs["kv_cache_memory_bytes"] = kv_bytes
+            omp_env = _single_process_env(self.kwargs)
+        #: "uni": the engine core process runs the model itself; else vLLM's choice
+        self.executor = "uni" if omp_env else str(self.kwargs.get("distributed_executor_backend", "default"))
         me = psutil.Process()
         before = {c.pid for c in me.children(recursive=True)}
         try:
-            self.llm = LLM(**self.kwargs)
+            with contextlib.ExitStack() as stack:
+                start: dict[str, Any] = {}
+                if omp_env:
+                    from vllm.utils.system_utils import set_env_var
+                    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+                    for k, v in omp_env.items():  # the engine core process starts with them
+                        stack.enter_context(set_env_var(k, v))
+                    # the class, not "uni": vLLM-CPU turns "uni" into "mp" when the engine core is a process
+                    start["distributed_executor_backend"] = UniProcExecutor
+                self.llm = LLM(**self.kwargs, **start)
         except Exception as err:
             raise EngineStartError(f"vLLM engine failed to start: {first_line(err)}") from err
         self.load_s = time.perf_counter() - t
@@ -203,19 +238,20 @@ class VllmSession:
         cc = vc.cache_config
         mc = vc.model_config
         hf = mc.hf_text_config
-        layers = getattr(hf, "num_hidden_layers", 0)
-        kv_heads = getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", 0)
-        head_dim = getattr(hf, "head_dim", None) or (hf.hidden_size // hf.num_attention_heads)
-        kv_dtype = cc.cache_dtype
-        elem = 1 if str(kv_dtype).startswith("fp8") else (4 if str(mc.dtype).endswith("float32") else 2)
-        per_token = 2 * layers * kv_heads * head_dim * elem
+        kv_dtype = str(cc.cache_dtype)
+        try:
+            shape = kv.attention_shape({k: getattr(hf, k) for k in kv.SHAPE_KEYS if getattr(hf, k, None) is not None})
+            elem = kv.elem_bytes(str(mc.dtype) if kv_dtype == "auto" else ("fp8" if kv_dtype.startswith("fp8") else kv_dtype))
+            per_token = kv.bytes_per_token(shape, elem)
+        except kv.KvError:
+            per_token = 0
         blocks = cc.num_gpu_blocks or 0
         weights = sum(f.stat().st_size for f in Path(self.model_path).glob("*.safetensors"))
         return {
             "device": self.device,
             "dtype": str(mc.dtype).replace("torch.", ""),
             "quantization": mc.quantization,
-            "kv_cache_dtype": str(kv_dtype),
+            "kv_cache_dtype": kv_dtype,
             "block_size": cc.block_size,
             "kv_cache_blocks": blocks,
             "kv_cache_tokens": blocks * cc.block_size,
@@ -226,6 +262,8 @@ class VllmSession:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
             "load_s": self.load_s,
+            "kv_sizing": self.kv_sizing,
+            "executor": self.executor,
             "engine_kwargs": {k: v for k, v in self.kwargs.items() if k not in ("model", "tokenizer")},
         }
 
@@ -233,13 +271,15 @@ class VllmSession:
         """Stop the engine now.  Every result is committed by the time this runs, so
         nothing is lost by not waiting: vLLM's default graceful stop waited ~5 s per
         worker here for an engine core with nothing left to do (and Beam stops its
-        workers one after another).  vLLM's own shutdown with a 1 s timeout, then a
-        kill for any engine process still there."""
+        workers one after another), and an engine core given 1 s to stop used all of
+        it tearing down torch.  vLLM's own shutdown with no grace period (SIGTERM,
+        then SIGKILL at once; it cleans up this side's sockets), then a kill for any
+        engine process still there."""
         import psutil
 
         self._closing = True
         try:
-            self.engine.engine_core.shutdown(timeout=1.0)
+            self.engine.engine_core.shutdown(timeout=0)
         except Exception:
             pass
         alive = [p for p in getattr(self, "_procs", []) if _running(p)]

@@ -1,0 +1,221 @@
+"""The KV cache sized from the job (transforms/engines/kv.py, cpu.cpu_kv_cache, the worker's
+session), the engine core that runs the model itself, and the CLI's exit; the last test
+starts a real engine sized for a small chunk and runs a longer one through it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.schemas.config import EngineConfig
+from tokenmill.transforms.engines import cpu, kv, registry, worker
+from tests.fakes import FakeSession
+
+SMOL = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "vocab_size": 49152, "dtype": "bfloat16"}
+BF16_TOKEN = 2 * 30 * 3 * 64 * 2  # 23,040 bytes
+
+
+@pytest.fixture
+def smol_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SMOL))
+    return str(tmp_path)
+
+
+# ---------------------------------------------------------------- the formula and the job's size
+
+
+def test_job_tokens_of_each_rows_prompt_plus_max_tokens():
+    assert kv.JobTokens.of([10, 300, 40]) == kv.JobTokens(max_seq_tokens=300, total_seq_tokens=350)
+    assert kv.JobTokens.of([]) == kv.JobTokens(0, 0)
+
+
+def test_the_job_is_held_with_headroom_in_whole_blocks_plus_the_null_block():
+    job = kv.JobTokens(max_seq_tokens=491, total_seq_tokens=46169)  # the demo's 240 rows
+    s = kv.size_for_job(job, per_token=BF16_TOKEN, block_size=128, max_num_seqs=256, max_model_len=2048)
+    blocks = -(-46169 * 5 // 4 // 128) + 1  # ⌈46169 × 1.25 / 128⌉ = 451, and the null block
+    assert (s.source, s.wanted_tokens, s.tokens) == ("job", 46169, blocks * 128) == ("job", 46169, 57856)
+    assert s.bytes == 57856 * BF16_TOKEN
+
+
+def test_at_most_max_num_seqs_of_the_longest_row_are_held_at_once():
+    job = kv.JobTokens(max_seq_tokens=3000, total_seq_tokens=1_000_000)
+    s = kv.size_for_job(job, per_token=100, block_size=16, max_num_seqs=8, max_model_len=2048, headroom=1.0)
+    assert s.wanted_tokens == 8 * 2048  # the longest row counts at most max_model_len
+    assert s.tokens == 8 * 2048 + 16
+
+
+def test_never_below_one_max_model_len_sequence():
+    s = kv.size_for_job(kv.JobTokens(40, 80), per_token=100, block_size=128, max_num_seqs=16, max_model_len=512)
+    assert s.source == "floor" and s.tokens == s.floor_tokens == 5 * 128 and s.bytes == 640 * 100
+
+
+def test_never_above_the_ceiling():
+    job = kv.JobTokens(2048, 10_000_000)
+    s = kv.size_for_job(job, per_token=100, block_size=128, max_num_seqs=256, max_model_len=2048,
+                        ceiling_bytes=10_000_000)
+    assert s.source == "ceiling" and s.bytes == 10_000_000 and s.tokens == 99_968
+
+
+def test_bad_sizes_are_one_line_errors():
+    with pytest.raises(kv.KvError, match="unknown kv_cache_dtype 'int3'"):
+        kv.elem_bytes("int3", "kv_cache_dtype")
+    with pytest.raises(kv.KvError, match="lacks 'num_hidden_layers'"):
+        kv.attention_shape({"hidden_size": 8})
+
+
+# ---------------------------------------------------------------- what a CPU engine starts with
+
+
+def test_the_jobs_own_kv_cache_memory_bytes_wins(smol_folder):
+    cfg = EngineConfig(kv_cache_memory_bytes=1 << 30)
+    assert cpu.cpu_kv_cache(cfg, smol_folder, "bfloat16", job_tokens=kv.JobTokens(10, 10), workers=3)[0] == 1 << 30
+
+
+def test_without_the_work_the_default_stays(smol_folder):
+    cfg = EngineConfig(gpu_memory_utilization=0.5)
+    assert cpu.cpu_kv_cache(cfg, smol_folder, "bfloat16")[0] is None  # vLLM sizes one engine itself
+    n, why = cpu.cpu_kv_cache(cfg, smol_folder, "bfloat16", workers=2, total_memory_bytes=8 << 30)
+    assert n == 2 << 30 == cpu.kv_share_bytes(cfg, 2, 8 << 30) and why["source"] == "share"  # half of 0.5 × 8 GiB
+    assert cpu.kv_share_bytes(EngineConfig(gpu_memory_utilization=0.4), 2, 10 << 30) == int((10 << 30) * 0.4 / 2)
+    assert cpu.kv_share_bytes(EngineConfig(gpu_memory_utilization=0.01), 8, 1 << 30) == 64 << 20  # never below 64 MiB
+
+
+def test_the_work_sizes_the_cache_in_the_engines_dtype_and_blocks(smol_folder):
+    job = kv.JobTokens(max_seq_tokens=491, total_seq_tokens=46169)
+    n, why = cpu.cpu_kv_cache(EngineConfig(), smol_folder, "bfloat16", job_tokens=job, total_memory_bytes=24 << 30)
+    assert n == 57856 * BF16_TOKEN and why["source"] == "job" and why["kv_bytes_per_token"] == BF16_TOKEN
+    assert why["job_tokens"] == {"max_seq_tokens": 491, "total_seq_tokens": 46169}
+    n32, _ = cpu.cpu_kv_cache(EngineConfig(), smol_folder, "float32", job_tokens=job, total_memory_bytes=24 << 30)
+    n8, _ = cpu.cpu_kv_cache(EngineConfig(kv_cache_dtype="fp8"), smol_folder, "float32", job_tokens=job,
+                             total_memory_bytes=24 << 30)
+    assert n32 == 2 * n and n8 == n // 2
+    n512, _ = cpu.cpu_kv_cache(EngineConfig(block_size=16), smol_folder, "bfloat16", job_tokens=job,
+                               total_memory_bytes=24 << 30)
+    assert n512 == (-(-57711 // 16) + 1) * 16 * BF16_TOKEN  # the job's own block size
+
+
+def test_a_job_wanting_more_than_the_share_keeps_the_default(smol_folder):
+    big = kv.JobTokens(max_seq_tokens=2048, total_seq_tokens=10_000_000)
+    n, why = cpu.cpu_kv_cache(EngineConfig(), smol_folder, "bfloat16", job_tokens=big, total_memory_bytes=4 << 30)
+    assert n is None and why["source"] == "vllm" and why["job"]["source"] == "ceiling"
+    n, why = cpu.cpu_kv_cache(EngineConfig(), smol_folder, "bfloat16", job_tokens=big, workers=2,
+                              total_memory_bytes=4 << 30)
+    assert n == 1 << 30 and why["source"] == "share"
+
+
+# ---------------------------------------------------------------- the worker hands the work to a new engine
+
+
+class Started(FakeSession):
+    """The default factory in these tests: records what it was started for."""
+
+    def __init__(self, cfg=None, model_path="", *, job_tokens=None, workers=1):
+        super().__init__(cfg, model_path)
+        self.job_tokens, self.workers = job_tokens, workers
+
+
+@pytest.fixture
+def default_is_started(monkeypatch):
+    monkeypatch.setattr(registry, "_SESSIONS", {})
+    monkeypatch.setattr(registry, "default_factory", lambda: Started)
+    monkeypatch.setattr(worker, "_JOB_TOKENS", {})
+    monkeypatch.setattr(worker, "_SHARED_CPU", {})
+    monkeypatch.setattr(worker, "claim_cpu_slot", lambda n, group: (0, [0]))
+    monkeypatch.setattr(worker, "has_nvidia_gpu", lambda: False)
+
+
+def test_an_engine_is_started_for_the_first_work_and_reused_for_later_work(default_is_started):
+    cfg, first, later = EngineConfig(), kv.JobTokens(100, 1000), kv.JobTokens(900, 9000)
+    s = worker.worker_session(cfg, "/m", group="run", job_tokens=first)
+    assert (s.job_tokens, s.workers) == (first, 1)
+    assert worker.worker_session(cfg, "/m", group="run", job_tokens=later) is s  # vLLM queues what does not fit
+    assert worker.worker_session(cfg, "/m", group="run") is s
+    s2 = worker.worker_session(cfg, "/m", group="run", restart=True)  # a restart names no work
+    assert s.shut and s2.job_tokens == later
+    s3 = worker.worker_session(cfg, "/m", workers=2, group="two", job_tokens=first, restart=True)
+    assert (s3.job_tokens, s3.workers) == (first, 2)
+
+
+def test_other_factories_get_the_config_alone(default_is_started):
+    s = worker.worker_session(EngineConfig(), "/m", FakeSession, workers=2, group="g", job_tokens=kv.JobTokens(1, 1))
+    assert type(s) is FakeSession and worker._JOB_TOKENS == {}
+
+
+# ---------------------------------------------------------------- the engine core runs the model itself
+
+
+@pytest.mark.parametrize("bind,preload,expected", [
+    ("0-1", "/lib/libtcmalloc.so.4:/venv/lib/libiomp5.so",
+     {"OMP_NUM_THREADS": "2", "KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,1]", "KMP_BLOCKTIME": "5",
+      "KMP_TPAUSE": "0"}),
+    ("2,3", "/usr/lib/libgomp.so.1", {"OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": "2 3"}),
+    ("5", "", {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{5}", "OMP_PROC_BIND": "true"}),
+    ("auto", "", None), ("nobind", "", None), ("0-1|2-3", "", None), ("x", "", None),
+])
+def test_the_engine_cores_openmp_environment_is_what_vllm_gives_its_one_worker(monkeypatch, bind, preload, expected):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+    monkeypatch.setenv("LD_PRELOAD", preload)
+    assert cpu.single_process_omp_env() == expected
+
+
+def test_a_chosen_executor_or_an_in_process_engine_core_keeps_vllms_executor(monkeypatch):
+    from tokenmill.transforms.engines import vllm_session as V
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert V._single_process_env({}) == cpu.single_process_omp_env() != None  # noqa: E711
+    assert V._single_process_env({"distributed_executor_backend": "mp"}) is None
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert V._single_process_env({}) is None
+
+
+# ---------------------------------------------------------------- the CLI's exit
+
+
+def test_the_cli_exits_with_the_commands_status_and_its_output_flushed(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "tokenmill.jobs.cli", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    ok = run("--version")
+    assert ok.returncode == 0 and ok.stdout.startswith("tokenmill, version")
+    missing = run("status", "no-such-job", "--db", f"sqlite:///{tmp_path / 'x.db'}")
+    assert missing.returncode == 1 and "no job with id 'no-such-job'" in missing.stderr
+    usage = run("run", "--no-such-flag")
+    assert usage.returncode == 2 and "no such option" in usage.stderr.lower()
+
+
+# ---------------------------------------------------------------- a real engine
+
+
+@pytest.mark.engine
+def test_an_engine_sized_for_a_small_first_chunk_runs_a_later_longer_one(model_path, monkeypatch):
+    """The cache holds one 512-token sequence (the floor); eight 420-token sequences
+    still finish through it, one or two at a time."""
+    monkeypatch.setattr(registry, "_SESSIONS", {})  # the suite's shared engine stays as it is
+    monkeypatch.setattr(worker, "_JOB_TOKENS", {})
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=512)
+    s = worker.worker_session(cfg, model_path, group="kv-small-first", job_tokens=kv.JobTokens(40, 80))
+    try:
+        info = s.info()
+        assert info["kv_sizing"]["source"] == "floor"
+        assert info["kv_cache_tokens"] == info["kv_sizing"]["tokens"] == 5 * info["block_size"] == 640
+        assert info["executor"] == "uni" and info["engine_kwargs"]["kv_cache_memory_bytes"] == 640 * info["kv_bytes_per_token"]
+        later = kv.JobTokens(max_seq_tokens=420, total_seq_tokens=8 * 420)
+        assert worker.worker_session(cfg, model_path, group="kv-small-first", job_tokens=later) is s
+        for i in range(8):
+            ids = [100 + (i * 7919 + j * 31) % 40000 for j in range(360)]  # no shared prefix
+            s.add(f"long-{i}", ids, {"max_tokens": 60, "ignore_eos": True, "temperature": 0.0})
+        done = {}
+        for _ in range(100_000):
+            done.update({f.request_id: f for f in s.step()})
+            if not s.num_unfinished():
+                break
+        assert sorted(done) == [f"long-{i}" for i in range(8)]
+        assert all(f.output_tokens == 60 and f.prompt_tokens == 360 for f in done.values())
+    finally:
+        registry.shutdown_all()
