@@ -36,6 +36,7 @@ from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Batch, BatchStats, Chunk, FailedRecord, OutputRow, TokenizedPrompt
 from tokenmill.schemas.sampling import request_sampling
 from tokenmill.transforms.batching import plan_batches
+from tokenmill.transforms.engines.kv import JobTokens
 from tokenmill.transforms.engines.protocol import EngineSession, Finished
 from tokenmill.transforms.engines.worker import worker_session
 from tokenmill.transforms.chunks import DEAD
@@ -320,6 +321,11 @@ class BatchRunner:
             return r1 + r2, d1 + d2
 
 
+#: job id → (admitted, generated rows, generated tokens) of this worker process's finished
+#: work items: per process, since runners may give every bundle a fresh DoFn (Dask does).
+_DONE: dict[str, tuple[int, int, int]] = {}
+
+
 class GenerateFn(beam.DoFn):
     """Chunk of TokenizedPrompts → per batch: list of output rows (main), FailedRecords (`dead`), batch stats (`stats`)."""
 
@@ -329,24 +335,32 @@ class GenerateFn(beam.DoFn):
         self._worker = ""
         self._last_cancel_check = 0.0
         self._cancel = False
-        self._done = (0, 0, 0)
-        """(admitted, generated rows, generated tokens) of this worker's finished chunks."""
+        self._recorded = False
 
-    def _session(self, restart: bool = False) -> EngineSession:
+    def _session(self, restart: bool = False, job_tokens: JobTokens | None = None) -> EngineSession:
         return worker_session(self.cfg.engine, self.cfg.model_path, self._factory, workers=self.cfg.num_workers,
-                              group=f"{self.cfg.job_id}-{self.cfg.run_id}", restart=restart)
+                              group=f"{self.cfg.job_id}-{self.cfg.run_id}", restart=restart, job_tokens=job_tokens)
 
     def _restart(self) -> EngineSession:
         return self._session(restart=True)
 
     def setup(self):
         self._worker = f"{socket.gethostname()}:{os.getpid()}"
+        self._recorded = False
+
+    def _first_session(self, chunk: Chunk) -> EngineSession:
+        """The engine, started (or reused) on the first work item: its rows' sizes size the
+        KV cache (engines.kv); the worker's row is recorded then."""
+        if self._recorded:
+            return self._session()
         t = time.time()
-        s = self._session()
+        s = self._session(job_tokens=JobTokens.of(p.budget_tokens for p in chunk.items))
         if self.cfg.db_url:
             from tokenmill.transforms.write import record_worker
 
             record_worker(self.cfg.db_url, self.cfg.job_id, self._worker, s, started_at=t)
+        self._recorded = True
+        return s
 
     def _cancelled(self) -> bool:
         if not self.cfg.db_url:
@@ -360,7 +374,7 @@ class GenerateFn(beam.DoFn):
         return self._cancel
 
     def process(self, chunk: Chunk):
-        s = self._session()
+        s = self._first_session(chunk)
         batches = plan_batches(
             chunk.items,
             ordering=self.cfg.batching.ordering,
@@ -379,18 +393,20 @@ class GenerateFn(beam.DoFn):
                 yield beam.pvalue.TaggedOutput(DEAD, d)
             yield beam.pvalue.TaggedOutput(STATS, stats)
             self._report(runner)
-        self._done = (self._done[0] + runner.admitted_rows, self._done[1] + runner.generated_rows,
-                      self._done[2] + runner.generated_tokens)
+        done = _DONE.get(self.cfg.job_id, (0, 0, 0))
+        _DONE[self.cfg.job_id] = (done[0] + runner.admitted_rows, done[1] + runner.generated_rows,
+                                  done[2] + runner.generated_tokens)
 
     def _report(self, runner: BatchRunner) -> None:
         """The worker's row: what its engine finished so far, and its peak memory."""
         if self.cfg.db_url:
             from tokenmill.transforms.write import update_worker_peak
 
+            done = _DONE.get(self.cfg.job_id, (0, 0, 0))
             update_worker_peak(self.cfg.db_url, self.cfg.job_id, self._worker,
-                               admitted_rows=self._done[0] + runner.admitted_rows,
-                               generated_rows=self._done[1] + runner.generated_rows,
-                               generated_tokens=self._done[2] + runner.generated_tokens)
+                               admitted_rows=done[0] + runner.admitted_rows,
+                               generated_rows=done[1] + runner.generated_rows,
+                               generated_tokens=done[2] + runner.generated_tokens)
 
 
 class Generate(beam.PTransform):
