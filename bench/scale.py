@@ -51,7 +51,7 @@ MAX_TOKENS = 4
 BAD_EVERY = 100  # row i with i % BAD_EVERY == BAD_EVERY - 1: null messages → `empty_prompt`
 DUP_EVERY = 500  # row i with i % DUP_EVERY == DUP_EVERY // 2: the previous row's id → `duplicate_id`
 FILES = 4
-ROW_GROUP = 2000
+ROW_GROUP_MAX = 2000  # each file is cut into equal row groups of at most this many rows
 SAMPLE_SEED = 7  # the seed that made data/sample_prompts.parquet
 ENGINE = {"max_num_seqs": 256, "max_model_len": 2048, "kv_cache_memory_bytes": 256 * MiB}
 DRILL_KILL_AT = 0.4  # share of the rows in the database when the process is killed
@@ -81,7 +81,8 @@ RUNNERS = {"direct": Runner("direct-2", ("--workers", "2"))}
 
 
 def make_input(rows: int, seed: int = SAMPLE_SEED, root: Path = WORK / "scale") -> dict[str, Any]:
-    """`rows` rows as FILES Parquet files of ROW_GROUP-row groups (cached by size and seed)."""
+    """`rows` rows as FILES Parquet files, each cut into equal row groups of at most
+    ROW_GROUP_MAX rows (equal work units for the workers); cached by shape and seed."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -89,8 +90,14 @@ def make_input(rows: int, seed: int = SAMPLE_SEED, root: Path = WORK / "scale") 
 
     folder = root / f"input-{rows}-{seed}"
     meta_path = folder / "INPUT.json"
+    per_file = -(-rows // FILES)
+    group = -(-per_file // -(-per_file // ROW_GROUP_MAX))
+    shape = {"rows": rows, "seed": seed, "files": FILES, "row_group_rows": group, "bad_every": BAD_EVERY,
+             "dup_every": DUP_EVERY}
     if meta_path.is_file():
-        return json.loads(meta_path.read_text())
+        meta = json.loads(meta_path.read_text())
+        if all(meta.get(k) == v for k, v in shape.items()):
+            return meta
     data = sample_chat_rows(rows, seed=seed)
     bad = dups = 0
     for i, r in enumerate(data):
@@ -103,13 +110,12 @@ def make_input(rows: int, seed: int = SAMPLE_SEED, root: Path = WORK / "scale") 
             r["id"] = data[i - 1]["id"]
             dups += 1
     folder.mkdir(parents=True, exist_ok=True)
-    per = -(-rows // FILES)
     schema = pa.schema([("id", pa.string()), ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])
     for k in range(FILES):
-        part = data[k * per:(k + 1) * per]
-        pq.write_table(pa.Table.from_pylist(part, schema=schema), folder / f"part-{k:03d}.parquet", row_group_size=ROW_GROUP)
-    meta = {"path": str(folder), "rows": rows, "files": FILES, "row_group_rows": ROW_GROUP, "seed": seed,
-            "planted": {"empty_prompt": bad, "duplicate_id": dups}, "distinct_ids": rows - dups}
+        part = data[k * per_file:(k + 1) * per_file]
+        pq.write_table(pa.Table.from_pylist(part, schema=schema), folder / f"part-{k:03d}.parquet", row_group_size=group)
+    meta = {"path": str(folder), **shape, "planted": {"empty_prompt": bad, "duplicate_id": dups},
+            "distinct_ids": rows - dups}
     meta_path.write_text(json.dumps(meta, indent=1))
     return meta
 
@@ -234,16 +240,13 @@ def tokenmill_run(leg: Leg, inp: dict[str, Any], *, during: Callable[[Leg, subpr
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """Whatever the run left behind in its process group (an orphaned engine core after a kill)."""
+    """Stop the run's process group: a stalled launcher, and whatever a run left behind
+    (an orphaned engine core after a kill)."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL if proc.poll() is None else signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    proc.wait()
 
 
 # ---------------------------------------------------------------- what a run did
@@ -629,7 +632,7 @@ def main(argv=None) -> int:
         "started_at": utc_now(), "code": code_version(), **machine(),
         "model": {"base": args.model, "tiny": os.path.relpath(model, ROOT), "cut": TINY},
         "settings": {"sizes": sizes, "max_tokens": MAX_TOKENS, "ignore_eos": True, "engine": ENGINE,
-                     "bad_every": BAD_EVERY, "dup_every": DUP_EVERY, "files": FILES, "row_group_rows": ROW_GROUP,
+                     "bad_every": BAD_EVERY, "dup_every": DUP_EVERY, "files": FILES, "row_group_rows_max": ROW_GROUP_MAX,
                      "sampler_every_s": 0.5, "drill_kill_at": DRILL_KILL_AT},
         "runs": {}, "drills": [],
     }

@@ -84,10 +84,12 @@ def test_sampler_follows_a_forked_engine_core_and_keeps_it_after_its_parent_is_k
 
 
 def test_input_plants_bad_rows_and_duplicate_ids_across_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(SC, "ROW_GROUP", 100)
+    monkeypatch.setattr(SC, "ROW_GROUP_MAX", 100)
     meta = SC.make_input(1000, root=tmp_path)
     files = sorted((tmp_path / "input-1000-7").glob("*.parquet"))
-    assert len(files) == SC.FILES and all(pq.ParquetFile(f).metadata.num_row_groups > 1 for f in files)
+    assert len(files) == SC.FILES
+    groups = [pq.ParquetFile(f).metadata.row_group(i).num_rows for f in files for i in range(pq.ParquetFile(f).metadata.num_row_groups)]
+    assert len(groups) > SC.FILES and max(groups) <= 100 and max(groups) - min(groups) <= 2  # equal units
     t = pa.concat_tables([pq.read_table(f) for f in files]).to_pylist()
     assert len(t) == 1000 and "max_tokens" not in t[0]
     nulls = sum(r["messages"] is None for r in t)
