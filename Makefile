@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_LOGGING_LEVEL ?= WARNING
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install airflow prepare demo test test-fast bench bench-quant bench-load bench-db clean help
+.PHONY: install airflow prepare demo test test-fast bench bench-quant bench-scale bench-db clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -75,9 +75,11 @@ bench: prepare
 bench-quant: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant $(BENCH_ARGS)
 
-# 2k and 20k rows, max_tokens 2: every row accounted for; launcher peak RSS (docs/BENCHMARKS.md).
-bench-load: prepare
-	$(PY) -m bench.load
+# N and 10 N rows (one worker), N rows (two workers), kill -9 drills, on a tiny random-weight model:
+# peak RSS per process, rows/s, every id once (docs/BENCHMARKS.md, "Scale"); ~20 min.
+# Shorter: make bench-scale BENCH_ARGS="--n 2000 --skip-drills".
+bench-scale: prepare
+	$(PY) -m bench.scale $(BENCH_ARGS)
 
 # 100k output rows through the job's write path into SQLite and the local PostgreSQL.
 bench-db: install

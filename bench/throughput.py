@@ -29,8 +29,7 @@ from typing import Any
 
 from bench import arms as A
 from bench import workloads as W
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common import ROOT, log, machine
 MiB = 1 << 20
 
 #: Workload sizes per scale; `full` is sized to ~15 minutes on a quiet 2-core CPU
@@ -81,16 +80,6 @@ def shared_token_share(rows: list[dict[str, Any]], block: int) -> float:
             lcp = min(lcp, next((i for i, (a, b) in enumerate(zip(ids[0], x)) if a != b), lcp))
         shared += (lcp // block) * block * (len(ids) - 1)
     return shared / total if total else 0.0
-
-
-def machine() -> dict[str, Any]:
-    from tokenmill.jobs.lifecycle.runner import hardware, versions
-
-    return {"hardware": hardware(), "versions": versions()}
-
-
-def log(msg: str) -> None:
-    print(f"[{dt.datetime.now(dt.timezone.utc):%H:%M:%S}] {msg}", flush=True)
 
 
 def run(args) -> dict[str, Any]:

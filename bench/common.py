@@ -1,0 +1,33 @@
+"""What the benchmark programs share: where results and scratch files go, the
+machine description, timestamped progress lines."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+#: results files (committed): `bench/results/<benchmark>-<stamp>.json`
+RESULTS = ROOT / "bench" / "results"
+#: scratch (ignored by git, removed by `make clean`): inputs, databases, outputs
+WORK = ROOT / "bench" / "work"
+
+
+def machine() -> dict[str, Any]:
+    from tokenmill.jobs.lifecycle.runner import hardware, versions
+
+    return {"hardware": hardware(), "versions": versions()}
+
+
+def utc_stamp() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def log(msg: str) -> None:
+    print(f"[{dt.datetime.now(dt.timezone.utc):%H:%M:%S}] {msg}", flush=True)
+
