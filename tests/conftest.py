@@ -82,7 +82,11 @@ def write_parquet(path: Path, rows: list[dict], **kw) -> Path:
 
 
 #: The engine config every real-engine test shares, so one engine serves them all.
-TEST_ENGINE = dict(max_num_seqs=32, max_model_len=1024, gpu_memory_utilization=0.3)
+#: float32, the reference precision, whatever the CPU: `dtype: auto` picks bfloat16 where
+#: it is faster (AMX), and in bfloat16 this 135M model answers "What is the capital of
+#: France?" with "L'Étoile, la Marseillaise, ..." and runs past EOS (seen 2026-12-01),
+#: a quality loss for `compare` to measure, not something the pipeline tests should see.
+TEST_ENGINE = dict(max_num_seqs=32, max_model_len=1024, gpu_memory_utilization=0.3, dtype="float32")
 
 
 @pytest.fixture(autouse=True)

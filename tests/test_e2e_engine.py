@@ -33,11 +33,7 @@ def rows():
 
 def test_real_job_answers_sensibly_and_reconciles(tmp_path, sqlite_url, model_path):
     inp = write_parquet(tmp_path / "in.parquet", rows())
-    # float32: the reference precision.  `dtype: auto` picks bfloat16 where the CPU computes
-    # it faster (AMX), and in bfloat16 this 135M model answers the capital question with
-    # "L'Étoile, la Marseillaise, ..." (seen 2026-12-01): a quality loss for `compare` to
-    # measure, not a pipeline fault.
-    spec = job_spec(inp, tmp_path / "out", job_id="e2e", engine={**TEST_ENGINE, "dtype": "float32"},
+    spec = job_spec(inp, tmp_path / "out", job_id="e2e", engine=TEST_ENGINE,
                     sampling={"max_tokens": 24, "temperature": 0.0})
     res = run_job(spec, db_url=sqlite_url)
     assert res.status == "succeeded", res

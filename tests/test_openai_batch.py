@@ -177,7 +177,7 @@ def test_greedy_outputs_equal_vllm_run_batch(tmp_path, sqlite_url, model_path):
     lines[-1]["body"]["messages"].insert(0, {"role": "system", "content": "You are a terse pirate."})
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
 
-    spec = job_spec(inp, tmp_path / "out", job_id="oa-engine", engine={**TEST_ENGINE, "dtype": "float32"})
+    spec = job_spec(inp, tmp_path / "out", job_id="oa-engine", engine=TEST_ENGINE)
     res = run_job(spec, db_url=sqlite_url)
     assert res.status == "succeeded", res
     ours = {o["custom_id"]: o for o in read_jsonl(tmp_path / "out" / "outputs.jsonl")}

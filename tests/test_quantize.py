@@ -143,7 +143,7 @@ def test_w8a8_checkpoint_loads_in_vllm_cpu_and_answers(tmp_path, w8a8_dir, sqlit
         {"id": "japan", "messages": [{"role": "user", "content": "What is the capital of Japan?"}]},
     ]
     inp = write_parquet(tmp_path / "in.parquet", rows)
-    spec = job_spec(inp, tmp_path / "o", job_id="w8a8", engine=dict(TEST_ENGINE, model=str(out)),
+    spec = job_spec(inp, tmp_path / "o", job_id="w8a8", engine=dict(TEST_ENGINE, model=str(out), dtype="auto"),
                     sampling={"max_tokens": 16})
     res = run_job(spec, db_url=sqlite_url)
     assert res.status == "succeeded", res
