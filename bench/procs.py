@@ -6,7 +6,8 @@ titles with setproctitle, Beam's DirectRunner starts its SDK workers as
 `ProcessSampler` reads the RSS of every process in the tree every `every_s`
 seconds and keeps each one's series and peak under a stable label
 (`launcher`, `sdk_worker-1`, `engine_core-2`, ...: kind and order of first
-sight).  Killed processes' children that outlive them are followed too.  A runner whose workers look different adds a rule to `RULES`.
+sight).  Killed processes' children that outlive them are followed too.  A
+runner whose workers look different adds a rule to `RULES`.
 """
 
 from __future__ import annotations

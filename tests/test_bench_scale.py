@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -127,3 +128,19 @@ def test_accounting_catches_a_lost_or_doubled_row(tmp_path, case, ok):
 def test_accounting_without_an_export_says_so(tmp_path):
     acc = SC.accounting(tmp_path, {"rows": 1})
     assert acc["ok"] is False and "did not finish" in acc["note"]
+
+
+def test_tiny_model_keeps_the_base_tokenizer_and_vocabulary_and_is_built_once(tmp_path, model_path):
+    from bench.tinymodel import TINY, tiny_model
+
+    dest = tiny_model(model_path, dest=tmp_path / "tiny")
+    cfg = json.loads((dest / "config.json").read_text())
+    base = json.loads((Path(model_path) / "config.json").read_text())
+    assert {k: cfg[k] for k in TINY} == TINY
+    assert cfg["architectures"] == base["architectures"] and cfg["vocab_size"] == base["vocab_size"]
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (dest / f).read_bytes() == (Path(model_path) / f).read_bytes()
+    weights = dest / "model.safetensors"
+    assert weights.stat().st_size < 20 << 20  # 2 layers of 64 and the embeddings, not the base's weights
+    mtime = weights.stat().st_mtime_ns
+    assert tiny_model(model_path, dest=tmp_path / "tiny") == dest and weights.stat().st_mtime_ns == mtime
