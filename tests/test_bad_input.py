@@ -246,7 +246,7 @@ def test_real_engine_core_that_freezes_or_dies_mid_batch_is_restarted_and_the_ba
     inp = write_parquet(tmp_path / "in.parquet", rows)
     spec = job_spec(inp, tmp_path / "out", job_id="frozen", engine=TEST_ENGINE,
                     sampling={"max_tokens": 32, "ignore_eos": True},
-                    batching={"ordering": "none", "batch_timeout_s": 8 if sig == "SIGSTOP" else 600})
+                    batching={"ordering": "none", "batch_timeout_s": 20 if sig == "SIGSTOP" else 600})
     frozen: list[int] = []
 
     def freeze_when_busy():
