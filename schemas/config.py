@@ -110,6 +110,10 @@ class BatchingConfig(_Strict):
 class RunnerConfig(_Strict):
     runner: str = "DirectRunner"
     num_workers: int = Field(1, ge=1)
+    worker_retries: int = Field(2, ge=0)
+    """How many times a pipeline whose worker process died (kill -9, the OOM killer) is run
+    again; each retry resumes from the database (multi-process DirectRunner; Dask reschedules
+    a dead worker's tasks itself)."""
     pipeline_options: list[str] = Field(default_factory=list)
     """Extra Beam pipeline options, as command-line flags (`--environment_type=EXTERNAL`, ...)."""
 
