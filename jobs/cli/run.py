@@ -117,6 +117,14 @@ def headline_metrics(m: dict[str, Any]) -> dict[str, Any]:
         "failures_by_reason": (m.get("failures") or {}).get("by_reason") or None,
         "cost_per_1m_total_tokens": cost.get("per_1m_total_tokens"),
         "cost_per_successful_request": cost.get("per_successful_request"),
+        "cost_basis": "generation only" if cost else None,
+        "cost_held_per_1m_output_tokens": (cost.get("held") or {}).get("per_1m_output_tokens"),
+        "cost_held_per_1m_total_tokens": (cost.get("held") or {}).get("per_1m_total_tokens"),
+        "cost_held_per_successful_request": (cost.get("held") or {}).get("per_successful_request"),
+        "cost_held_basis": "all held time: start-up, model load, generation, export" if cost.get("held") else None,
+        "runs": th.get("runs"),
+        "gpus": (m.get("devices") or {}).get("gpus"),
+        "nvml_errors": (m.get("devices") or {}).get("nvml_errors") or None,
     }
 
 
