@@ -27,7 +27,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"(over generation wall time); prefix cache hit rate {num(s['prefix_cache_hit_rate'], '{:.1%}')}",
     ]
     if s.get("cost_per_1m_output_tokens") is not None:
-        lines.append(f"  cost ${s['cost_per_1m_output_tokens']:.4f} per 1M output tokens")
+        held = s.get("cost_held_per_1m_output_tokens")
+        lines.append(f"  cost ${s['cost_per_1m_output_tokens']:.4f} per 1M output tokens over generation only"
+                     + ("" if held is None else f", ${held:.4f} over all held time (start-up, load, export)"))
     if s.get("outputs"):
         lines.append(f"  outputs: {s['outputs']}")
     if s.get("note"):

@@ -62,6 +62,7 @@ class JobResult:
             "total_tok_per_s": th.get("total_tok_per_s"),
             "prefix_cache_hit_rate": self.metrics.get("prefix_cache", {}).get("hit_rate"),
             "cost_per_1m_output_tokens": self.metrics.get("cost", {}).get("per_1m_output_tokens"),
+            "cost_held_per_1m_output_tokens": (self.metrics.get("cost", {}).get("held") or {}).get("per_1m_output_tokens"),
             "outputs": self.files.get("outputs"),
             "note": self.note,
         }

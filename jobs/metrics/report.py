@@ -399,26 +399,25 @@ def throughput_figure(datas: list[dict[str, Any]], names: list[str]):
 
 
 def cost_figure(datas: list[dict[str, Any]], names: list[str]):
-    """Where the money went (generation vs model load) and the unit costs."""
+    """The job's cost and unit costs, generation only and over all held time, side by side."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("job cost (USD)", "unit costs (USD)"))
+    units = ["per 1M output tokens", "per 1M total tokens", "per 1k successful requests"]
     for i, (d, name) in enumerate(zip(datas, names)):
         c = d["metrics"].get("cost") or {}
-        if len(datas) == 1:
-            fig.add_trace(go.Bar(x=[name], y=[c.get("total")], name="generation"), row=1, col=1)
-            fig.add_trace(go.Bar(x=[name], y=[c.get("model_load")], name="model load"), row=1, col=1)
-        else:
-            fig.add_trace(go.Bar(x=["generation", "model load"], y=[c.get("total"), c.get("model_load")], name=name,
-                                 legendgroup=name, offsetgroup=str(i), marker_color=JOB_COLORS[i % 2]), row=1, col=1)
-        units = ["per 1M output tokens", "per 1M total tokens", "per 1k successful requests"]
-        vals = [c.get("per_1m_output_tokens"), c.get("per_1m_total_tokens"),
-                (c["per_successful_request"] * 1000) if c.get("per_successful_request") is not None else None]
-        fig.add_trace(go.Bar(x=units, y=vals, name=name, legendgroup=name, offsetgroup=str(i), showlegend=False,
-                             marker_color=JOB_COLORS[i % 2] if len(datas) > 1 else "#2ca02c"), row=1, col=2)
-    fig.update_layout(barmode="stack" if len(datas) == 1 else "group", title="Cost", height=380,
-                      margin=dict(t=70, b=40))
+        for j, (basis, cc) in enumerate((("generation only", c), ("all held time", c.get("held") or {}))):
+            label = basis if len(datas) == 1 else f"{name}: {basis}"
+            color = ("#2ca02c", "#98df8a")[j] if len(datas) == 1 else JOB_COLORS[i % 2]
+            fig.add_trace(go.Bar(x=[basis], y=[cc.get("total")], name=label, legendgroup=label,
+                                 offsetgroup=f"{i}", marker_color=color), row=1, col=1)
+            vals = [cc.get("per_1m_output_tokens"), cc.get("per_1m_total_tokens"),
+                    (cc["per_successful_request"] * 1000) if cc.get("per_successful_request") is not None else None]
+            fig.add_trace(go.Bar(x=units, y=vals, name=label, legendgroup=label, offsetgroup=f"{i}.{j}",
+                                 showlegend=False, marker_color=color), row=1, col=2)
+    fig.update_layout(barmode="group", title="Cost (generation only vs all held time: start-up, load, export)",
+                      height=380, margin=dict(t=70, b=40))
     return fig
 
 
