@@ -46,6 +46,8 @@ class WriteOutputsFn(beam.DoFn):
 
 class _BufferedWriteFn(beam.DoFn):
     record: type[StoredRow] = StoredRow
+    #: rows buffered before a transaction (the rest at the end of the bundle)
+    flush_rows: int = DEAD_FLUSH_ROWS
 
     def __init__(self, db_url: str, job_id: str):
         self._url = db_url
@@ -60,7 +62,7 @@ class _BufferedWriteFn(beam.DoFn):
 
     def process(self, element):
         self._buf.append(self.to_row(element))
-        if len(self._buf) >= DEAD_FLUSH_ROWS:
+        if len(self._buf) >= self.flush_rows:
             self._flush()
 
     def finish_bundle(self):
@@ -81,6 +83,9 @@ class WriteDeadLettersFn(_BufferedWriteFn):
 
 class WriteBatchStatsFn(_BufferedWriteFn):
     record = BatchStats
+    # one transaction per batch, as its outputs: a killed run's finished batches keep their
+    # figures (its generation window, docs/ACCOUNTING.md), not only those of whole bundles
+    flush_rows = 1
 
     def to_row(self, stats: dict[str, Any]):
         return stats  # built by BatchRunner._emit from BatchStats: exactly the table's columns
