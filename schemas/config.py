@@ -136,7 +136,21 @@ class JobSpec(_Strict):
     reference_column: str | None = None
     """An input column with reference answers, copied to the outputs for quality checks."""
     price_per_hour: float | None = Field(None, ge=0)
-    """Device price override (currency units per hour) for cost accounting."""
+    """One flat price (USD per device-hour) for every device of the job, a CPU worker counting
+    as one device; `prices` is the per-model form (jobs/metrics/pricing.py)."""
+    prices: dict[str, float] | None = None
+    """Price table overrides, USD per hour: GPU model substrings (`h100`, `l4`), `cpu_vcpu`
+    (per vCPU-hour), `cpu_gib` (per GiB-hour), or `cpu` (flat per CPU-worker-hour)."""
+
+    @field_validator("prices")
+    @classmethod
+    def _prices(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None:
+            bad = {k: p for k, p in v.items() if p < 0}
+            if bad:
+                raise ValueError(f"prices must be >= 0, got {bad}")
+            v = {k.lower(): p for k, p in v.items()}
+        return v
 
     @field_validator("job_id")
     @classmethod
@@ -150,6 +164,9 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _defaults(self) -> "JobSpec":
+        if self.price_per_hour is not None and self.prices:
+            raise ValueError("set price_per_hour (one flat price per device-hour) or prices (per device model), "
+                             "not both")
         if self.output_format is None:
             fmt = "openai-jsonl" if self.resolved_input_format() == "openai-jsonl" else "parquet"
             object.__setattr__(self, "output_format", fmt)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -211,11 +212,38 @@ def claim_job(eng: Engine, job_id: str, values: dict[str, Any]) -> dict[str, Any
     return {"resumed": True, "previous_status": row["status"]}
 
 
-def heartbeat(eng: Engine, job_id: str) -> None:
+def heartbeat(eng: Engine, job_id: str, run_id: str | None = None) -> None:
+    """Mark the job's owner alive (and, given `run_id`, that run: `runs.seen_at`)."""
     with eng.begin() as conn:
         conn.execute(
             update(T.jobs).where(T.jobs.c.id == job_id, T.jobs.c.owner == owner_tag()).values(heartbeat_at=utcnow())
         )
+        if run_id is not None:
+            conn.execute(update(T.runs).where(T.runs.c.job_id == job_id, T.runs.c.run_id == run_id)
+                         .values(seen_at=time.time()))
+
+
+# ---------------------------------------------------------------- runs of a job (first and resumes)
+
+
+def start_run(eng: Engine, job_id: str, run_id: str, started_at: float) -> None:
+    """Record a run of a job as its launcher starts it (wall clock, time.time())."""
+    with eng.begin() as conn:
+        _insert_ignore(conn, T.runs, [{"job_id": job_id, "run_id": run_id, "owner": owner_tag(),
+                                       "started_at": started_at, "seen_at": started_at, "finished_at": None}])
+
+
+def finish_run(eng: Engine, job_id: str, run_id: str, finished_at: float) -> None:
+    with eng.begin() as conn:
+        conn.execute(update(T.runs).where(T.runs.c.job_id == job_id, T.runs.c.run_id == run_id)
+                     .values(seen_at=finished_at, finished_at=finished_at))
+
+
+def job_runs(eng: Engine, job_id: str) -> list[dict[str, Any]]:
+    """A job's runs, oldest first."""
+    with eng.connect() as conn:
+        q = select(T.runs).where(T.runs.c.job_id == job_id).order_by(T.runs.c.started_at, T.runs.c.run_id)
+        return [dict(r) for r in conn.execute(q).mappings()]
 
 
 def finish_job(eng: Engine, job_id: str, **values: Any) -> None:
@@ -256,7 +284,7 @@ def failure_reasons(eng: Engine, job_id: str) -> dict[str, int]:
 
 def delete_job(eng: Engine, job_id: str) -> None:
     with eng.begin() as conn:
-        for t in (T.outputs, T.dead_letters, T.batches, T.workers, T.id_claims):  # every table keyed by job_id
+        for t in (T.outputs, T.dead_letters, T.batches, T.workers, T.id_claims, T.runs):  # every table keyed by job_id
             conn.execute(delete(t).where(t.c.job_id == job_id))
         conn.execute(delete(T.jobs).where(T.jobs.c.id == job_id))
 
@@ -378,14 +406,20 @@ def insert_rows(eng: Engine, record: type[StoredRow], rows: Iterable[dict[str, A
         return _insert_ignore(conn, _table(record), rows)
 
 
+#: What a worker row's refresh overwrites (a restarted engine, or the same process in a later run).
+_WORKER_REFRESH = ("engine_info", "updated_at", "run_id", "device_type", "device_model", "device_count", "cpu_count",
+                   "nvml_error", "measure")
+
+
 def record_worker(eng: Engine, row: dict[str, Any]) -> None:
-    """Insert a worker's row; if the worker (job_id, worker) has one, refresh its engine_info."""
+    """Insert a worker's row; if the worker (job_id, worker) has one, refresh its engine_info
+    and what it measured of itself (those of `_WORKER_REFRESH` that `row` carries)."""
     with eng.begin() as conn:
         if _insert_ignore(conn, T.workers, [row]) == 0:
             conn.execute(
                 update(T.workers)
                 .where(T.workers.c.job_id == row["job_id"], T.workers.c.worker == row["worker"])
-                .values(engine_info=row["engine_info"], updated_at=row["updated_at"])
+                .values(**{k: row[k] for k in _WORKER_REFRESH if k in row})
             )
 
 

@@ -94,6 +94,27 @@ workers = Table(
     Column("generated_tokens", BigInteger),
     Column("started_at", Float),
     Column("updated_at", Float),
+    # what the worker measured of itself (transforms/engines/meter.py; docs/ACCOUNTING.md)
+    Column("run_id", String(64)),
+    Column("device_type", String(16)),
+    Column("device_model", String(256)),
+    Column("device_count", Integer),
+    Column("cpu_count", Integer),
+    Column("nvml_error", Text),
+    Column("measure", JSON),
+)
+
+#: Each run of a job (the first and every resume), as its launcher saw it: started,
+#: last seen alive (heartbeat), finished (None for a run that was killed).
+runs = Table(
+    "runs",
+    metadata,
+    Column("job_id", String(128), primary_key=True),
+    Column("run_id", String(64), primary_key=True),
+    Column("owner", String(256)),
+    Column("started_at", Float, nullable=False),
+    Column("seen_at", Float),
+    Column("finished_at", Float),
 )
 
 #: Which row of the input each id belongs to: the first in input order (duplicates

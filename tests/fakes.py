@@ -143,3 +143,50 @@ class PoisonedVllm:
 
     def shutdown(self):
         pass  # the real engine belongs to the registry: the next test reuses it
+
+
+class FakeNvmlHost:
+    """The slice of pynvml a worker's meter reads, for a host of `count` GPUs of one model.
+
+    Each device's energy counter (mJ) advances by `power_w` × the seconds of `clock`;
+    `procs`: (pid, bytes) of the compute processes NVML lists on every device."""
+
+    def __init__(self, count: int = 8, name: str = "NVIDIA L4", power_w: float = 70.0, util_pct: float = 95.0,
+                 procs: list[tuple[int, int]] = (), memory_total: int = 24 * 2**30, clock=None):
+        from types import SimpleNamespace
+
+        self._ns = SimpleNamespace
+        self.count, self.name, self.power_w, self.util_pct = count, name, power_w, util_pct
+        self.procs, self.memory_total = list(procs), memory_total
+        self.clock = clock or time.time
+        self.t0 = self.clock()
+
+    def nvmlDeviceGetCount(self):
+        return self.count
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if not 0 <= i < self.count:
+            raise RuntimeError("NVML_ERROR_INVALID_ARGUMENT")
+        return i
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h:08d}-fake"
+
+    def nvmlDeviceGetName(self, h):
+        return self.name.encode()  # older nvidia-ml-py returns bytes
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        used = 2**30 + sum(b for _, b in self.procs)
+        return self._ns(used=used, total=self.memory_total, free=self.memory_total - used)
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return self._ns(gpu=self.util_pct, memory=30)
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return int(self.power_w * 1000)  # milliwatts
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        return int(1e9 + self.power_w * (self.clock() - self.t0) * 1000)  # millijoules since "driver load"
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [self._ns(pid=p, usedGpuMemory=b) for p, b in self.procs]

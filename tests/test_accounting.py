@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from tokenmill.jobs.metrics import hardware as H
-from tokenmill.jobs.metrics.pricing import price_for
+from tokenmill.jobs.metrics.pricing import gpu_price, price_table, worker_rate
 from tokenmill.schemas.secrets import mask_url
 from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path, job_metrics, percentile
 
@@ -23,10 +23,13 @@ def _rows():
 def _metrics(**kw):
     args = dict(
         rows=_rows(),
-        batches=[{"started_at": 100.0, "finished_at": 110.0, "requests": 2, "tail_s": 1.0},
-                 {"started_at": 105.0, "finished_at": 120.0, "requests": 2, "tail_s": 3.0}],
-        workers=[{"load_s": 30.0, "peak_rss_bytes": 2_000, "engine_info": {"kv_cache_bytes": 1 << 20}},
-                 {"load_s": 40.0, "peak_rss_bytes": 3_000, "engine_info": None}],
+        batches=[{"batch_id": "r1-0.0-a-0", "worker": "h:1", "started_at": 100.0, "finished_at": 110.0,
+                  "requests": 2, "tail_s": 1.0},
+                 {"batch_id": "r1-0.0-a-1", "worker": "h:1", "started_at": 105.0, "finished_at": 120.0,
+                  "requests": 2, "tail_s": 3.0}],
+        workers=[{"worker": "h:1", "load_s": 30.0, "peak_rss_bytes": 2_000,
+                  "engine_info": {"kv_cache_bytes": 1 << 20}},
+                 {"worker": "h:2", "run_id": "r1", "load_s": 40.0, "peak_rss_bytes": 3_000, "engine_info": None}],
         total=6,
         failed_by_reason={"empty_prompt": 1, "prompt_too_long": 1},
         engine_config={"max_num_seqs": 32},
@@ -70,15 +73,16 @@ def test_failure_rate_by_reason_is_over_input_rows():
     assert f["rate_by_reason"] == {"empty_prompt": pytest.approx(1 / 6), "prompt_too_long": pytest.approx(1 / 6)}
 
 
-def test_cost_is_device_hours_times_price_with_unit_costs():
+def test_cost_is_worker_hours_times_price_with_unit_costs():
+    # workers that measured nothing are priced as the launcher saw the host: 2 GPUs, flat 3.6 per device-hour
     c = _metrics(device_count=2)["cost"]
-    hours = 20.0 * 2 / 3600
-    assert c["device_hours"] == pytest.approx(hours)
-    assert c["total"] == pytest.approx(hours * 3.6)
-    assert c["per_1m_output_tokens"] == pytest.approx(hours * 3.6 / 50 * 1e6)
-    assert c["per_1m_total_tokens"] == pytest.approx(hours * 3.6 / 90 * 1e6)
-    assert c["per_successful_request"] == pytest.approx(hours * 3.6 / 4)
-    assert c["model_load"] == pytest.approx(40.0 * 2 / 3600 * 3.6)  # shown apart, not in unit costs
+    gen = 20.0 / 3600 * 3.6 * 2  # h:1 generated 100 -> 120; h:2 ran no batch
+    assert c["total"] == pytest.approx(gen)
+    assert c["per_1m_output_tokens"] == pytest.approx(gen / 50 * 1e6)
+    assert c["per_1m_total_tokens"] == pytest.approx(gen / 90 * 1e6)
+    assert c["per_successful_request"] == pytest.approx(gen / 4)
+    assert c["model_load"] == pytest.approx((30.0 + 40.0) / 3600 * 3.6 * 2)  # shown apart, not in unit costs
+    assert [w["generation_s"] for w in c["workers"]] == [20.0, 0.0]
     assert "cost" not in _metrics(price_per_hour=None)
 
 
@@ -105,7 +109,8 @@ def test_no_answers_gives_no_rates_and_no_division_by_zero():
 
 def test_compare_gives_ratio_b_over_a_and_the_better_job():
     a = _metrics()
-    b = _metrics(batches=[{"started_at": 100.0, "finished_at": 110.0, "requests": 4, "tail_s": 0.0}])
+    b = _metrics(batches=[{"batch_id": "r1-0.0-b-0", "worker": "h:1", "started_at": 100.0, "finished_at": 110.0,
+                           "requests": 4, "tail_s": 0.0}])
     rows = {r["metric"]: r for r in compare_metrics(a, b)}
     tps = rows["throughput.output_tok_per_s"]
     assert tps["ratio_b_over_a"] == pytest.approx(2.0) and tps["better"] == "b"
@@ -119,17 +124,35 @@ def test_compare_gives_ratio_b_over_a_and_the_better_job():
 # ---------------------------------------------------------------- pricing
 
 
-def test_price_table_matches_gpu_names_and_the_cpu_default(tmp_path, monkeypatch):
+def test_price_table_matches_gpu_models_and_prices_cpu_per_vcpu_and_gib(tmp_path, monkeypatch):
     monkeypatch.delenv("TOKENMILL_PRICES", raising=False)
-    assert price_for({"device_type": "gpu", "device": "NVIDIA H100 80GB HBM3"})[0] == 2.99
-    assert price_for({"device_type": "gpu", "device": "NVIDIA L40S"})[0] == 1.86  # not the "l4" entry
-    assert price_for({"device_type": "cpu", "device": "cpu (2 cores)"}) == (0.10, "price table entry 'cpu'")
-    assert price_for({"device_type": "cpu"}, override=0.5) == (0.5, "job spec price_per_hour")
+    t = price_table()
+    assert gpu_price("NVIDIA H100 80GB HBM3", t) == (2.99, "price table entry 'h100'")
+    assert gpu_price("NVIDIA L40S", t)[0] == 1.86  # not the "l4" entry
+    assert gpu_price(None, t) == (2.99, "GPU model unknown; used the H100 price")  # never the CPU price
+    gpu = {"device_type": "gpu", "device_model": "NVIDIA L4", "device_count": 2}
+    assert worker_rate(gpu, t)["usd_per_hour"] == pytest.approx(1.60)
+    cpu = {"device_type": "cpu", "cpu_count": 4, "measure": {"peak_tree_rss_bytes": 3 * 2**30}}
+    assert worker_rate(cpu, t)["usd_per_hour"] == pytest.approx(4 * 0.031611 + 3 * 0.004237)
+    assert worker_rate(cpu, t, flat=0.5) == {"usd_per_hour": 0.5, "units": "4 vCPU + 3.00 GiB",
+                                              "source": "job spec price_per_hour"}
+    assert worker_rate(gpu, price_table({"L4": 1.0}))["usd_per_hour"] == 2.0  # the job spec's `prices`
     prices = tmp_path / "prices.json"
     prices.write_text(json.dumps({"cpu": 0.25, "h100": 2.0}))
     monkeypatch.setenv("TOKENMILL_PRICES", str(prices))
-    assert price_for({"device_type": "cpu"})[0] == 0.25
-    assert price_for({"device_type": "gpu", "device": "NVIDIA H100"})[0] == 2.0
+    assert worker_rate(cpu, price_table())["usd_per_hour"] == 0.25  # flat per CPU worker-hour
+    assert gpu_price("NVIDIA H100", price_table())[0] == 2.0
+
+
+def test_the_job_spec_takes_one_of_price_per_hour_and_prices():
+    from tokenmill.schemas.config import SpecError, load_spec
+
+    assert load_spec({"input": "a", "output": "b", "prices": {"H100": 2}}).prices == {"h100": 2.0}
+    assert load_spec({"input": "a", "output": "b", "price_per_hour": 1.5}).price_per_hour == 1.5
+    with pytest.raises(SpecError, match="set price_per_hour .* or prices .*not both"):
+        load_spec({"input": "a", "output": "b", "prices": {"h100": 2}, "price_per_hour": 1})
+    with pytest.raises(SpecError, match="prices must be >= 0"):
+        load_spec({"input": "a", "output": "b", "prices": {"h100": -1}})
 
 
 # ---------------------------------------------------------------- utilization (NVML parsing with a fake)

@@ -46,7 +46,8 @@ def test_report_prints_the_serving_table_and_writes_a_self_contained_html(jobs_d
     out = res.output
     for part in ("TTFT", "TPOT", "E2E", "p99", "output tok/s", "total (prompt + output) tok/s", "requests/s",
                  "model load", "prefix cache hit rate", "max_num_seqs", "failed: empty_prompt", "1 (2.4%)",
-                 "per 1M output tokens", "per 1M total tokens", "per successful request", "CPU utilization",
+                 "per 1M output tokens: generation only / all held time", "per 1M total tokens",
+                 "per successful request", "CPU utilization", "Workers (measured where the engine runs)", "vCPU",
                  "vllm", "wall clock", "monotonic"):
         assert part in out, part
     html_path = tmp_path / "report-job-a.html"
@@ -115,7 +116,10 @@ def test_jobs_and_status_show_counts_tok_s_and_cost(jobs_db):
     assert st["status"] == "partial" and st["reconciled"] is True and st["failed"] == 1
     assert st["failures_by_reason"] == {"empty_prompt": 1}
     assert st["ttft_p50_s"] > 0 and st["tpot_p50_s"] == pytest.approx(0.001)  # FakeSession's fixed TPOT
-    assert st["cost_per_1m_total_tokens"] > 0
+    assert st["cost_per_1m_total_tokens"] > 0 and st["cost_basis"] == "generation only"
+    # all the time the job held its devices (start-up, load, export) costs more than generation alone
+    assert st["cost_held_per_1m_output_tokens"] > st["cost_per_1m_output_tokens"] > 0
+    assert st["cost_held_basis"].startswith("all held time") and st["runs"] == 1 and st["nvml_errors"] is None
     assert st["ttft_p95_s"] >= st["ttft_p50_s"] and st["tpot_p95_s"] == pytest.approx(0.001)
     assert st["e2e_p95_s"] <= st["e2e_p99_s"] and st["failure_rate"] == pytest.approx(1 / (N + 1))
     res = invoke("status", "job-a", "--db", jobs_db)

@@ -90,6 +90,40 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
     assert all(r["output_tokens"] > 0 for r in rows)
     job = S.get_job(eng, JOB)
     assert (job["status"], job["total"], job["succeeded"], job["failed"]) == ("succeeded", ROWS, ROWS, 0)
+    _check_accounting_of_the_two_runs(eng, job["metrics"])
+
+
+def _check_accounting_of_the_two_runs(eng, m):
+    """Throughput and cost count each run's active generation window, not the downtime
+    between the kill and the resume (the frozen run, the refused run, the second start)."""
+    from tokenmill.jobs.metrics.accounting import run_of
+
+    runs = S.job_runs(eng, JOB)
+    assert len(runs) == 2 and runs[0]["finished_at"] is None and runs[1]["finished_at"] is not None
+    by_run: dict[str, list] = {}
+    for b in S.job_batches(eng, JOB):
+        by_run.setdefault(run_of(b["batch_id"]), []).append(b)
+    assert set(by_run) == {r["run_id"] for r in runs}
+    windows = {rid: max(b["finished_at"] for b in bs) - min(b["started_at"] for b in bs) for rid, bs in by_run.items()}
+    active = sum(windows.values())
+    span = max(b["finished_at"] for bs in by_run.values() for b in bs) - min(
+        b["started_at"] for bs in by_run.values() for b in bs)
+    assert span > 1.1 * active  # the downtime is large enough that counting it would fail the checks below
+    th = m["throughput"]
+    assert th["runs"] == 2
+    assert th["generation_wall_s"] == pytest.approx(active, rel=0.05)
+    assert th["output_tok_per_s"] == pytest.approx(m["tokens"]["output"] / active, rel=0.05)
+    per_run = {r["run_id"]: r for r in m["runs"]}
+    for rid, w in windows.items():
+        assert per_run[rid]["generation_wall_s"] == pytest.approx(w, rel=0.05)
+        assert per_run[rid]["model_load_s"] > 0 and per_run[rid]["output_tokens"] > 0
+    # one CPU worker a run: cost = Σ over runs of its active window × that worker's hourly price
+    rate = {w["run_id"]: w["usd_per_hour"] for w in m["cost"]["workers"]}
+    assert set(rate) == set(windows)
+    assert m["cost"]["total"] == pytest.approx(sum(windows[r] / 3600 * rate[r] for r in windows), rel=0.05)
+    held = {r["run_id"]: (r["finished_at"] or r["seen_at"]) - r["started_at"] for r in runs}
+    assert m["cost"]["held"]["total"] == pytest.approx(sum(held[r] / 3600 * rate[r] for r in held), rel=0.05)
+    assert m["cost"]["held"]["total"] > m["cost"]["total"]  # start-up, load and export are in the held figure
 
 
 def _signal_tree(pgid: int, tree: list[psutil.Process], sig: int) -> None:

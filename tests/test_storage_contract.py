@@ -285,3 +285,27 @@ def test_request_columns_stream_per_request_figures_as_float_arrays(any_db_url):
     assert cols["output_tokens"].sum() == 5 * 12_000
     assert sum(math.isnan(v) for v in cols["ttft_s"]) == 1
     assert S.request_columns(eng, "none")["e2e_s"].size == 0
+
+
+def test_runs_and_worker_measures(any_db_url):
+    eng = S.connect(any_db_url)
+    S.claim_job(eng, "j-r", _job_values())
+    S.start_run(eng, "j-r", "aaa111", 100.0)
+    S.start_run(eng, "j-r", "aaa111", 999.0)  # a repeat never moves a run's start
+    S.heartbeat(eng, "j-r", "aaa111")
+    S.start_run(eng, "j-r", "bbb222", 200.0)
+    S.finish_run(eng, "j-r", "bbb222", 260.0)
+    first, second = S.job_runs(eng, "j-r")
+    assert (first["run_id"], first["started_at"], first["finished_at"]) == ("aaa111", 100.0, None)
+    assert first["seen_at"] > 200.0  # the heartbeat's wall clock
+    assert (second["run_id"], second["seen_at"], second["finished_at"]) == ("bbb222", 260.0, 260.0)
+    measure = {"window_s": 5.0, "gpus": [{"index": 3, "energy_j": 1.5}]}
+    row = {"job_id": "j-r", "worker": "h:1", "run_id": "aaa111", "device_type": "gpu", "device_model": "NVIDIA L4",
+           "device_count": 2, "nvml_error": None, "measure": measure, "engine_info": {}, "updated_at": 1.0}
+    S.record_worker(eng, row)
+    S.record_worker(eng, dict(row, run_id="bbb222", updated_at=2.0))  # the same process in a later run
+    S.update_worker(eng, "j-r", "h:1", measure=dict(measure, window_s=9.0))
+    (w,) = S.job_workers(eng, "j-r")
+    assert (w["run_id"], w["device_count"], w["measure"]["window_s"]) == ("bbb222", 2, 9.0)
+    S.delete_job(eng, "j-r")
+    assert S.job_runs(eng, "j-r") == [] and S.job_workers(eng, "j-r") == []

@@ -358,7 +358,7 @@ class GenerateFn(beam.DoFn):
         if self.cfg.db_url:
             from tokenmill.transforms.write import record_worker
 
-            record_worker(self.cfg.db_url, self.cfg.job_id, self._worker, s, started_at=t)
+            record_worker(self.cfg.db_url, self.cfg.job_id, self._worker, s, started_at=t, run_id=self.cfg.run_id)
         self._recorded = True
         return s
 

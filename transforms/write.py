@@ -11,6 +11,7 @@ The Parquet/JSONL files are exported from there at the end of the job
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from typing import Any
@@ -21,6 +22,8 @@ from tokenmill.schemas import storage as S
 from tokenmill.schemas.records import BatchStats, DeadLetterRow, FailedRecord, OutputRow, StoredRow
 
 DEAD_FLUSH_ROWS = 500
+
+log = logging.getLogger(__name__)
 
 
 def dead_row(job_id: str, d: FailedRecord) -> dict[str, Any]:
@@ -43,6 +46,8 @@ class WriteOutputsFn(beam.DoFn):
 
 class _BufferedWriteFn(beam.DoFn):
     record: type[StoredRow] = StoredRow
+    #: rows buffered before a transaction (the rest at the end of the bundle)
+    flush_rows: int = DEAD_FLUSH_ROWS
 
     def __init__(self, db_url: str, job_id: str):
         self._url = db_url
@@ -57,7 +62,7 @@ class _BufferedWriteFn(beam.DoFn):
 
     def process(self, element):
         self._buf.append(self.to_row(element))
-        if len(self._buf) >= DEAD_FLUSH_ROWS:
+        if len(self._buf) >= self.flush_rows:
             self._flush()
 
     def finish_bundle(self):
@@ -78,6 +83,9 @@ class WriteDeadLettersFn(_BufferedWriteFn):
 
 class WriteBatchStatsFn(_BufferedWriteFn):
     record = BatchStats
+    # one transaction per batch, as its outputs: a killed run's finished batches keep their
+    # figures (its generation window, docs/ACCOUNTING.md), not only those of whole bundles
+    flush_rows = 1
 
     def to_row(self, stats: dict[str, Any]):
         return stats  # built by BatchRunner._emit from BatchStats: exactly the table's columns
@@ -113,11 +121,39 @@ def _rss_peak_bytes() -> int:
     return int(own + max(kids, cur))
 
 
-def record_worker(db_url: str, job_id: str, worker: str, session, started_at: float) -> None:
+#: (job_id, worker) → the meter of this process's engine for that job (transforms/engines/meter.py)
+_METERS: dict[tuple[str, str], Any] = {}
+
+
+def _meter_reading(job_id: str, worker: str) -> dict[str, Any]:
+    m = _METERS.get((job_id, worker))
+    if m is None:
+        return {}
+    try:
+        return m.reading()
+    except Exception as err:  # never fail a worker for its accounting
+        log.warning("worker %s: no accounting reading: %s", worker, err)
+        return {}
+
+
+def record_worker(db_url: str, job_id: str, worker: str, session, started_at: float, run_id: str | None = None) -> None:
+    """The worker's row, written when its engine is ready: what the engine says (engine_info,
+    load_s) and what the worker measures of itself from now on (devices, memory, power,
+    energy: engines/meter.py), under `run_id` (the job run it belongs to)."""
+    from tokenmill.transforms.engines.meter import WorkerMeter
+
     try:
         info = session.info()
     except Exception as err:  # a fake engine, or an engine that cannot say
         info = {"error": str(err)}
+    for key, old in list(_METERS.items()):  # one engine a process: earlier meters stop sampling (still readable)
+        old.stop()
+        if key == (job_id, worker) or len(_METERS) > 8:
+            del _METERS[key]
+    try:
+        _METERS[(job_id, worker)] = WorkerMeter(info).start()
+    except Exception as err:  # never fail a worker for its accounting
+        log.warning("worker %s: cannot measure its devices: %s", worker, err)
     row = {
         "job_id": job_id,
         "worker": worker,
@@ -129,13 +165,16 @@ def record_worker(db_url: str, job_id: str, worker: str, session, started_at: fl
         "peak_rss_bytes": _rss_peak_bytes(),
         "started_at": started_at,
         "updated_at": time.time(),
+        "run_id": run_id,
+        **_meter_reading(job_id, worker),
     }
     S.record_worker(S.connect(db_url), row)
 
 
 def update_worker_peak(db_url: str, job_id: str, worker: str, **counters: int) -> None:
+    """Refresh the worker's row: peak RSS, the counters given, and its meter's reading."""
     S.update_worker(S.connect(db_url), job_id, worker, peak_rss_bytes=_rss_peak_bytes(), updated_at=time.time(),
-                    **counters)
+                    **_meter_reading(job_id, worker), **counters)
 
 
 def cancel_requested(db_url: str, job_id: str) -> bool:

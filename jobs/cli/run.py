@@ -27,7 +27,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"(over generation wall time); prefix cache hit rate {num(s['prefix_cache_hit_rate'], '{:.1%}')}",
     ]
     if s.get("cost_per_1m_output_tokens") is not None:
-        lines.append(f"  cost ${s['cost_per_1m_output_tokens']:.4f} per 1M output tokens")
+        held = s.get("cost_held_per_1m_output_tokens")
+        lines.append(f"  cost ${s['cost_per_1m_output_tokens']:.4f} per 1M output tokens over generation only"
+                     + ("" if held is None else f", ${held:.4f} over all held time (start-up, load, export)"))
     if s.get("outputs"):
         lines.append(f"  outputs: {s['outputs']}")
     if s.get("note"):
@@ -117,6 +119,14 @@ def headline_metrics(m: dict[str, Any]) -> dict[str, Any]:
         "failures_by_reason": (m.get("failures") or {}).get("by_reason") or None,
         "cost_per_1m_total_tokens": cost.get("per_1m_total_tokens"),
         "cost_per_successful_request": cost.get("per_successful_request"),
+        "cost_basis": "generation only" if cost else None,
+        "cost_held_per_1m_output_tokens": (cost.get("held") or {}).get("per_1m_output_tokens"),
+        "cost_held_per_1m_total_tokens": (cost.get("held") or {}).get("per_1m_total_tokens"),
+        "cost_held_per_successful_request": (cost.get("held") or {}).get("per_successful_request"),
+        "cost_held_basis": "all held time: start-up, model load, generation, export" if cost.get("held") else None,
+        "runs": th.get("runs"),
+        "gpus": (m.get("devices") or {}).get("gpus"),
+        "nvml_errors": (m.get("devices") or {}).get("nvml_errors") or None,
     }
 
 

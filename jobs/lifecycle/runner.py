@@ -62,6 +62,7 @@ class JobResult:
             "total_tok_per_s": th.get("total_tok_per_s"),
             "prefix_cache_hit_rate": self.metrics.get("prefix_cache", {}).get("hit_rate"),
             "cost_per_1m_output_tokens": self.metrics.get("cost", {}).get("per_1m_output_tokens"),
+            "cost_held_per_1m_output_tokens": (self.metrics.get("cost", {}).get("held") or {}).get("per_1m_output_tokens"),
             "outputs": self.files.get("outputs"),
             "note": self.note,
         }
@@ -86,15 +87,16 @@ def hardware() -> dict[str, Any]:
 
 
 class _Heartbeat(threading.Thread):
-    def __init__(self, eng, job_id: str, on_tick: Callable[[], None] | None = None, every_s: float = 5.0):
+    def __init__(self, eng, job_id: str, on_tick: Callable[[], None] | None = None, every_s: float = 5.0,
+                 run_id: str | None = None):
         super().__init__(daemon=True, name="tokenmill-heartbeat")
-        self.eng, self.job_id, self.on_tick, self.every_s = eng, job_id, on_tick, every_s
+        self.eng, self.job_id, self.on_tick, self.every_s, self.run_id = eng, job_id, on_tick, every_s, run_id
         self.stop_event = threading.Event()
 
     def run(self):
         while not self.stop_event.wait(self.every_s if self.on_tick is None else 1.0):
             try:
-                S.heartbeat(self.eng, self.job_id)
+                S.heartbeat(self.eng, self.job_id, self.run_id)
                 if self.on_tick:
                     self.on_tick()
             except Exception as err:  # never kill the job for a missed heartbeat
@@ -126,13 +128,14 @@ def run_job(
     claim = S.claim_job(eng, job_id, {**job_values(spec), "versions": versions(), "hardware": hw,
                                       "total": plan.total_rows})
     run_id = uuid.uuid4().hex[:6]
+    S.start_run(eng, job_id, run_id, t0)  # this run's device time starts with the launcher (docs/ACCOUNTING.md)
 
     def tick():
         if progress is not None:
             c = S.counts(eng, job_id)
             progress(c["succeeded"] + c["failed"], plan.total_rows, S.output_tokens(eng, job_id))
 
-    hb = _Heartbeat(eng, job_id, tick if progress else None)
+    hb = _Heartbeat(eng, job_id, tick if progress else None, run_id=run_id)
     hb.start()
     from tokenmill.jobs.metrics.hardware import UtilizationSampler
 
@@ -154,6 +157,7 @@ def run_job(
         hb.join(timeout=5)
         utilization = sampler.stop()
         if status != "done":
+            S.finish_run(eng, job_id, run_id, time.time())
             S.finish_job(eng, job_id, status="failed", error=error, **S.counts(eng, job_id), heartbeat_at=None, owner=None)
     if progress is not None:
         tick()
@@ -165,6 +169,7 @@ def run_job(
     cancelled = bool(job.get("cancel_requested"))
     c = S.counts(eng, job_id)
     files = export_job(eng, job_id, spec.output, spec.output_format or "parquet")
+    S.finish_run(eng, job_id, run_id, time.time())  # after export: the devices were held until now
     metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
                               utilization=utilization)
     note = None
@@ -247,7 +252,7 @@ def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, A
     from tokenmill.jobs.metrics.figures import stored_metrics
 
     m = stored_metrics(
-        eng, job_id, total=total, hardware=hw, price_per_hour=spec.price_per_hour,
+        eng, job_id, total=total, hardware=hw, price_per_hour=spec.price_per_hour, prices=spec.prices,
         engine_config=spec.engine.model_dump(mode="json"), token_budget=spec.batching.token_budget,
         job_wall_s=job_wall_s, utilization=utilization,
     )

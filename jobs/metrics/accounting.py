@@ -2,8 +2,9 @@
 
 Every throughput figure says what it counts and over which wall time:
 
-* `output_tok_per_s`: generated tokens ÷ generation wall time (first batch
-  admitted → last batch finished, across workers; model load excluded);
+* `output_tok_per_s`: generated tokens ÷ generation wall time (the sum over the
+  job's runs of each run's first batch admitted → last batch finished, across
+  workers; model load and the time between a killed run and its resume excluded);
 * `total_tok_per_s`: (prompt + generated) tokens ÷ the same wall time;
 * `requests_per_s`: answered requests ÷ the same wall time;
 * `mean_request_output_tok_per_s`: mean over requests of output tokens ÷ e2e.
@@ -28,8 +29,12 @@ CLOCKS: dict[str, str] = {
     "tpot_s": "vLLM engine core, monotonic: (last token - first token) / (output tokens - 1)",
     "e2e_s": "vLLM front end, wall clock: finish time - arrival time",
     "queue_s": "vLLM engine core, monotonic: scheduled - queued",
-    "generation_wall_s": "worker wall clock (time.time): first batch admitted -> last batch finished",
-    "model_load_s": "worker wall clock: importing vLLM and constructing the engine (slowest worker)",
+    "generation_wall_s": "worker wall clock (time.time): per run, first batch admitted -> last batch finished; "
+                         "summed over the job's runs",
+    "model_load_s": "worker wall clock: importing vLLM and constructing the engine (slowest worker of each run; "
+                    "summed over runs)",
+    "run_held_s": "launcher wall clock (time.time): run start -> after export (a killed run: its last heartbeat)",
+    "worker_measure": "worker wall clock (time.time): engine ready -> latest report; NVML and psutil readings",
     "job_wall_s": "launcher wall clock: job start -> accounting (includes checks, load, export)",
     "outputs.finished_at": "worker wall clock (time.time) when the request finished",
     "utilization": "launcher monotonic clock, one sample per interval",
@@ -80,6 +85,10 @@ def job_metrics(
     device_count: int = 1,
     job_wall_s: float | None = None,
     utilization: dict[str, Any] | None = None,
+    runs: Sequence[dict[str, Any]] = (),
+    prices: dict[str, float] | None = None,
+    hardware: dict[str, Any] | None = None,
+    now: float | None = None,
 ) -> dict[str, Any]:
     """The job's serving metrics (see the module docstring for what each counts).
 
@@ -87,21 +96,22 @@ def job_metrics(
     e2e_s, queue_s), as row dicts or as columns (`request_columns`: a few bytes a
     request, so a job of millions of rows is summed in the launcher without a
     Python object per row); `batches`/`workers`: the job's batch and worker rows;
-    `utilization`: the launcher's `UtilizationSampler` summary, if any."""
+    `utilization`: the launcher's `UtilizationSampler` summary, if any; `runs`: the job's
+    run rows (storage `job_runs`).  Cost (`job_cost`) is priced from `prices` (a
+    pricing.price_table) or the flat `price_per_hour`; with neither there is no cost.
+    `hardware`/`device_count`: the launcher's, for worker rows that measured nothing."""
     cols = request_columns(rows)
     n = len(cols["prompt_tokens"])
     prompt = int(np.nansum(cols["prompt_tokens"]))
     output = int(np.nansum(cols["output_tokens"]))
     cached = int(np.nansum(cols["cached_tokens"]))
-    if batches:
-        gen_wall = max(b["finished_at"] for b in batches) - min(b["started_at"] for b in batches)
-    else:
-        gen_wall = 0.0
+    per_run = run_figures(batches, workers, runs, now=now)
+    gen_wall = sum(r["generation_wall_s"] for r in per_run)
+    run_loads = [r["model_load_s"] for r in per_run if r["model_load_s"] is not None]
     e2e, outs = cols["e2e_s"], cols["output_tokens"]
     ok = (e2e > 0) & (outs > 0)  # NaN compares False
     per_req = outs[ok] / e2e[ok]
     failed = sum(failed_by_reason.values())
-    load = [w.get("load_s") for w in workers if w.get("load_s") is not None]
     peak_rss = max((w.get("peak_rss_bytes") or 0 for w in workers), default=0)
     info = next((w.get("engine_info") for w in workers if w.get("engine_info")), {}) or {}
     m: dict[str, Any] = {
@@ -126,13 +136,18 @@ def job_metrics(
         "throughput": {
             "generation_wall_s": gen_wall,
             "job_wall_s": job_wall_s,
-            "model_load_s": max(load) if load else None,
+            "model_load_s": sum(run_loads) if run_loads else None,
+            "runs": len(per_run),
             "output_tok_per_s": (output / gen_wall) if gen_wall > 0 else None,
             "total_tok_per_s": ((prompt + output) / gen_wall) if gen_wall > 0 else None,
             "requests_per_s": (n / gen_wall) if gen_wall > 0 else None,
             "mean_request_output_tok_per_s": float(per_req.mean()) if per_req.size else None,
-            "counts": "tokens from the engine's outputs over generation wall time (model load excluded)",
+            "counts": "tokens from the engine's outputs over generation wall time (model load excluded), "
+                      "the generation wall summed over the job's runs",
         },
+        "runs": per_run,
+        "workers": [worker_summary(w) for w in workers],
+        "devices": device_summary(workers),
         "prefix_cache": {
             "hit_rate": (cached / prompt) if prompt else None,
             "cached_prompt_tokens": cached,
@@ -158,25 +173,206 @@ def job_metrics(
         "utilization": utilization,
         "clocks": CLOCKS,
     }
-    hours = (gen_wall * device_count) / 3600.0
-    load_hours = ((max(load) if load else 0.0) * device_count) / 3600.0
-    if price_per_hour is not None:
-        cost = hours * price_per_hour
-        m["cost"] = {
-            "price_per_hour": price_per_hour,
-            "device_count": device_count,
-            "device_hours": hours,
-            "total": cost,
-            "model_load_device_hours": load_hours,
-            "model_load": load_hours * price_per_hour,
-            "total_with_model_load": cost + load_hours * price_per_hour,
-            "per_1m_output_tokens": (cost / output * 1e6) if output else None,
-            "per_1m_total_tokens": (cost / (prompt + output) * 1e6) if (prompt + output) else None,
-            "per_successful_request": (cost / n) if n else None,
-            "currency": "USD",
-            "basis": "generation wall time × devices × hourly price (model load excluded; shown separately)",
-        }
+    if prices is not None or price_per_hour is not None:
+        m["cost"] = job_cost(workers, batches, per_run, prices=prices, flat=price_per_hour,
+                             fallback=_fallback_worker(hardware, device_count), output_tokens=output,
+                             total_tokens=prompt + output, requests=n)
     return m
+
+
+# ---------------------------------------------------------------- runs, workers and cost
+
+
+def run_of(batch_id: str | None) -> str:
+    """The run a batch belongs to: generate.py names batches `<run_id>-<unit>...`."""
+    return (batch_id or "").split("-", 1)[0]
+
+
+def _span(batches: Sequence[dict[str, Any]]) -> tuple[float | None, float | None]:
+    starts = [b["started_at"] for b in batches if b.get("started_at") is not None]
+    ends = [b["finished_at"] for b in batches if b.get("finished_at") is not None]
+    return (min(starts) if starts else None), (max(ends) if ends else None)
+
+
+def _worker_run(w: dict[str, Any], batches: Sequence[dict[str, Any]]) -> str | None:
+    if w.get("run_id"):
+        return w["run_id"]
+    mine = [b for b in batches if w.get("worker") is not None and b.get("worker") == w.get("worker")]
+    return run_of(mine[0].get("batch_id")) if mine else None
+
+
+def run_figures(batches: Sequence[dict[str, Any]], workers: Sequence[dict[str, Any]],
+                runs: Sequence[dict[str, Any]] = (), now: float | None = None) -> list[dict[str, Any]]:
+    """Per run of the job (the first and each resume), oldest first: its active generation
+    window (first batch admitted → last batch finished), tokens and requests of its batches,
+    its model load (slowest of its workers) and how long its launcher held the devices
+    (start → after export; a run without a finish, killed or still running, up to its
+    last heartbeat, or `now`)."""
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for b in batches:
+        by_run.setdefault(run_of(b.get("batch_id")), []).append(b)
+    loads: dict[str, list[float]] = {}
+    for w in workers:
+        r = _worker_run(w, batches)
+        if r is not None and w.get("load_s") is not None:
+            loads.setdefault(r, []).append(float(w["load_s"]))
+    rows = {r["run_id"]: r for r in runs}
+    ids = list(dict.fromkeys([r["run_id"] for r in runs] + list(by_run) + list(loads)))
+    out = []
+    for rid in ids:
+        bs = by_run.get(rid, [])
+        t0, t1 = _span(bs)
+        gen = (t1 - t0) if t0 is not None and t1 is not None else 0.0
+        row = rows.get(rid)
+        held = ended = None
+        if row is not None:
+            ended = row.get("finished_at")
+            if ended is None:  # killed, or still running: its last heartbeat (the latest run: `now`)
+                ended = now if (now is not None and row is runs[-1]) else row.get("seen_at")
+            held = (ended - row["started_at"]) if ended is not None else None
+        out_tok = sum(b.get("output_tokens") or 0 for b in bs)
+        out.append({
+            "run_id": rid,
+            "started_at": row["started_at"] if row else t0,
+            "ended_at": ended,
+            "finished": bool(row and row.get("finished_at")),
+            "held_s": held,
+            "model_load_s": max(loads[rid]) if rid in loads else None,
+            "generation_started_at": t0,
+            "generation_finished_at": t1,
+            "generation_wall_s": gen,
+            "batches": len(bs),
+            "requests": sum(b.get("requests") or 0 for b in bs),
+            "prompt_tokens": sum(b.get("prompt_tokens") or 0 for b in bs),
+            "output_tokens": out_tok,
+            "output_tok_per_s": (out_tok / gen) if gen > 0 else None,
+        })
+    out.sort(key=lambda r: (r["started_at"] is None, r["started_at"] or 0.0))
+    return out
+
+
+def worker_summary(w: dict[str, Any]) -> dict[str, Any]:
+    """One worker's measured figures as the metrics show them (docs/ACCOUNTING.md)."""
+    me = w.get("measure") or {}
+    gpus = me.get("gpus") or []
+    return {
+        "worker": w.get("worker"),
+        "run_id": w.get("run_id"),
+        "device_type": w.get("device_type"),
+        "device_model": w.get("device_model"),
+        "device_count": w.get("device_count"),
+        "cpu_count": w.get("cpu_count"),
+        "nvml_error": w.get("nvml_error"),
+        "load_s": w.get("load_s"),
+        "window_s": me.get("window_s"),
+        "peak_tree_rss_bytes": me.get("peak_tree_rss_bytes"),
+        "tree_cores_busy_mean": me.get("tree_cores_busy_mean"),
+        "gpu_process_memory_bytes_max": me.get("gpu_process_memory_bytes_max"),
+        "gpu_energy_j": me.get("gpu_energy_j"),
+        "gpus": gpus or None,
+    }
+
+
+def device_summary(workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Job-wide device figures: sums (devices, energy) and maxima (memory) over workers."""
+    gpu = [w for w in workers if w.get("device_type") == "gpu"]
+    energies = [(w.get("measure") or {}).get("gpu_energy_j") for w in gpu]
+    mems = [(w.get("measure") or {}).get("gpu_process_memory_bytes_max") for w in gpu]
+    rss = [(w.get("measure") or {}).get("peak_tree_rss_bytes") for w in workers]
+    return {
+        "gpus": sum(int(w.get("device_count") or 0) for w in gpu),
+        "gpu_models": sorted({w["device_model"] for w in gpu if w.get("device_model")}),
+        "vcpus": sum(int(w.get("cpu_count") or 0) for w in workers if w.get("device_type") == "cpu"),
+        "gpu_energy_wh": (sum(energies) / 3600.0) if gpu and all(e is not None for e in energies) else None,
+        "gpu_process_memory_bytes_max": max((x for x in mems if x is not None), default=None),
+        "peak_worker_tree_rss_bytes": max((x for x in rss if x is not None), default=None),
+        "nvml_errors": [f"{w.get('worker')}: {w['nvml_error']}" for w in workers if w.get("nvml_error")],
+        "definition": "GPUs and vCPUs: sums over workers; energy: sum of each worker's NVML energy counter over "
+                      "its window; memory: the largest worker's",
+    }
+
+
+def _fallback_worker(hardware: dict[str, Any] | None, device_count: int) -> dict[str, Any]:
+    from tokenmill.jobs.metrics.pricing import launcher_worker
+
+    if hardware:
+        return launcher_worker(hardware)
+    return {"device_type": "cpu", "cpu_count": 1} if device_count <= 1 else {"device_type": "gpu",
+                                                                              "device_count": device_count}
+
+
+def _unit_costs(cost: float, output_tokens: int, total_tokens: int, requests: int) -> dict[str, Any]:
+    return {
+        "total": cost,
+        "per_1m_output_tokens": (cost / output_tokens * 1e6) if output_tokens else None,
+        "per_1m_total_tokens": (cost / total_tokens * 1e6) if total_tokens else None,
+        "per_successful_request": (cost / requests) if requests else None,
+    }
+
+
+def job_cost(workers: Sequence[dict[str, Any]], batches: Sequence[dict[str, Any]],
+             per_run: Sequence[dict[str, Any]], *, prices: dict[str, float] | None, flat: float | None,
+             fallback: dict[str, Any], output_tokens: int, total_tokens: int, requests: int) -> dict[str, Any]:
+    """Σ over workers of hours × that worker's hourly price (pricing.worker_rate), two ways:
+
+    * generation only (the top-level unit costs): each worker's active generation window
+      (its first batch admitted → its last batch finished, per run);
+    * held (`held`): each worker for the whole of its run as the launcher held it
+      (start-up, model load, generation, export; `run_figures` held_s), or, where the
+      run has no record, from the worker's start to its last report.
+
+    A worker row without measured devices is priced as the launcher's `fallback`."""
+    from tokenmill.jobs.metrics.pricing import price_table, worker_rate
+
+    table = prices if prices is not None else price_table()
+    runs = {r["run_id"]: r for r in per_run}
+    rows, gen_cost, held_cost, load_cost = [], 0.0, 0.0, 0.0
+    sources = set()
+    for w in workers:
+        desc = w if w.get("device_type") else {**w, **fallback}
+        rate = worker_rate(desc, table, flat)
+        rid = _worker_run(w, batches)
+        mine = [b for b in batches if w.get("worker") is not None and b.get("worker") == w.get("worker")]
+        by_run: dict[str, list[dict[str, Any]]] = {}
+        for b in mine:
+            by_run.setdefault(run_of(b.get("batch_id")), []).append(b)
+        gen_s = 0.0
+        for bs in by_run.values():
+            t0, t1 = _span(bs)
+            gen_s += (t1 - t0) if t0 is not None and t1 is not None else 0.0
+        run = runs.get(rid) if rid is not None else None
+        if run is not None and run.get("held_s") is not None:
+            held_s, held_basis = run["held_s"], "run"
+        else:
+            end = w.get("updated_at") or w.get("started_at")
+            held_s = (end - w["started_at"]) if w.get("started_at") is not None and end is not None else gen_s
+            held_s, held_basis = max(held_s, gen_s), "worker"
+        usd = rate["usd_per_hour"]
+        gen_cost += gen_s / 3600.0 * usd
+        held_cost += held_s / 3600.0 * usd
+        load_cost += (w.get("load_s") or 0.0) / 3600.0 * usd
+        sources.add(rate["source"])
+        rows.append({"worker": w.get("worker"), "run_id": rid, **rate, "generation_s": gen_s,
+                     "generation_cost": gen_s / 3600.0 * usd, "held_s": held_s, "held_basis": held_basis,
+                     "held_cost": held_s / 3600.0 * usd})
+    hourly = sum(r["usd_per_hour"] for r in rows)
+    return {
+        **_unit_costs(gen_cost, output_tokens, total_tokens, requests),
+        "basis": "generation only: Σ over workers of its active generation windows × its hourly price "
+                 "(model load, start-up and export excluded; see `held`)",
+        "held": {
+            **_unit_costs(held_cost, output_tokens, total_tokens, requests),
+            "basis": "everything the job held its devices for: Σ over workers of its run's launcher start -> "
+                     "after export (start-up, model load, generation, export) × its hourly price",
+        },
+        "model_load": load_cost,
+        "total_with_model_load": gen_cost + load_cost,
+        "usd_per_hour": hourly,
+        "price_per_hour": hourly,
+        "price_source": "; ".join(sorted(sources)) or None,
+        "workers": rows,
+        "currency": "USD",
+    }
 
 
 # ---------------------------------------------------------------- headline figures and comparison
@@ -207,6 +403,8 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
     ("cost.per_1m_output_tokens", "USD per 1M output tokens", "lower"),
     ("cost.per_1m_total_tokens", "USD per 1M total tokens", "lower"),
     ("cost.per_successful_request", "USD per successful request", "lower"),
+    ("cost.held.per_1m_output_tokens", "USD per 1M output tokens (all held time)", "lower"),
+    ("cost.held.per_successful_request", "USD per successful request (all held time)", "lower"),
 )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.jobs.metrics.accounting import job_metrics
-from tokenmill.jobs.metrics.pricing import price_for
+from tokenmill.jobs.metrics.pricing import price_table
 from tokenmill.schemas import storage as S
 
 
@@ -22,12 +22,15 @@ def stored_metrics(
     rows: list[dict[str, Any]] | None = None,
     job_wall_s: float | None = None,
     utilization: dict[str, Any] | None = None,
+    prices: dict[str, float] | None = None,
+    now: float | None = None,
 ) -> dict[str, Any]:
-    """`job_metrics` of the job's stored requests, batches and workers, priced for
-    `hardware` (the price's source recorded under cost.price_source).  `rows`: the
-    job's request rows when the caller has read them already."""
-    price, source = price_for(hardware, price_per_hour)
-    m = job_metrics(
+    """`job_metrics` of the job's stored requests, batches, workers and runs, each worker
+    priced for the devices it measured (the price table with the job spec's `prices`
+    over it, or the flat `price_per_hour`); `hardware` (the launcher's) prices worker
+    rows that measured nothing.  `rows`: the job's request rows when the caller has read
+    them already; `now`: the end of a run still going (a report of a live job)."""
+    return job_metrics(
         S.request_columns(eng, job_id) if rows is None else rows,
         S.job_batches(eng, job_id),
         S.job_workers(eng, job_id),
@@ -35,11 +38,12 @@ def stored_metrics(
         failed_by_reason=S.failure_reasons(eng, job_id),
         engine_config=engine_config,
         token_budget=token_budget,
-        price_per_hour=price,
+        price_per_hour=price_per_hour,
+        prices=price_table(prices),
+        hardware=hardware,
         device_count=hardware.get("device_count", 1) or 1,
         job_wall_s=job_wall_s,
         utilization=utilization,
+        runs=S.job_runs(eng, job_id),
+        now=now,
     )
-    if "cost" in m:
-        m["cost"]["price_source"] = source
-    return m

@@ -11,21 +11,11 @@ GPU the NVML part is a no-op that yields None.
 from __future__ import annotations
 
 import os
-import platform
 import threading
 import time
 from typing import Any, Callable
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from tokenmill.transforms.engines.device import cpu_model
 
 
 def cpu_flags() -> set[str]:

@@ -15,6 +15,7 @@ import datetime as dt
 import html
 import math
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,8 @@ def _live_metrics(eng, job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[
     c = S.counts(eng, job["id"])
     return stored_metrics(
         eng, job["id"], total=job.get("total") or (c["succeeded"] + c["failed"]), hardware=job.get("hardware") or {},
-        price_per_hour=spec.get("price_per_hour"), engine_config=job.get("engine_config") or {},
+        price_per_hour=spec.get("price_per_hour"), prices=spec.get("prices"), now=time.time(),
+        engine_config=job.get("engine_config") or {},
         token_budget=(spec.get("batching") or {}).get("token_budget"), rows=rows,
     )
 
@@ -213,17 +215,48 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
                                    f"power {fmt(x.get('power_w_mean'))} W (max {fmt(x.get('power_w_max'))} W)")
              for x in (g("utilization.gpus") or [])]),
     ]
+    runs = g("runs") or []
+    if len(runs) > 1:
+        sections.append(("Runs (a resumed job: each run's own figures)", [
+            (f"run {r['run_id']}" + ("" if r.get("finished") else " (did not finish)"),
+             f"model load {fmt(r.get('model_load_s'), 's')}, generation {fmt(r.get('generation_wall_s'), 's')}, "
+             f"{fmt(r.get('output_tokens'))} output tokens ({fmt(r.get('output_tok_per_s'))} tok/s), "
+             f"held {fmt(r.get('held_s'), 's')}")
+            for r in runs]))
+    workers = g("workers") or []
+    if workers:
+        sections.append(("Workers (measured where the engine runs)", [
+            (w.get("worker") or "-", _worker_line(w)) for w in workers]))
     if m.get("cost"):
-        sections.append(("Cost (USD; device-hours × hourly price)", [
-            ("price", f"{fmt(g('cost.price_per_hour'), 'usd')}/device-hour ({g('cost.price_source') or '-'})"),
-            ("device-hours (generation)", f"{g('cost.device_hours'):.3g}"),
-            ("generation", fmt(g("cost.total"), "usd")),
-            ("model load (not in unit costs)", fmt(g("cost.model_load"), "usd")),
-            ("per 1M output tokens", fmt(g("cost.per_1m_output_tokens"), "usd")),
-            ("per 1M total tokens", fmt(g("cost.per_1m_total_tokens"), "usd")),
-            ("per successful request", fmt(g("cost.per_successful_request"), "usd")),
+        sections.append(("Cost (USD; Σ over workers of hours × the worker's hourly price)", [
+            ("price", f"{fmt(g('cost.usd_per_hour'), 'usd')}/hour for all workers ({g('cost.price_source') or '-'})"),
+            ("generation only", fmt(g("cost.total"), "usd")),
+            ("all held time (start-up, load, generation, export)", fmt(g("cost.held.total"), "usd")),
+            ("model load", fmt(g("cost.model_load"), "usd")),
+            ("per 1M output tokens: generation only / all held time",
+             f"{fmt(g('cost.per_1m_output_tokens'), 'usd')} / {fmt(g('cost.held.per_1m_output_tokens'), 'usd')}"),
+            ("per 1M total tokens: generation only / all held time",
+             f"{fmt(g('cost.per_1m_total_tokens'), 'usd')} / {fmt(g('cost.held.per_1m_total_tokens'), 'usd')}"),
+            ("per successful request: generation only / all held time",
+             f"{fmt(g('cost.per_successful_request'), 'usd')} / {fmt(g('cost.held.per_successful_request'), 'usd')}"),
         ]))
     return sections
+
+
+def _worker_line(w: dict[str, Any]) -> str:
+    """One worker's devices and readings, in words (an unreadable NVML said so)."""
+    if w.get("device_type") == "gpu":
+        head = f"{w.get('device_count') or '?'} × {w.get('device_model') or 'GPU (model unknown)'}"
+        if w.get("nvml_error"):
+            return f"{head}; {w['nvml_error']}: memory, power and energy unknown"
+        return (f"{head}; GPU memory (this worker's processes) {fmt(w.get('gpu_process_memory_bytes_max'), 'bytes')}, "
+                f"energy {fmt((w.get('gpu_energy_j') or 0) / 3600.0 if w.get('gpu_energy_j') is not None else None)} Wh "
+                f"over {fmt(w.get('window_s'), 's')}")
+    if w.get("device_type") == "cpu":
+        return (f"{w.get('cpu_count') or '?'} vCPU ({w.get('device_model') or '-'}); process-tree RSS peak "
+                f"{fmt(w.get('peak_tree_rss_bytes'), 'bytes')}, {fmt(w.get('tree_cores_busy_mean'))} cores busy on "
+                f"average over {fmt(w.get('window_s'), 's')}")
+    return "not measured (written before tokenmill measured in workers)"
 
 
 LATENCY_ROWS = (("ttft", "TTFT", "ttft_s"), ("tpot", "TPOT", "tpot_s"), ("e2e", "E2E", "e2e_s"), ("queue", "queue", "queue_s"))
@@ -366,26 +399,25 @@ def throughput_figure(datas: list[dict[str, Any]], names: list[str]):
 
 
 def cost_figure(datas: list[dict[str, Any]], names: list[str]):
-    """Where the money went (generation vs model load) and the unit costs."""
+    """The job's cost and unit costs, generation only and over all held time, side by side."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("job cost (USD)", "unit costs (USD)"))
+    units = ["per 1M output tokens", "per 1M total tokens", "per 1k successful requests"]
     for i, (d, name) in enumerate(zip(datas, names)):
         c = d["metrics"].get("cost") or {}
-        if len(datas) == 1:
-            fig.add_trace(go.Bar(x=[name], y=[c.get("total")], name="generation"), row=1, col=1)
-            fig.add_trace(go.Bar(x=[name], y=[c.get("model_load")], name="model load"), row=1, col=1)
-        else:
-            fig.add_trace(go.Bar(x=["generation", "model load"], y=[c.get("total"), c.get("model_load")], name=name,
-                                 legendgroup=name, offsetgroup=str(i), marker_color=JOB_COLORS[i % 2]), row=1, col=1)
-        units = ["per 1M output tokens", "per 1M total tokens", "per 1k successful requests"]
-        vals = [c.get("per_1m_output_tokens"), c.get("per_1m_total_tokens"),
-                (c["per_successful_request"] * 1000) if c.get("per_successful_request") is not None else None]
-        fig.add_trace(go.Bar(x=units, y=vals, name=name, legendgroup=name, offsetgroup=str(i), showlegend=False,
-                             marker_color=JOB_COLORS[i % 2] if len(datas) > 1 else "#2ca02c"), row=1, col=2)
-    fig.update_layout(barmode="stack" if len(datas) == 1 else "group", title="Cost", height=380,
-                      margin=dict(t=70, b=40))
+        for j, (basis, cc) in enumerate((("generation only", c), ("all held time", c.get("held") or {}))):
+            label = basis if len(datas) == 1 else f"{name}: {basis}"
+            color = ("#2ca02c", "#98df8a")[j] if len(datas) == 1 else JOB_COLORS[i % 2]
+            fig.add_trace(go.Bar(x=[basis], y=[cc.get("total")], name=label, legendgroup=label,
+                                 offsetgroup=f"{i}", marker_color=color), row=1, col=1)
+            vals = [cc.get("per_1m_output_tokens"), cc.get("per_1m_total_tokens"),
+                    (cc["per_successful_request"] * 1000) if cc.get("per_successful_request") is not None else None]
+            fig.add_trace(go.Bar(x=units, y=vals, name=label, legendgroup=label, offsetgroup=f"{i}.{j}",
+                                 showlegend=False, marker_color=color), row=1, col=2)
+    fig.update_layout(barmode="group", title="Cost (generation only vs all held time: start-up, load, export)",
+                      height=380, margin=dict(t=70, b=40))
     return fig
 
 

@@ -30,7 +30,7 @@ def visible_gpus() -> list[dict[str, Any]]:
     except pynvml.NVMLError:
         return []
     try:
-        devices = [_describe(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())]
+        devices = describe_devices(pynvml)
     except pynvml.NVMLError:
         return []
     finally:
@@ -44,6 +44,25 @@ def visible_gpus() -> list[dict[str, Any]]:
 def has_nvidia_gpu() -> bool:
     """Whether this process's engine would run on a CUDA GPU (see `visible_gpus`)."""
     return bool(visible_gpus())
+
+
+def describe_devices(nvml) -> list[dict[str, Any]]:
+    """Every device an initialised NVML (`pynvml`, or a fake with its functions) reports, in NVML's order."""
+    return [_describe(nvml, i) for i in range(nvml.nvmlDeviceGetCount())]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what `platform` knows."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _describe(nvml, i: int) -> dict[str, Any]:
