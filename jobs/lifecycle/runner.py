@@ -203,8 +203,9 @@ def run_job(
 
 def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None) -> None:
     """Run the pipeline; when one of its worker processes died (kill -9, the OOM killer), run it
-    again, up to `runner.worker_retries` times, each under a new run id: the new run resumes
-    from the database, so only the dead worker's batches in flight are generated twice."""
+    again, up to `runner.worker_retries` times, in the same run (the launcher held its devices
+    all along): the new pipeline resumes from the database, so only the dead worker's batches
+    in flight are generated twice."""
     from tokenmill.jobs.lifecycle.direct_runner import worker_died
 
     for attempt in range(spec.runner.worker_retries + 1):
@@ -214,9 +215,8 @@ def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_fa
         except Exception as err:
             if attempt == spec.runner.worker_retries or not worker_died(err):
                 raise
-            run_id = uuid.uuid4().hex[:6]
-            log.warning("job %s: %s; running the pipeline again as run %s (retry %d of %d), resuming from the "
-                        "database", job_id, first_line(err), run_id, attempt + 1, spec.runner.worker_retries)
+            log.warning("job %s: %s; running the pipeline again (retry %d of %d), resuming from the database",
+                        job_id, first_line(err), attempt + 1, spec.runner.worker_retries)
 
 
 def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None) -> None:
