@@ -140,3 +140,48 @@ def _is_zombie(p: psutil.Process) -> bool:
         return p.status() == psutil.STATUS_ZOMBIE  # dead, waiting for its parent (gone) to be reaped
     except psutil.NoSuchProcess:
         return True
+
+
+def test_kill_9_of_one_sdk_worker_fails_the_pipeline_over_to_a_retry(tmp_path, sqlite_url):
+    """Two SDK workers (multi-process DirectRunner); one is killed with kill -9 mid-run.
+    Beam alone waits for ever on the dead worker's bundle; tokenmill fails the pipeline
+    and runs it again, resuming: the one `tokenmill run` ends with every id once, and the
+    dead worker's engine core does not outlive it."""
+    job = "sdk-worker-killed"
+    inp = write_parquet(tmp_path / "in.parquet",
+                        [{"id": f"w{i:04d}", "prompt": f"Name a colour for the number {i}."} for i in range(ROWS)])
+    out = tmp_path / "out"
+    argv = [a if a != JOB else job for a in cli(inp, out, sqlite_url)] + ["--workers", "2"]
+    # Output to files, not pipes: a process that outlived the run would hold a pipe open.
+    with open(tmp_path / "stdout", "w") as so, open(tmp_path / "stderr", "w") as se:
+        proc = subprocess.Popen(argv, start_new_session=True, stdout=so, stderr=se)
+    eng = S.connect(sqlite_url)
+    deadline = time.monotonic() + 900  # a bound against a hung test, not a speed assertion
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if S.get_job(eng, job) is not None and S.counts(eng, job)["succeeded"] >= 40:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, f"the run ended before the kill: {(tmp_path / 'stderr').read_text()[-2000:]}"
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "sdk_worker_main" in " ".join(p.cmdline()) and p.name().startswith("python")]
+        assert len(workers) == 2, workers
+        victim = workers[0]
+        its_engine = victim.children(recursive=True)
+        victim.kill()
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "died" in stderr and "running the pipeline again" in stderr, stderr[-3000:]
+    rows = pq.read_table(out / "outputs.parquet").to_pylist()
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == ROWS and set(ids) == {f"w{i:04d}" for i in range(ROWS)}
+    j = S.get_job(eng, job)
+    assert (j["status"], j["succeeded"], j["failed"]) == ("succeeded", ROWS, 0)
+    _, alive = psutil.wait_procs(its_engine, timeout=30)
+    for p in alive:
+        p.kill()
+    assert not [p for p in alive if not _is_zombie(p)], f"the dead worker's engine outlived it: {alive}"

@@ -18,8 +18,10 @@ def _quiet_logs(verbose: bool) -> None:
     # summary or, with --json, the machine-readable result.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for name in ("apache_beam", "root", "alembic"):
+    for name in ("apache_beam", "root", "alembic"):  # "root" is the root logger itself
         logging.getLogger(name).setLevel(logging.ERROR if not verbose else logging.INFO)
+    # tokenmill's own warnings (a retried pipeline, a killed engine) are for the user.
+    logging.getLogger("tokenmill").setLevel(level)
     if not verbose:
         import warnings
 
