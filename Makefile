@@ -24,6 +24,7 @@ help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
 	@echo "make test   - set up everything and run the test suite"
 	@echo "make bench  - throughput benchmark (docs/BENCHMARKS.md)"
+	@echo "make gpu-check - the worker meter against nvidia-smi on a GPU (docs/ACCOUNTING.md)"
 
 $(STAMP): setup.cfg
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
