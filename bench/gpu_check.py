@@ -2,10 +2,10 @@
 
     python -m bench.gpu_check [--out FILE] [--idle-s 8] [--busy-s 20]      (or: make gpu-check)
 
-Needs PyTorch (a CUDA build), nvidia-ml-py and the driver's `nvidia-smi`; no vLLM,
-Beam or database: it imports only the meter (transforms/engines/meter.py), the GPU
+Needs PyTorch (a CUDA build), nvidia-ml-py, psutil and the driver's `nvidia-smi`;
+no vLLM, Beam or database: it imports only the meter (transforms/engines/meter.py), the GPU
 detector (engines/device.py), the launcher's hardware description and the price
-table, none of which imports more than the standard library and pynvml.  From a
+table, none of which imports more than the standard library, pynvml and psutil.  From a
 clone where tokenmill is not installed it uses the clone's code.  About a minute.
 
 On the first GPU this process sees, it
@@ -33,7 +33,7 @@ It prints a table and writes the JSON result (default
 bench/results/gpu-check-<UTC stamp>.json).  Exit status: 0 every check passed;
 1 a check failed; 2 bad arguments; 3 no NVIDIA GPU here (one line says why,
 nothing is written); 4 a GPU is here but the check cannot run (no nvidia-ml-py,
-torch without CUDA, no nvidia-smi: one line says which).
+no psutil, torch without CUDA, no nvidia-smi: one line says which).
 """
 
 from __future__ import annotations
@@ -214,11 +214,8 @@ def device_checks(one: dict[str, Any], none: dict[str, Any], device: dict[str, A
                      launcher.get("device_count")], ["gpu", 1],
                      [launcher.get("device_type"), launcher.get("device_count")] == ["gpu", 1], "equal"))
     w = one.get("worker") or {}
-    out.append(check(f"{pre} worker meter: device type, count, model",
-                     [w.get("device_type"), w.get("device_count"), w.get("device_model")],
-                     ["gpu", 1, device.get("name")],
-                     [w.get("device_type"), w.get("device_count"), w.get("device_model")] == ["gpu", 1, device.get("name")],
-                     "equal"))
+    seen, want_w = [w.get("device_type"), w.get("device_count"), w.get("device_model")], ["gpu", 1, device.get("name")]
+    out.append(check(f"{pre} worker meter: device type, count, model", seen, want_w, seen == want_w, "equal"))
     out.append(check(f"{pre} worker meter reads that device", w.get("gpu_uuids"), [device.get("uuid")],
                      [_uuid(u) for u in w.get("gpu_uuids") or []] == [want], "equal"))
     rate = (one.get("rate") or {}).get("usd_per_hour")
@@ -289,6 +286,10 @@ def cannot_run_reason() -> str | None:
     except Exception as err:
         return f"NVML cannot be read ({type(err).__name__}: {err}); install nvidia-ml-py"
     try:
+        import psutil  # noqa: F401  (the meter finds this process's tree, whose GPU memory it reads, with it)
+    except ImportError:
+        return "psutil is not installed"
+    try:
         import torch
     except ImportError:
         return "PyTorch is not installed"
@@ -325,6 +326,11 @@ class SmiPoller(threading.Thread):
         self.proc.wait(10)
 
 
+def _torch_uuid(props) -> str | None:
+    u = getattr(props, "uuid", None)  # torch's device properties have it from 2.0 on
+    return str(u) if u is not None else None
+
+
 def child_report(engine_device: str) -> dict[str, Any]:
     """What torch, the detector, the launcher and a worker's meter see in this process
     (run with CUDA_VISIBLE_DEVICES set by the parent); `engine_device`: what the engine would say."""
@@ -344,7 +350,7 @@ def child_report(engine_device: str) -> dict[str, Any]:
     return {
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "torch_device_count": n,
-        "torch_uuids": [str(torch.cuda.get_device_properties(i).uuid) for i in range(n)],
+        "torch_uuids": [_torch_uuid(torch.cuda.get_device_properties(i)) for i in range(n)],
         "visible_gpus": [g["uuid"] for g in visible_gpus()],
         "launcher": {k: hw.get(k) for k in ("device", "device_type", "device_count")},
         "worker": {"device_type": reading["device_type"], "device_model": reading["device_model"],
@@ -372,7 +378,7 @@ def measure(idle_s: float, busy_s: float, warm_s: float = 3.0) -> dict[str, Any]
 
     dev = torch.device("cuda:0")
     props = torch.cuda.get_device_properties(dev)
-    torch_device = {"uuid": str(props.uuid), "name": props.name, "total_memory_bytes": props.total_memory}
+    torch_device = {"uuid": _torch_uuid(props), "name": props.name, "total_memory_bytes": props.total_memory}
     block_bytes = min(int(0.4 * props.total_memory), 32 * GIB)
     block = torch.ones(block_bytes, dtype=torch.uint8, device=dev)  # written, so it is resident
     n = 8192
@@ -463,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     checks += device_checks(one, none, dev, gpu_price(dev["name"], price_table())[0])
     status = exit_status(checks)
     doc = {"benchmark": "gpu-check", "started_at": started, "finished_at": utc_now(),
-           "wall_s": round(time.perf_counter() - t0, 1), "command": " ".join(["python -m bench.gpu_check", *(argv or sys.argv[1:])]),
+           "wall_s": round(time.perf_counter() - t0, 1),
+           "command": " ".join(["python -m bench.gpu_check", *(argv or sys.argv[1:])]),
            "limits": {"memory": MEMORY_TOL, "power": POWER_TOL, "energy": ENERGY_TOL,
                       "busy_util_min_pct": BUSY_UTIL_MIN, "idle_util_max_pct": IDLE_UTIL_MAX},
            "windows_s": {"idle": args.idle_s, "busy": args.busy_s},
