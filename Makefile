@@ -18,12 +18,13 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_LOGGING_LEVEL ?= WARNING
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install airflow prepare demo test test-fast bench bench-quant bench-scale bench-db clean help
+.PHONY: install airflow prepare demo test test-fast bench bench-quant bench-scale bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
 	@echo "make test   - set up everything and run the test suite"
 	@echo "make bench  - throughput benchmark (docs/BENCHMARKS.md)"
+	@echo "make gpu-check - the worker meter against nvidia-smi on a GPU (docs/ACCOUNTING.md)"
 
 $(STAMP): setup.cfg
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -84,6 +85,13 @@ bench-scale: prepare
 # 100k output rows through the job's write path into SQLite and the local PostgreSQL.
 bench-db: install
 	$(PY) -m bench.db_writes
+
+# The meter against nvidia-smi on a real GPU (bench/gpu_check.py, docs/ACCOUNTING.md): needs only
+# PyTorch (CUDA) and nvidia-ml-py, so it installs nothing and runs this venv's python if there is
+# one, else python3. Exit 0 pass, 1 a check failed, 3 no NVIDIA GPU here, 4 cannot run.
+GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_CHECK_PY) -m bench.gpu_check $(BENCH_ARGS)
 
 clean:
 	rm -rf runs bench/work .pytest_cache

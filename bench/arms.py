@@ -38,7 +38,8 @@ def prompt_rows(workload, model_path: str, engine: EngineConfig) -> list[dict[st
         rec = validate_row({**row, "_file_index": 0, "_row": i})
         t = tokenize_record(tok, rec, max_model_len=engine.max_model_len, default_max_tokens=workload.max_tokens)
         # run-batch's completions schema takes text only: the same tokens, decoded
-        out.append({"id": t.id, "token_ids": t.token_ids, "max_tokens": t.max_tokens,
+        # a list, not Tokenize's array("i"): vLLM's msgspec cannot send an array to its engine core
+        out.append({"id": t.id, "token_ids": list(t.token_ids), "max_tokens": t.max_tokens,
                     "messages": rec.messages, "text": tok.decode(t.token_ids)})
     return out
 

@@ -8,7 +8,10 @@ same rows a second time (a resumed job: every key exists, nothing is added).
 
     python -m bench.db_writes [--rows 100000] [--batch 256] [--pg URL] [--json FILE]
 
-Prints one line per backend and the whole result as JSON.
+Prints one line per backend and writes the whole result as JSON to `--json`
+(default bench/results/db-writes-<UTC stamp>.json): the machine (CPU model,
+cores, load average before and after), the PostgreSQL server version, and per
+backend the insert and rerun seconds.
 """
 
 from __future__ import annotations
@@ -16,14 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
+from bench.common import RESULTS, utc_now, utc_stamp
+from tokenmill.jobs.metrics.hardware import cpu_flags
 from tokenmill.schemas import storage as S
+from tokenmill.transforms.engines.device import cpu_model
 from tokenmill.schemas.records import OutputRow
 from tokenmill.transforms.write import WriteOutputsFn
 
@@ -72,8 +79,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=256, help="rows per transaction (one finished batch)")
     ap.add_argument("--pg", default=PG_URL, help="PostgreSQL URL; 'none' to skip")
-    ap.add_argument("--json", dest="json_path", default=None, help="also write the result here")
+    ap.add_argument("--json", dest="json_path", default=None,
+                    help="write the result here (default bench/results/db-writes-<UTC stamp>.json)")
     args = ap.parse_args()
+    started = utc_now()
+    load_before = os.getloadavg()
+    pg_version = None
     job_id = f"bench-{uuid.uuid4().hex[:8]}"
     batches = make_batches(job_id, args.rows, args.batch)
     results = []
@@ -84,6 +95,7 @@ def main() -> None:
         admin = create_engine(args.pg)
         with admin.begin() as conn:
             conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+            pg_version = conn.execute(text("SHOW server_version")).scalar()
         try:
             sep = "&" if "?" in args.pg else "?"
             results.append(run_backend("postgresql", f"{args.pg}{sep}options=-csearch_path%3D{schema}", batches, job_id))
@@ -94,12 +106,18 @@ def main() -> None:
     for r in results:
         print(f"{r['backend']:<11} {r['rows']:>7} rows in {r['transactions']} transactions: {r['insert_s']:.2f} s "
               f"({r['rows_per_s']:,} rows/s); rerun (all keys exist) {r['rerun_insert_s']:.2f} s")
-    doc = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "batch_rows": args.batch,
+    doc = {"benchmark": "db-writes", "started_at": started, "finished_at": utc_now(),
+           "command": " ".join(["python -m bench.db_writes", *sys.argv[1:]]),
+           "machine": f"{cpu_model()}, {os.cpu_count()} cores",
+           "cpu_isa": sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")) or f == "avx2"),
+           "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+           "load_average_1m": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
+           "postgresql_server_version": pg_version, "rows": args.rows, "batch_rows": args.batch,
            "results": results}
-    print(json.dumps(doc))
-    if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump(doc, fh, indent=2)
+    path = Path(args.json_path) if args.json_path else RESULTS / f"db-writes-{utc_stamp()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"result: {path}")
 
 
 if __name__ == "__main__":

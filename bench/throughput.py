@@ -10,7 +10,10 @@ section of docs/BENCHMARKS.md.
 Throughput mode: fixed max_tokens (per row on workload c), ignore_eos, greedy.
 Counts as vLLM's benchmark does: output tok/s, total (prompt + output) tok/s,
 requests/s over generation time; engine load reported apart.  Arms run in
-A B B A order and the medians are reported.
+A B B A order and the medians are reported.  raw and tokenmill on (a) and (c)
+share one engine: each first runs once unmeasured (a warm-up: the first run after
+engine load was up to 2× slower), then `ac_reps` passes with the first arm rotating
+per repetition (A B B A B A A B); `warmups` and `order` in the results file keep both.
 """
 
 from __future__ import annotations
@@ -37,21 +40,24 @@ MiB = 1 << 20
 #: generation, not the fixed two-worker start and stop, dominates a job.
 SCALES: dict[str, dict[str, Any]] = {
     "smoke": dict(chat=24, chat_max_tokens=8, long=6, long_out=(16, 48), docs=8, questions=3, doc_words=250,
-                  b_max_tokens=4, b_kv_mib=72, b_max_model_len=512, reps=1, sub_reps=1, none_reps=1, ablation=("prefix", "none")),
+                  b_max_tokens=4, b_kv_mib=72, b_max_model_len=512, reps=1, sub_reps=1, none_reps=1, ac_reps=2, ablation=("prefix", "none")),
     "full": dict(chat=256, chat_max_tokens=32, long=64, long_out=(32, 256), docs=128, questions=4, doc_words=250,
-                 b_max_tokens=8, b_kv_mib=48, b_max_model_len=512, reps=2, sub_reps=2, none_reps=1,
+                 b_max_tokens=8, b_kv_mib=48, b_max_model_len=512, reps=2, sub_reps=2, none_reps=1, ac_reps=4,
                  ablation=("prefix", "none", "length")),
     "gpu": dict(chat=4000, chat_max_tokens=128, long=1000, long_out=(128, 1024), docs=2000, questions=4,
-                doc_words=250, b_max_tokens=16, b_kv_mib=4096, b_max_model_len=1024, reps=2, sub_reps=2, none_reps=2,
+                doc_words=250, b_max_tokens=16, b_kv_mib=4096, b_max_model_len=1024, reps=2, sub_reps=2, none_reps=2, ac_reps=4,
                 ablation=("prefix", "none", "length")),
 }
 
 
 def abba(arms: list[str], reps: int) -> list[str]:
-    """A B C … then … C B A, `reps` passes in total (reps=2 → A B B A)."""
+    """`reps` passes over `arms`, each second pass mirrored, and each repetition (two
+    passes) starting with the next arm: reps=2 → A B B A, reps=4 → A B B A B A A B."""
     order: list[str] = []
     for i in range(reps):
-        order += arms if i % 2 == 0 else arms[::-1]
+        k = (i // 2) % len(arms) if arms else 0
+        rot = arms[k:] + arms[:k]
+        order += rot if i % 2 == 0 else rot[::-1]
     return order
 
 
@@ -91,7 +97,7 @@ def run(args) -> dict[str, Any]:
 
     sc = dict(SCALES[args.scale])
     if args.reps:
-        sc.update(reps=args.reps, none_reps=min(sc["none_reps"], args.reps))
+        sc.update(reps=args.reps, ac_reps=args.reps, none_reps=min(sc["none_reps"], args.reps))
     sc["sub_arms"] = [a for a in args.sub_arms.split(",") if a]
     on_gpu = has_nvidia_gpu()
     work = ROOT / "bench" / "work"
@@ -120,6 +126,10 @@ def run(args) -> dict[str, Any]:
         **machine(),
         "workloads": {},
         "runs": defaultdict(list),
+        #: unmeasured first runs (one per in-process arm and workload), kept apart from `runs`
+        "warmups": defaultdict(list),
+        #: the measured arms of (a) and (c) in the order they ran
+        "order": {},
         "errors": [],
     }
     rows = {w.name: A.prompt_rows(w, model_path, eng_ac) for w in (wa, wc)}
@@ -139,15 +149,15 @@ def run(args) -> dict[str, Any]:
 
     partial = ROOT / "bench" / "results" / f"throughput-{args.scale}-partial.json.tmp"
 
-    def record(key: str, res: dict[str, Any] | BaseException) -> None:
+    def record(key: str, res: dict[str, Any] | BaseException, *, warmup: bool = False) -> None:
         if isinstance(res, BaseException):  # one broken arm must not cost the others' figures
-            out["errors"].append({"run": key, "error": f"{type(res).__name__}: {str(res)[:1500]}"})
-            log(f"{key}: FAILED {type(res).__name__}: {str(res)[:300]}")
+            out["errors"].append({"run": key, "warmup": warmup, "error": f"{type(res).__name__}: {str(res)[:1500]}"})
+            log(f"{key}{' (warm-up)' if warmup else ''}: FAILED {type(res).__name__}: {str(res)[:300]}")
             return
-        out["runs"][key].append(res)
+        out["warmups" if warmup else "runs"][key].append(res)
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(out, indent=1, default=str))
-        log(f"{key}: {res.get('output_tok_per_s') or 0:.1f} out tok/s, {res.get('total_tok_per_s') or 0:.1f} total tok/s, "
+        log(f"{key}{' (warm-up, not counted)' if warmup else ''}: {res.get('output_tok_per_s') or 0:.1f} out tok/s, {res.get('total_tok_per_s') or 0:.1f} total tok/s, "
             f"gen {res.get('gen_s') or 0:.1f}s, load {res.get('engine_load_s') or 0:.1f}s, "
             f"hit {res.get('prefix_cache_hit_rate')}")
 
@@ -184,22 +194,26 @@ def run_ac(out, sc, args, eng_ac, model_path, rows, wa, wc, work, record, sectio
     kwargs = dict(session.kwargs)
     out["engine_args"]["a_c"] = {k: v for k, v in kwargs.items() if k not in ("model", "tokenizer")}
     log(f"engine loaded in {out['engine_load_s_in_process']:.1f}s: {out['engine_args']['a_c']}")
-    # raw and tokenmill share this engine (A B B A); the subprocess arms, which
-    # start an engine each (~45-90 s here), run after (b) in `subprocess_arms`.
-    for arm in abba(["raw", "tokenmill"], sc["reps"]) if "a" in sections else []:
+    # raw and tokenmill share this engine: one unmeasured warm-up run each, then
+    # `ac_reps` passes whose first arm rotates (A B B A B A A B); the subprocess arms,
+    # which start an engine each (~45-90 s here), run after (b) in `subprocess_arms`.
+    def arm_run(arm: str, wl, label: str):
         if arm == "raw":
-            record("chat/raw", attempt(lambda: A.raw(session, rows[wa.name])))
-        else:
-            record("chat/tokenmill", attempt(lambda: A.tokenmill(wa, eng_ac, work, label="a", session=session)))
-    # ordering none on (a): prefix ordering must not lose where little is shared
-    for _ in range(sc["none_reps"] if "a" in sections else 0):
-        record("chat/tokenmill_none", attempt(lambda: A.tokenmill(wa, eng_ac, work, label="a-none", ordering="none",
-                                                                  session=session)))
-    for arm in abba(["raw", "tokenmill"], sc["reps"]) if "c" in sections else []:
-        if arm == "raw":
-            record("long_output/raw", attempt(lambda: A.raw(session, rows[wc.name])))
-        else:
-            record("long_output/tokenmill", attempt(lambda: A.tokenmill(wc, eng_ac, work, label="c", session=session)))
+            return attempt(lambda: A.raw(session, rows[wl.name]))
+        return attempt(lambda: A.tokenmill(wl, eng_ac, work, label=label, session=session))
+
+    for section, wl in (("a", wa), ("c", wc)):
+        if section not in sections:
+            continue
+        for arm in ("raw", "tokenmill"):
+            record(f"{wl.name}/{arm}", arm_run(arm, wl, f"{section}-warmup"), warmup=True)
+        out["order"][section] = abba(["raw", "tokenmill"], sc["ac_reps"])
+        for arm in out["order"][section]:
+            record(f"{wl.name}/{arm}", arm_run(arm, wl, section))
+        if section == "a":  # ordering none on (a): prefix ordering must not lose where little is shared
+            for _ in range(sc["none_reps"]):
+                record("chat/tokenmill_none", attempt(lambda: A.tokenmill(wa, eng_ac, work, label="a-none",
+                                                                          ordering="none", session=session)))
     E.shutdown_all()  # free the cores and memory before the two-worker runs
 
 
@@ -290,7 +304,10 @@ def markdown(res: dict[str, Any], json_name: str) -> str:
         "tokenmill's generation time is the whole `run_job` wall (read, validate, tokenize, batch, generate, write to "
         "SQLite, export Parquet, metrics) with its engine already loaded; Beam stock is the pipeline wall minus "
         "RunInference's `load_model_latency`; run-batch is the time from its first progress-bar frame (engine up, "
-        "requests parsed) to its first `[shutdown]` log line (outputs written). Medians of A B B A repetitions.",
+        "requests parsed) to its first `[shutdown]` log line (outputs written). Medians of A B B A repetitions"
+        + (f"; raw and tokenmill on the shared engine after one unmeasured warm-up run each, in the order "
+           + "; ".join(f"({k}) " + " ".join("A" if a == "raw" else "B" for a in o) for k, o in res["order"].items())
+           + " (A raw, B tokenmill)" if res.get("order") else "") + ".",
         "",
         "| workload | rows | prompt tok mean / p99 / max | max_tokens |",
         "|---|---|---|---|",

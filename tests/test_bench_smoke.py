@@ -20,9 +20,33 @@ def test_workloads_are_reproducible_and_shaped_as_described(tmp_path):
     assert all(10 <= m <= 30 for m in mts) and len(set(mts)) > 1
 
 
-def test_abba_order_repeats_arms_mirrored():
+def test_abba_order_repeats_arms_mirrored_and_rotates_the_first_arm_per_repetition():
     assert T.abba(["raw", "tm"], 2) == ["raw", "tm", "tm", "raw"]
+    assert T.abba(["raw", "tm"], 4) == ["raw", "tm", "tm", "raw", "tm", "raw", "raw", "tm"]
     assert T.abba(["a", "b", "c"], 1) == ["a", "b", "c"]
+    assert T.abba(["a", "b", "c"], 4) == ["a", "b", "c", "c", "b", "a", "b", "c", "a", "a", "c", "b"]
+    # the full and GPU scales measure each in-process arm first as often as the other
+    for scale in ("full", "gpu"):
+        order = T.abba(["raw", "tm"], T.SCALES[scale]["ac_reps"])
+        firsts = [order[i] for i in range(0, len(order), 4)]
+        assert sorted(firsts) == ["raw", "tm"] and order.count("raw") == order.count("tm")
+
+
+def test_the_docs_section_says_the_warm_up_and_the_order_and_counts_measured_runs_only():
+    run = {"output_tok_per_s": 100.0, "total_tok_per_s": 300.0, "requests_per_s": 2.0, "gen_s": 10.0,
+           "requests": 20, "prompt_tokens": 2000, "output_tokens": 1000}
+    res = {"hardware": {"cpu_model": "X"}, "versions": {}, "engine_args": {}, "command": "c", "started_at": "s",
+           "finished_at": "f", "model": "m", "load_format": "auto", "workloads": {},
+           "runs": {"chat/raw": [run] * 4, "chat/tokenmill": [run] * 4},
+           "warmups": {"chat/raw": [{**run, "output_tok_per_s": 50.0}]},
+           "order": {"a": T.abba(["raw", "tokenmill"], 4)}}
+    res["medians"] = {k: T.median_of(v) for k, v in res["runs"].items()}
+    res["ratios"] = T.ratios(res["medians"])
+    md = T.markdown(res, "x.json")
+    assert "after one unmeasured warm-up run each, in the order (a) A B B A B A A B (A raw, B tokenmill)." in md
+    assert "| chat/raw | 4 | 100.0 |" in md  # the warm-up's 50 tok/s is not in the median
+    del res["order"]  # results files written before the warm-up still read
+    assert "Medians of A B B A repetitions." in T.markdown(res, "x.json")
 
 
 def test_shared_token_share_counts_whole_blocks_after_the_first_prompt():
