@@ -1,7 +1,9 @@
 """Hourly prices for cost accounting: per GPU by device model, per vCPU and per GiB for CPU workers.
 
 Defaults are on-demand list prices in USD, rounded, as published in 2025 (sources
-beside each entry).  They are estimates for comparing jobs, not bills: override
+beside each entry).  They were written down without the pages at hand (this project's
+machines reach package registries only) and not checked since: check them against
+your provider.  They are estimates for comparing jobs, not bills: override
 them per job (`prices` in the job spec: `{"h100": 2.5, "cpu_vcpu": 0.04}`; or the
 older flat `price_per_hour`, one price per device-hour for every device, a CPU
 worker counting as one device), or for every job with a JSON/YAML file named by
