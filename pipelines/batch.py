@@ -71,7 +71,8 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
         dedup = valid.ok | "DedupIds" >> DedupIds(parts.db_url, parts.job_id, claimed)
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(
-        parts.model_path, spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks
+        parts.model_path, spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks,
+        keep_source=spec.engine.kind == "openai",
     )
     dead["Tokenize"] = tok[DEAD]
     # The part is taken from the whole unit, before the database is asked what is done,

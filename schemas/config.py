@@ -45,12 +45,34 @@ def _one_of(*allowed: str):
     return check
 
 
-class EngineConfig(_Strict):
-    """Arguments for `vllm.LLM`, named exactly as vLLM's `EngineArgs`."""
+#: EngineConfig keys of the `openai` engine (an OpenAI-compatible HTTP server): not vLLM `EngineArgs`.
+HTTP_ENGINE_KEYS = frozenset({"kind", "base_url", "api_key_env", "max_in_flight", "request_timeout_s", "max_retries"})
 
+
+class EngineConfig(_Strict):
+    """Arguments for `vllm.LLM`, named exactly as vLLM's `EngineArgs`; with `kind: openai`,
+    the server an OpenAI-compatible HTTP engine talks to (`HTTP_ENGINE_KEYS`)."""
+
+    kind: Literal["vllm", "openai"] = "vllm"
+    """`vllm`: vLLM in the worker process; `openai`: any OpenAI-compatible HTTP server at `base_url`."""
     model: str = "smollm2-135m"
-    """Short name from the models folder, or a path to a Hugging Face model folder."""
+    """Short name from the models folder, or a path to a Hugging Face model folder; with
+    `kind: openai`, the model name the server serves (as its /v1/models lists it)."""
     tokenizer: str | None = None
+    """With `kind: openai`: the local model folder or short name whose tokenizer counts and
+    orders the prompts (default: `model`, when it is a local folder)."""
+    base_url: str | None = None
+    """`kind: openai`: the server's OpenAI API root, e.g. `http://10.0.0.5:8000/v1`."""
+    api_key_env: str | None = None
+    """`kind: openai`: the environment variable that holds the API key (read by each worker;
+    the key itself is never in the spec).  Unset: no key is sent."""
+    max_in_flight: int = Field(16, ge=1, le=4096)
+    """`kind: openai`: requests each worker has open at once."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """`kind: openai`: the longest one attempt of a request may take (and wait between bytes)."""
+    max_retries: int = Field(3, ge=0, le=100)
+    """`kind: openai`: retries of a request after a 429, a 5xx, a timeout, a dropped connection
+    or a malformed response (exponential backoff with jitter); then the row is a dead letter."""
     dtype: str = "auto"
     """`auto` picks by measurement on CPU (bf16 vs fp32 matmul speed) and the
     model's own dtype on GPU."""
@@ -70,6 +92,28 @@ class EngineConfig(_Strict):
     block_size: int | None = Field(None, ge=1)
     extra: dict[str, Any] = Field(default_factory=dict)
     """Passed through to `vllm.LLM` unchanged (any other `EngineArgs` field)."""
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_env(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError(f"must name an environment variable (letters, digits, '_'), not hold a key; got {len(v)} characters")
+        return v
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"https?://[^/\s]+", v):
+            raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
+        return v.rstrip("/") if v is not None else v
+
+    @model_validator(mode="after")
+    def _kind_keys(self) -> "EngineConfig":
+        if self.kind == "openai" and not self.base_url:
+            raise ValueError("kind openai needs base_url (the server's OpenAI API root, e.g. http://HOST:8000/v1)")
+        if self.kind == "vllm" and (self.base_url or self.api_key_env):
+            raise ValueError("base_url and api_key_env are for kind openai (an HTTP server); this engine is vllm")
+        return self
 
     _dtype = field_validator("dtype")(_one_of("auto", "float32", "bfloat16", "float16", "half", "float"))
     _kv_dtype = field_validator("kv_cache_dtype")(_one_of("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"))
@@ -197,7 +241,8 @@ def format_validation_error(err: ValidationError, source: str = "job spec") -> s
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        elif "input" in e and e["type"] != "missing":
+        elif "input" in e and e["type"] != "missing" and "api_key_env" not in e["loc"]:
+            # (an api_key_env value that fails is most likely a key pasted in: never echoed)
             msg = f"{msg} (got {e['input']!r})"
         parts.append(f"{loc}: {msg}")
     return f"invalid {source}: " + "; ".join(parts)

@@ -46,6 +46,12 @@ PROMPT_TOO_LONG = "prompt_too_long"
 BAD_REQUEST = "bad_request"
 ENGINE_ERROR = "engine_error"
 ENGINE_TIMEOUT = "engine_timeout"
+# The `openai` engine (an HTTP server), after its retries: one code per cause.
+RATE_LIMITED = "rate_limited"
+SERVER_ERROR = "server_error"
+REQUEST_TIMEOUT = "request_timeout"
+CONNECTION_DROPPED = "connection_dropped"
+BAD_RESPONSE = "bad_response"
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -76,6 +82,9 @@ class TokenizedPrompt(_FromInput):
     max_tokens: int
     sampling: dict[str, Any] = field(default_factory=dict)
     reference: str | None = None
+    source: str | list[dict[str, str]] | None = None
+    """The prompt as the row gave it (its text, or its chat messages), kept only for an
+    engine that takes text rather than token ids (the `openai` engine)."""
 
     @property
     def budget_tokens(self) -> int:

@@ -152,9 +152,14 @@ class BatchRunner:
             batch_id=batch_id, worker=self.worker, finished_at=f.finished_at,
         ).as_dict()
 
+    @staticmethod
+    def _gave_up(p: TokenizedPrompt, f: Finished) -> FailedRecord:
+        return FailedRecord(p.input_file, p.input_row, p.id, f.error_reason, f.error or f.error_reason)
+
     def _add(self, s: EngineSession, p: TokenizedPrompt, rid: str) -> FailedRecord | None:
         try:
-            s.add(rid, p.token_ids, request_sampling(self.cfg.sampling, p))
+            source = {} if p.source is None else {"source": p.source}
+            s.add(rid, p.token_ids, request_sampling(self.cfg.sampling, p), **source)
         except Exception as err:
             return FailedRecord(p.input_file, p.input_row, p.id, R.BAD_REQUEST, f"engine rejected the request: {first_line(err)}")
         self.admitted_rows += 1
@@ -234,8 +239,11 @@ class BatchRunner:
                 if bid is None:
                     continue
                 st = active[bid]
-                st["rows"].append(self._output_row(p, f, bid))
-                st["done_times"].append(f.finished_at)
+                if f.error_reason is not None:  # the engine gave up on this row (after its retries)
+                    st["dead"].append(self._gave_up(p, f))
+                else:
+                    st["rows"].append(self._output_row(p, f, bid))
+                    st["done_times"].append(f.finished_at)
                 st["left"] -= 1
             for bid in [b for b, st in active.items() if st["left"] <= 0]:
                 st = active.pop(bid)
@@ -262,7 +270,9 @@ class BatchRunner:
             job_id=self.cfg.job_id, batch_id=b.batch_id, worker=self.worker, requests=len(b.prompts),
             prompt_tokens=sum(r["prompt_tokens"] for r in rows),
             output_tokens=sum(r["output_tokens"] for r in rows),
-            cached_tokens=sum(r["cached_tokens"] for r in rows),
+            # None when the engine cannot count prefix-cache hits (the `openai` engine, mostly)
+            cached_tokens=None if rows and all(r["cached_tokens"] is None for r in rows)
+            else sum(r["cached_tokens"] or 0 for r in rows),
             started_at=st["started"], finished_at=now, tail_s=tail, engine_idle_s=st.get("idle", 0.0),
         )
         return rows, st["dead"], stats.as_dict()
@@ -296,7 +306,9 @@ class BatchRunner:
             while owner:
                 for f in self._step(s, started):
                     p = owner.pop(f.request_id, None)
-                    if p is not None:
+                    if p is not None and f.error_reason is not None:
+                        dead.append(self._gave_up(p, f))
+                    elif p is not None:
                         rows.append(self._output_row(p, f, bid))
         except Exception:
             s.abort(list(owner))

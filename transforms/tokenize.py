@@ -59,6 +59,7 @@ def tokenize_record(
     default_max_tokens: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
     prefix_blocks: int = 4,
+    keep_source: bool = False,
 ) -> TokenizedPrompt | FailedRecord:
     max_tokens = rec.sampling.get("max_tokens", default_max_tokens)
     try:
@@ -83,17 +84,20 @@ def tokenize_record(
         max_tokens=max_tokens,
         sampling=rec.sampling,
         reference=rec.reference,
+        source=(rec.messages if rec.messages is not None else rec.prompt) if keep_source else None,
     )
 
 
 class TokenizeFn(MapRows):
-    def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int):
+    def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
+                 keep_source: bool = False):
         self._model_path = model_path
         self._kw = dict(
             max_model_len=max_model_len,
             default_max_tokens=default_max_tokens,
             block_size=block_size,
             prefix_blocks=prefix_blocks,
+            keep_source=keep_source,
         )
         self._tok = None
 
@@ -105,9 +109,13 @@ class TokenizeFn(MapRows):
 
 
 class Tokenize(beam.PTransform):
-    def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int):
+    """`keep_source`: keep each prompt's text or messages on its record too, for an engine
+    that takes text (the `openai` engine); the token ids still size, order and batch it."""
+
+    def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
+                 keep_source: bool = False):
         super().__init__()
-        self._fn = TokenizeFn(model_path, max_model_len, default_max_tokens, block_size, prefix_blocks)
+        self._fn = TokenizeFn(model_path, max_model_len, default_max_tokens, block_size, prefix_blocks, keep_source)
 
     def expand(self, chunks):
         return chunks | with_dead(self._fn, "ChatTemplateAndCount")

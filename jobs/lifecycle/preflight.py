@@ -1,7 +1,8 @@
 """The checks before a job reads a row, one list for `run`, `validate`, `submit` and `run-pending`.
 
 What can fail before the first row is read is checked here, in this order:
-the model resolves to a local folder; the engine options (and the checkpoint's
+the model resolves to a local folder (for the `openai` engine: its tokenizer does,
+the API key variable is set, the server answers and serves the model); the engine options (and the checkpoint's
 quantization) suit the device the engine runs on; the runner can start (a
 DaskRunner names a scheduler that answers, has workers and the same
 environment); the output path is usable; the input and output buckets exist and
@@ -38,6 +39,8 @@ class Preflight:
         """Names the engine answers to in an OpenAI batch line's body `model`."""
         if self.model_path is None:
             return ()
+        if self.spec.engine.kind == "openai":  # model_path is only the tokenizer's folder
+            return (self.spec.engine.model,)
         return (self.spec.engine.model, self.model_path, os.path.basename(self.model_path))
 
     def unserved_models(self) -> dict[str, int]:
@@ -166,6 +169,25 @@ def check_output_path(output: str) -> None:
         raise ValueError(f"output {output!r} exists and is not a folder")
 
 
+def check_openai_engine(spec: JobSpec, pf: Preflight) -> None:
+    """The `openai` engine: a local tokenizer (it counts and orders the prompts), the API
+    key variable set, the server up and serving `engine.model` (/v1/models)."""
+    from tokenmill.schemas.models import ModelNotFound, resolve_model
+    from tokenmill.transforms.engines.openai_session import check_server
+    from tokenmill.transforms.engines.protocol import EngineStartError
+
+    name = spec.engine.tokenizer or spec.engine.model
+    try:
+        pf.model_path = str(resolve_model(name, need_weights=False))
+    except ModelNotFound as err:
+        pf.problems.append(f"engine kind openai counts tokens with a local tokenizer: {err} "
+                           "(set engine.tokenizer to a local model folder or short name)")
+    try:
+        check_server(spec.engine)
+    except EngineStartError as err:
+        pf.problems.append(str(err))
+
+
 def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) -> Preflight:
     """Run every check, collecting the problems (one line each) instead of stopping at the first.
 
@@ -183,7 +205,9 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) 
     from tokenmill.transforms.read import InputError, check_bucket, plan_input
 
     pf = Preflight(spec=spec, on_gpu=has_nvidia_gpu(), options=pipeline_options(spec))
-    if engine:
+    if engine and spec.engine.kind == "openai":
+        check_openai_engine(spec, pf)
+    elif engine:
         try:
             pf.model_path = str(resolve_model(spec.engine.model, need_weights=spec.engine.load_format != "dummy"))
         except ModelNotFound as err:

@@ -16,20 +16,27 @@ class EngineStartError(RuntimeError):
 
 @dataclass(slots=True)
 class Finished:
-    """One finished request, with token counts and times from the engine's own output."""
+    """One finished request, with token counts and times from the engine's own output.
+
+    A request the engine gave up on (the `openai` engine, after its retries) is finished
+    with `error_reason` (a dead-letter reason code, schemas/records.py) and `error` (one
+    line); Generate makes it that row's dead letter.  A figure the engine cannot
+    measure (prefix-cache hits, queue time over HTTP) is None, never a guess."""
 
     request_id: str
     text: str
     finish_reason: str | None
     prompt_tokens: int
     output_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None
     ttft_s: float | None
     tpot_s: float | None
     e2e_s: float | None
     queue_s: float | None
     finished_at: float
     output_token_ids: list[int] = field(default_factory=list)
+    error_reason: str | None = None
+    error: str | None = None
 
 
 class EngineSession(Protocol):
@@ -40,8 +47,12 @@ class EngineSession(Protocol):
     max_num_seqs: int
     """The most requests the engine runs at once (Generate admits the next batch below it)."""
 
-    def add(self, request_id: str, token_ids: list[int], sampling: dict[str, Any]) -> None:
-        """Queue one request; raises for a request the engine rejects (that row only)."""
+    def add(self, request_id: str, token_ids: list[int], sampling: dict[str, Any], **source: Any) -> None:
+        """Queue one request; raises for a request the engine rejects (that row only).
+
+        An engine that takes text (the `openai` engine) is also given `source=` the
+        prompt as the row wrote it (its text, or its chat messages); Generate passes it
+        only when Tokenize kept it (`TokenizedPrompt.source`), so token-id engines never see it."""
         ...
 
     def step(self) -> list[Finished]:

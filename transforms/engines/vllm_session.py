@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.schemas.config import EngineConfig
+from tokenmill.schemas.config import HTTP_ENGINE_KEYS, EngineConfig
 from tokenmill.transforms.engines.checks import check_engine_config
 from tokenmill.transforms.engines import kv
 from tokenmill.transforms.engines.cpu import apply_cpu_env, cpu_dtype, cpu_kv_cache, single_process_omp_env
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 #: EngineConfig fields that are not `EngineArgs`: `model` names the model (the path is
 #: passed instead), `extra` holds further EngineArgs, merged last.
-NOT_ENGINE_ARGS = {"model", "extra"}
+NOT_ENGINE_ARGS = {"model", "extra", *HTTP_ENGINE_KEYS}
 
 
 def engine_kwargs(cfg: EngineConfig, model_path: str, *, on_gpu: bool) -> dict[str, Any]:

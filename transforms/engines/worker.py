@@ -33,6 +33,10 @@ def worker_session(cfg: EngineConfig, model_path: str, factory: registry.Session
     last work named for `group`.  Other factories (test fakes) get the config alone and
     claim nothing, and so do GPU workers.  `restart`: replace the current session."""
     start: dict[str, object] = {}
+    if factory is None and cfg.kind == "openai":  # an HTTP server: no cores, no KV cache here
+        from tokenmill.transforms.engines.openai_session import OpenAISession
+
+        factory = OpenAISession
     if factory is None:
         if workers > 1:
             if group not in _SHARED_CPU:

@@ -1,0 +1,284 @@
+"""The `openai` engine against a real HTTP server on loopback (tests/openai_server.py),
+which injects the faults: each row ends answered or dead-lettered with its reason,
+retries as configured, the preflight refusals, and the API key kept out of everything."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import text
+
+from tokenmill.jobs.lifecycle.runner import JobError, run_job
+from tokenmill.schemas import records as R
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.config import EngineConfig, load_spec
+from tokenmill.schemas.records import Batch, TokenizedPrompt
+from tokenmill.transforms.engines import openai_session as O
+from tokenmill.transforms.engines.protocol import EngineStartError
+from tokenmill.transforms.generate import BatchRunner, GenerateConfig
+from tests.conftest import write_parquet
+from tests.helpers import assert_one_line_error, cli, job_spec
+from tests.openai_server import FaultServer, answer_for
+
+KEY = "sk-test-7f3a9c1e5b2d4860a1b2c3d4e5f60718"
+KEY_VAR = "TOKENMILL_TEST_OPENAI_KEY"
+
+
+@pytest.fixture(autouse=True)
+def _fast_backoff(monkeypatch):
+    monkeypatch.setattr(O, "BACKOFF_BASE_S", 0.01)
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setenv(KEY_VAR, KEY)
+    with FaultServer(api_key=KEY, hang_s=5.0) as s:
+        yield s
+
+
+def engine_cfg(server: FaultServer, **kw) -> EngineConfig:
+    keys = dict(kind="openai", base_url=server.base_url, model="test-model", api_key_env=KEY_VAR,
+                max_in_flight=4, request_timeout_s=2.0, max_retries=2)
+    return EngineConfig(**{**keys, **kw})
+
+
+def prompt(i: int, source) -> TokenizedPrompt:
+    return TokenizedPrompt(id=f"r{i}", input_file=0, input_row=i, token_ids=[1, 2, 3], prefix_key="k",
+                           max_tokens=8, source=source)
+
+
+def run_rows(cfg: EngineConfig, sources: list) -> tuple[dict, dict]:
+    """Every source through BatchRunner and one OpenAISession: (answered rows, dead letters) by id."""
+    from tokenmill.schemas.config import BatchingConfig, SamplingDefaults
+
+    session = O.OpenAISession(cfg)
+    gcfg = GenerateConfig(job_id="j", run_id="r", model_name=cfg.model, model_path="", engine=cfg,
+                          sampling=SamplingDefaults(), batching=BatchingConfig(batch_timeout_s=60))
+    runner = BatchRunner(gcfg, lambda: session, lambda: session)
+    prompts = [prompt(i, s) for i, s in enumerate(sources)]
+    rows, dead = {}, {}
+    try:
+        for r, d, _ in runner.run([Batch("b0", prompts[:len(prompts) // 2]), Batch("b1", prompts[len(prompts) // 2:])]):
+            rows.update((x["id"], x) for x in r)
+            dead.update((x.id, x) for x in d)
+    finally:
+        session.shutdown()
+    run_rows.session = session
+    return rows, dead
+
+
+def test_chat_and_raw_prompts_are_streamed_and_measured_at_the_client(server):
+    chat = [{"role": "user", "content": "What is two plus two?"}]
+    rows, dead = run_rows(engine_cfg(server), [chat, "Once upon a time"])
+    assert not dead
+    assert rows["r0"]["text"] == "".join(answer_for("What is two plus two?"))
+    assert rows["r1"]["text"] == "".join(answer_for("Once upon a time"))
+    for r in rows.values():
+        assert r["output_tokens"] == 4 and r["prompt_tokens"] > 0  # the server's usage, not the local count
+        assert 0 < r["ttft_s"] <= r["e2e_s"] and r["tpot_s"] is not None
+        assert r["queue_s"] is None and r["cached_tokens"] is None  # not measurable over HTTP: null, not 0
+        assert r["finish_reason"] == "length"
+    assert set(server.auth) == {f"Bearer {KEY}"}
+
+
+FAULTS = [
+    # prompt, (answered?, reason), attempts the server saw (max_retries=2: at most 3)
+    ("fine", None, 1),
+    ("[[429*2]] busy, then fine", None, 3),
+    ("[[500*1]] one 5xx, then fine", None, 2),
+    ("[[drop*1]] dropped once", None, 2),
+    ("[[badjson*2]] broken twice", None, 3),
+    ("[[429]] always busy", R.RATE_LIMITED, 3),
+    ("[[500]] always failing", R.SERVER_ERROR, 3),
+    ("[[hang]] never answers", R.REQUEST_TIMEOUT, 3),
+    ("[[drop]] always dropped", R.CONNECTION_DROPPED, 3),
+    ("[[badjson]] always broken", R.BAD_RESPONSE, 3),
+    ("[[trunc]] always truncated", R.BAD_RESPONSE, 3),
+]
+
+
+def test_each_fault_is_retried_then_answered_or_dead_lettered_with_its_reason(server):
+    sources = [p if i % 2 else [{"role": "user", "content": p}] for i, (p, _, _) in enumerate(FAULTS)]
+    rows, dead = run_rows(engine_cfg(server, request_timeout_s=0.5), sources)
+    assert len(rows) + len(dead) == len(FAULTS) and not set(rows) & set(dead)
+    for i, (p, reason, attempts) in enumerate(FAULTS):
+        rid = f"r{i}"
+        assert server.attempts[p] == attempts, p
+        if reason is None:
+            assert rid in rows and rows[rid]["text"] == "".join(answer_for(p)), p
+        else:
+            assert dead[rid].reason == reason, (p, dead[rid].message)
+            assert "after 3 attempts" in dead[rid].message
+    retried = run_rows.session.retries
+    assert retried[R.RATE_LIMITED] == 2 + 2 and retried[R.SERVER_ERROR] == 1 + 2
+    assert retried[R.REQUEST_TIMEOUT] == 2 and retried[R.CONNECTION_DROPPED] == 1 + 2
+    assert retried[R.BAD_RESPONSE] == 2 + 2 + 2
+
+
+def test_no_retries_when_max_retries_is_zero_and_4xx_is_not_retried(server):
+    rows, dead = run_rows(engine_cfg(server, max_retries=0), ["[[500*1]] once", "fine"])
+    assert dead["r0"].reason == R.SERVER_ERROR and server.attempts["[[500*1]] once"] == 1
+    assert "r1" in rows
+    # a model the server does not serve (here: a 404 answer) is the request's fault: no retry
+    session = O.OpenAISession(engine_cfg(server))
+    session.cfg = engine_cfg(server, model="other")
+    try:
+        session.add("x", [1], {"max_tokens": 4}, source="refused")
+        got = []
+        while not got:
+            got = session.step()
+        assert got[0].error_reason == R.BAD_REQUEST and server.attempts["refused"] == 0
+    finally:
+        session.shutdown()
+
+
+def test_requests_in_flight_stay_within_max_in_flight(server):
+    rows, dead = run_rows(engine_cfg(server, max_in_flight=3), [f"[[slow]] {i}" for i in range(12)])
+    assert len(rows) == 12 and not dead
+    assert 2 <= server.max_in_flight <= 3
+
+
+def test_a_server_that_goes_down_kills_the_session_and_a_new_one_refuses_to_start(server):
+    cfg = engine_cfg(server, max_retries=1)
+    session = O.OpenAISession(cfg)
+    server.stop()
+    try:
+        session.add("a", [1], {"max_tokens": 4}, source="hello")
+        with pytest.raises(RuntimeError, match="is down"):
+            for _ in range(20):
+                session.step()
+        assert not session.alive()
+    finally:
+        session.shutdown()
+    with pytest.raises(EngineStartError, match="cannot be reached"):
+        O.OpenAISession(cfg)
+
+
+# ---------------------------------------------------------------- preflight
+
+
+@pytest.fixture
+def one_row(tmp_path):
+    return write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])
+
+
+def _validate(base_url: str, one_row, tmp_path, *extra, model: str = "test-model"):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("engine:\n  tokenizer: smollm2-135m\n")  # the local tokenizer that counts the prompts
+    return cli("validate", str(spec), "--input", str(one_row), "--output", str(tmp_path / "o"), "--engine", "openai",
+               "--base-url", base_url, "--model", model, *extra, catch_exceptions=False)
+
+
+def test_preflight_accepts_a_good_server_and_refuses_each_bad_config_in_one_line(server, one_row, tmp_path, monkeypatch):
+    ok = _validate(server.base_url, one_row, tmp_path, "--api-key-env", KEY_VAR)
+    assert ok.exit_code == 0, ok.output
+    # a server that is down
+    with FaultServer() as other:
+        down = other.base_url
+    res = _validate(down, one_row, tmp_path, "--api-key-env", KEY_VAR)
+    assert_one_line_error(res, 1, "cannot be reached", down)
+    # a model the server does not list
+    res = _validate(server.base_url, one_row, tmp_path, "--api-key-env", KEY_VAR, model="no-such-model")
+    assert_one_line_error(res, 1, "does not serve model 'no-such-model'", "test-model")
+    # the key's variable is not set
+    monkeypatch.delenv(KEY_VAR)
+    res = _validate(server.base_url, one_row, tmp_path, "--api-key-env", KEY_VAR)
+    assert_one_line_error(res, 1, f"engine.api_key_env names {KEY_VAR}, which is not set")
+    # a wrong key
+    monkeypatch.setenv(KEY_VAR, "sk-wrong")
+    res = _validate(server.base_url, one_row, tmp_path, "--api-key-env", KEY_VAR)
+    assert_one_line_error(res, 1, "refused the API key")
+    assert KEY not in res.output and "sk-wrong" not in res.output
+
+
+def test_run_against_a_down_server_fails_before_any_row_is_read(tmp_path, one_row, sqlite_url, monkeypatch):
+    with FaultServer() as other:
+        down = other.base_url
+    spec = tmp_path / "job.yaml"
+    spec.write_text("engine:\n  tokenizer: smollm2-135m\n")
+    res = cli("run", str(spec), "--input", str(one_row), "--output", str(tmp_path / "o"), "--engine", "openai",
+              "--base-url", down, "--model", "m", "--db", sqlite_url, "--job-id", "down", catch_exceptions=False)
+    assert_one_line_error(res, 1, "cannot be reached")
+    eng = S.connect(sqlite_url)
+    assert S.get_job(eng, "down") is None  # refused before the job was claimed
+
+
+def test_spec_keys_and_their_refusals():
+    base = {"input": "a", "output": "b"}
+    assert load_spec(base).engine.kind == "vllm"
+    from tokenmill.schemas.config import SpecError
+
+    with pytest.raises(SpecError, match="kind openai needs base_url"):
+        load_spec({**base, "engine": {"kind": "openai"}})
+    with pytest.raises(SpecError, match="are for kind openai"):
+        load_spec({**base, "engine": {"base_url": "http://x/v1"}})
+    with pytest.raises(SpecError) as err:  # a key pasted where the variable's name goes is not echoed
+        load_spec({**base, "engine": {"kind": "openai", "base_url": "http://x/v1", "api_key_env": KEY}})
+    assert KEY not in str(err.value) and "api_key_env" in str(err.value)
+    # the vLLM engine is never handed the openai keys
+    from tokenmill.transforms.engines.vllm_session import engine_kwargs
+
+    kw = engine_kwargs(EngineConfig(dtype="float32"), "/m", on_gpu=True)
+    assert not {"kind", "base_url", "api_key_env", "max_in_flight", "request_timeout_s", "max_retries"} & set(kw)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_end_to_end_every_id_once_with_reasons_and_no_key_anywhere(server, tmp_path, pg_url, caplog, capfd):
+    caplog.set_level(logging.DEBUG)
+    rows = []
+    for i in range(24):
+        p = f"row {i}: tell me something"
+        if i % 6 == 1:
+            p = "[[429*1]] " + p
+        if i % 6 == 2:
+            p = "[[500]] " + p
+        if i % 6 == 3:
+            p = "[[drop*2]] " + p
+        if i % 6 == 4:
+            p = "[[trunc]] " + p
+        rows.append({"id": f"id{i}", "messages": json.dumps([{"role": "user", "content": p}])} if i % 2
+                    else {"id": f"id{i}", "messages": None, "prompt": p})
+    # a raw-text column and a chat column in one file: messages JSON where set, else the prompt
+    inp = write_parquet(tmp_path / "in.parquet", rows)
+    spec = job_spec(inp, tmp_path / "out", job_id="oai-e2e", sampling={"max_tokens": 8},
+                    batching={"token_budget": 64},
+                    engine={"kind": "openai", "base_url": server.base_url, "model": "test-model",
+                            "tokenizer": "smollm2-135m", "api_key_env": KEY_VAR, "max_in_flight": 4,
+                            "max_retries": 2, "request_timeout_s": 5})
+    res = run_job(spec, db_url=pg_url)
+    assert res.total == 24 and res.succeeded + res.failed == 24
+    out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
+    dead = pq.read_table(tmp_path / "out" / "dead_letters.parquet").to_pylist()
+    ids = [r["id"] for r in out] + [d["id"] for d in dead]
+    assert sorted(ids) == sorted(f"id{i}" for i in range(24))  # every id once
+    assert {d["id"]: d["reason"] for d in dead} == {
+        **{f"id{i}": R.SERVER_ERROR for i in range(2, 24, 6)}, **{f"id{i}": R.BAD_RESPONSE for i in range(4, 24, 6)}}
+    for r in out:
+        src = next(x for x in rows if x["id"] == r["id"])
+        content = src["prompt"] if src.get("prompt") else json.loads(src["messages"])[0]["content"]
+        assert r["text"] == "".join(answer_for(content))
+        assert r["model"] == "test-model" and r["queue_s"] is None and r["ttft_s"] > 0
+    for src in rows:
+        content = src["prompt"] if src.get("prompt") else json.loads(src["messages"])[0]["content"]
+        want = {"[[429*1]]": 2, "[[500]]": 3, "[[drop*2]]": 3, "[[trunc]]": 3}
+        assert server.attempts[content] == next((n for m, n in want.items() if content.startswith(m)), 1), content
+    # the key: in no table, not in the stored spec, not in the logs, not in the worker's engine info
+    eng = S.connect(pg_url)
+    with eng.connect() as conn:
+        names = [r[0] for r in conn.execute(text("SELECT table_name FROM information_schema.tables "
+                                                  "WHERE table_schema = current_schema()"))]
+        # every value in full (a Row's repr shortens long ones)
+        dump = json.dumps({n: [list(r) for r in conn.execute(text(f'SELECT * FROM "{n}"'))] for n in names}, default=str)
+        assert "jobs" in names and '"test-model"' in dump
+        assert KEY not in dump, dump[max(0, dump.find(KEY) - 300):dump.find(KEY) + 100]
+        assert KEY_VAR in dump
+    assert S.get_job(eng, "oai-e2e")["spec"]["engine"]["api_key_env"] == KEY_VAR
+    captured = capfd.readouterr()
+    assert KEY not in caplog.text and KEY not in captured.out + captured.err
+    assert KEY not in "".join(p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*") if p.is_file()
+                              and p.suffix != ".parquet")

@@ -1,0 +1,342 @@
+"""The `openai` engine: any OpenAI-compatible HTTP server (vLLM's `vllm serve`, SGLang,
+TGI, TensorRT-LLM's `trtllm-serve`, llama.cpp's `llama-server`) behind `EngineSession`.
+
+Each request is one streamed HTTP call, run on a thread pool of `max_in_flight`
+threads: chat prompts go to `{base_url}/chat/completions`, raw prompts to
+`{base_url}/completions`, with `stream_options: {include_usage: true}` so the
+server's own token counts come with the last chunk.  TTFT, TPOT and E2E are
+measured here, on the client's clock (a monotonic clock in the worker), from the
+answered attempt: they include the network and the server's queue.
+
+A 429, a 5xx, a timeout, a dropped connection or a malformed or truncated stream
+is retried with exponential backoff and jitter, up to `max_retries` times; then
+the row is finished with a reason code (`rate_limited`, `server_error`,
+`request_timeout`, `connection_dropped`, `bad_response`) and Generate makes it a
+dead letter.  Another 4xx is the row's own fault (`bad_request`, not retried).
+A server that refuses connections (down) after the retries fails the step: the
+session is dead, and a new one refuses to start while the server is down, so
+the job fails and the unanswered rows are left for the resume.
+
+The API key is read from the environment variable `api_key_env` names, in the
+worker, and lives only in the HTTP client's headers: never in the spec, the
+database, the logs or `info()`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from tokenmill.schemas import records as R
+from tokenmill.schemas.config import EngineConfig
+from tokenmill.schemas.errors import first_line
+from tokenmill.transforms.engines.protocol import EngineStartError, Finished
+
+log = logging.getLogger(__name__)
+
+#: Backoff before retry n (0-based): uniform in [d/2, d], d = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**n).
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 30.0
+#: How long checking the server (/v1/models) may take.
+CHECK_TIMEOUT_S = 10.0
+
+
+def api_key(cfg: EngineConfig) -> str | None:
+    """The API key from the variable `cfg.api_key_env` names (None when it names none);
+    EngineStartError when that variable is not set."""
+    if not cfg.api_key_env:
+        return None
+    key = os.environ.get(cfg.api_key_env)
+    if not key:
+        raise EngineStartError(f"engine.api_key_env names {cfg.api_key_env}, which is not set in this environment")
+    return key
+
+
+def _client(cfg: EngineConfig, key: str | None, timeout: float, connections: int) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(
+        base_url=cfg.base_url or "", headers=headers,
+        timeout=httpx.Timeout(timeout, connect=min(timeout, CHECK_TIMEOUT_S)),
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+    )
+
+
+def served_models(client: httpx.Client, base_url: str) -> list[str]:
+    """The model names the server lists (GET /models); EngineStartError (one line) when it
+    cannot be reached or does not answer as an OpenAI-compatible server."""
+    try:
+        r = client.get("/models", timeout=CHECK_TIMEOUT_S)
+    except httpx.HTTPError as err:
+        raise EngineStartError(f"OpenAI-compatible server {base_url} cannot be reached: {first_line(err) or type(err).__name__}") from None
+    if r.status_code in (401, 403):
+        raise EngineStartError(f"OpenAI-compatible server {base_url} refused the API key (HTTP {r.status_code} on /models)")
+    if r.status_code != 200:
+        raise EngineStartError(f"OpenAI-compatible server {base_url} answered HTTP {r.status_code} on /models")
+    try:
+        return [str(m["id"]) for m in r.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise EngineStartError(f"{base_url}/models is not an OpenAI model list") from None
+
+
+def check_server(cfg: EngineConfig) -> list[str]:
+    """What the preflight and a starting session check: the key variable is set, the
+    server answers, and it serves `cfg.model`.  Returns the served names; EngineStartError
+    (one line) otherwise."""
+    with _client(cfg, api_key(cfg), CHECK_TIMEOUT_S, 1) as client:
+        names = served_models(client, cfg.base_url or "")
+    if cfg.model not in names:
+        raise EngineStartError(f"OpenAI-compatible server {cfg.base_url} does not serve model {cfg.model!r}; "
+                               f"it lists {names}")
+    return names
+
+
+class _Retry(Exception):
+    """One attempt failed in a way worth retrying; `reason` is the row's code if it stays failed."""
+
+    def __init__(self, reason: str, message: str, wait_s: float | None = None):
+        super().__init__(message)
+        self.reason, self.wait_s = reason, wait_s
+
+
+class _Refused(Exception):
+    """The server answered 4xx (not 429): the request itself is wrong; not retried."""
+
+
+class _Down(Exception):
+    """No connection could be made: the server is down (or unreachable)."""
+
+
+def request_body(model: str, source: str | list[dict[str, str]], sampling: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI request for one row: `messages` (chat) or `prompt` (raw text), the
+    sampling keys the OpenAI API names, and vLLM's extras when they are set
+    (`min_tokens`, `ignore_eos`: vLLM and SGLang accept them; others may refuse them)."""
+    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                            "max_tokens": sampling["max_tokens"]}
+    body["messages" if isinstance(source, list) else "prompt"] = source
+    for k in ("temperature", "top_p", "seed", "stop"):
+        if sampling.get(k) is not None:
+            body[k] = sampling[k]
+    if sampling.get("min_tokens"):
+        body["min_tokens"] = sampling["min_tokens"]
+    if sampling.get("ignore_eos"):
+        body["ignore_eos"] = True
+    return body
+
+
+def _retry_after(r: httpx.Response) -> float | None:
+    try:
+        return min(BACKOFF_CAP_S, max(0.0, float(r.headers.get("retry-after", ""))))
+    except ValueError:
+        return None
+
+
+class OpenAISession:
+    """An OpenAI-compatible server driven as an `EngineSession` (see the module docstring)."""
+
+    def __init__(self, cfg: EngineConfig, model_path: str = "", **_start: Any):
+        """`model_path`: the local tokenizer's folder (Tokenize counted the prompts with it);
+        the start keywords of the vLLM engine (`workers`, `job_tokens`) do not apply."""
+        if cfg.kind != "openai" or not cfg.base_url:
+            raise EngineStartError("the openai engine needs engine.kind openai and engine.base_url")
+        t = time.perf_counter()
+        self.cfg = cfg
+        self.max_num_seqs = cfg.max_in_flight
+        check_server(cfg)
+        self._http = _client(cfg, api_key(cfg), cfg.request_timeout_s, cfg.max_in_flight)
+        self.load_s = time.perf_counter() - t
+        self._pool = ThreadPoolExecutor(max_workers=cfg.max_in_flight, thread_name_prefix="tokenmill-openai")
+        self._done: queue.Queue[Finished] = queue.Queue()
+        self._live: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._failure: str | None = None
+        self.retries: Counter[str] = Counter()
+        """Retries made, by the reason of the failed attempt."""
+        self.requests = 0
+
+    # -- EngineSession
+    def add(self, request_id: str, token_ids, sampling: dict[str, Any], *, source=None) -> None:
+        if source is None:
+            raise ValueError("the openai engine sends text: this request has no prompt text or messages")
+        if self._stop.is_set():
+            raise RuntimeError("the openai session was stopped")
+        body = request_body(self.cfg.model, source, sampling)
+        with self._lock:
+            self._live.add(request_id)
+            self.requests += 1
+        self._pool.submit(self._request, request_id, body, len(token_ids))
+
+    def step(self) -> list[Finished]:
+        if self._stop.is_set():
+            raise RuntimeError("the openai session was killed")
+        if self._failure:
+            raise RuntimeError(self._failure)
+        got: list[Finished] = []
+        try:
+            got.append(self._done.get(timeout=0.5))
+            while True:
+                got.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        with self._lock:
+            out = [f for f in got if f.request_id in self._live]
+            self._live.difference_update(f.request_id for f in out)
+        if self._failure:  # what finished before the server went down is kept by the retry of the batch
+            raise RuntimeError(self._failure)
+        return out
+
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self._lock:
+            self._live.difference_update(request_ids)
+
+    def alive(self) -> bool:
+        return not self._stop.is_set() and self._failure is None
+
+    def kill(self) -> None:
+        self._stop.set()
+        self._http.close()  # requests in flight fail at once
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "device": "remote", "engine": "openai", "base_url": self.cfg.base_url, "model": self.cfg.model,
+            "load_s": self.load_s, "max_in_flight": self.cfg.max_in_flight,
+            "requests": self.requests, "retries": dict(self.retries),
+            "clock": "client",
+        }
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+    # -- one request, on a pool thread
+    def _wanted(self, request_id: str) -> bool:
+        if self._stop.is_set() or self._failure:
+            return False
+        with self._lock:
+            return request_id in self._live
+
+    def _request(self, request_id: str, body: dict[str, Any], prompt_len: int) -> None:
+        attempt = 0
+        while self._wanted(request_id):
+            try:
+                self._done.put(self._attempt(request_id, body, prompt_len))
+                return
+            except _Refused as err:
+                self._done.put(self._failed(request_id, R.BAD_REQUEST, f"server refused the request: {err}"))
+                return
+            except (_Retry, _Down) as err:
+                if not self._wanted(request_id):
+                    return
+                if attempt >= self.cfg.max_retries:
+                    if isinstance(err, _Down):
+                        self._failure = (f"OpenAI-compatible server {self.cfg.base_url} is down: {err} "
+                                         f"(after {attempt + 1} attempts)")
+                        return
+                    self._done.put(self._failed(request_id, err.reason,
+                                                f"{err} (after {attempt + 1} attempts)"))
+                    return
+                reason = "server_down" if isinstance(err, _Down) else err.reason
+                with self._lock:
+                    self.retries[reason] += 1
+                d = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt)
+                wait = getattr(err, "wait_s", None)
+                self._stop.wait(wait if wait is not None else random.uniform(d / 2, d))
+                attempt += 1
+            except Exception as err:  # a bug here must not leave the row unfinished
+                self._done.put(self._failed(request_id, R.ENGINE_ERROR, f"openai engine: {type(err).__name__}: {first_line(err)}"))
+                return
+
+    @staticmethod
+    def _failed(request_id: str, reason: str, message: str) -> Finished:
+        return Finished(request_id=request_id, text="", finish_reason=None, prompt_tokens=0, output_tokens=0,
+                        cached_tokens=None, ttft_s=None, tpot_s=None, e2e_s=None, queue_s=None,
+                        finished_at=time.time(), error_reason=reason, error=message)
+
+    def _attempt(self, request_id: str, body: dict[str, Any], prompt_len: int) -> Finished:
+        chat = "messages" in body
+        path = "/chat/completions" if chat else "/completions"
+        limit = self.cfg.request_timeout_s
+        t0 = time.perf_counter()
+        pieces: list[str] = []
+        chunks, first, last, finish, usage, done = 0, None, None, None, None, False
+        try:
+            with self._http.stream("POST", path, json=body) as r:
+                if r.status_code == 429:
+                    raise _Retry(R.RATE_LIMITED, "HTTP 429 (rate limited)", _retry_after(r))
+                if r.status_code >= 500:
+                    raise _Retry(R.SERVER_ERROR, f"HTTP {r.status_code}")
+                if r.status_code >= 400:
+                    r.read()
+                    raise _Refused(f"HTTP {r.status_code}: {first_line(r.text)[:300]}")
+                for line in r.iter_lines():
+                    if time.perf_counter() - t0 > limit:
+                        raise _Retry(R.REQUEST_TIMEOUT, f"no complete answer within {limit:g} s (request_timeout_s)")
+                    if not line.startswith("data:"):
+                        continue  # blank lines, SSE comments and event names
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    try:
+                        obj = json.loads(data)
+                    except ValueError:
+                        raise _Retry(R.BAD_RESPONSE, f"malformed JSON in the stream: {data[:80]!r}") from None
+                    if not isinstance(obj, dict):
+                        raise _Retry(R.BAD_RESPONSE, f"a stream chunk is not a JSON object: {data[:80]!r}")
+                    if obj.get("error"):
+                        raise _Retry(R.SERVER_ERROR, f"error in the stream: {first_line(str(obj['error']))[:200]}")
+                    for c in obj.get("choices") or ():
+                        piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                        if piece:
+                            now = time.perf_counter()
+                            first = first or now
+                            last = now
+                            chunks += 1
+                            pieces.append(piece)
+                        finish = c.get("finish_reason") or finish
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+                    if not self._wanted(request_id):
+                        raise _Retry(R.ENGINE_ERROR, "aborted")
+        except httpx.ConnectError as err:
+            raise _Down(first_line(err) or "connection refused") from None
+        except httpx.TimeoutException as err:
+            if isinstance(err, httpx.ConnectTimeout):
+                raise _Down(f"connect timed out: {first_line(err)}") from None
+            raise _Retry(R.REQUEST_TIMEOUT, f"no answer within {limit:g} s (request_timeout_s): {type(err).__name__}") from None
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
+            raise _Retry(R.CONNECTION_DROPPED, f"connection dropped: {first_line(err) or type(err).__name__}") from None
+        except (httpx.DecodingError, UnicodeDecodeError) as err:
+            raise _Retry(R.BAD_RESPONSE, f"undecodable response: {first_line(err)}") from None
+        if not done:
+            raise _Retry(R.BAD_RESPONSE, "the stream ended without [DONE] (truncated)")
+        end = time.perf_counter()
+        try:
+            prompt_tokens = int(usage["prompt_tokens"]) if usage else prompt_len
+            output_tokens = int(usage["completion_tokens"]) if usage else chunks
+            cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+            cached = int(cached) if cached is not None else None
+        except (KeyError, TypeError, ValueError):
+            raise _Retry(R.BAD_RESPONSE, f"malformed usage in the stream: {str(usage)[:120]}") from None
+        ttft = first - t0 if first is not None else None
+        tpot = (last - first) / (output_tokens - 1) if first is not None and last is not None and output_tokens > 1 else None
+        return Finished(
+            request_id=request_id, text="".join(pieces), finish_reason=finish,
+            prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached_tokens=cached,
+            ttft_s=ttft, tpot_s=tpot, e2e_s=end - t0, queue_s=None, finished_at=time.time(),
+        )
