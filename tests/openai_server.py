@@ -36,18 +36,23 @@ def answer_for(text: str) -> list[str]:
 
 
 class FaultServer:
-    def __init__(self, model: str = "test-model", api_key: str | None = None, hang_s: float = 30.0):
+    def __init__(self, model: str = "test-model", api_key: str | None = None, hang_s: float = 30.0,
+                 port: int | None = None):
+        """`port`: listen there (a server restarted where the last one was); default a free one."""
         self.model, self.api_key, self.hang_s = model, api_key, hang_s
         self.attempts: Counter[str] = Counter()
+        self.answered = 0
         self.auth: list[str | None] = []
         self.in_flight = 0
         self.max_in_flight = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = port
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
 
     @property
     def base_url(self) -> str:
@@ -160,4 +165,5 @@ class FaultServer:
                 "total_tokens": len(text.split()) + len(pieces)}})
         await send("[DONE]")
         await resp.write_eof()
+        self.answered += 1
         return resp

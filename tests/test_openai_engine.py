@@ -228,6 +228,7 @@ def test_spec_keys_and_their_refusals():
 # ---------------------------------------------------------------- end to end
 
 
+@pytest.mark.postgres
 def test_end_to_end_every_id_once_with_reasons_and_no_key_anywhere(server, tmp_path, pg_url, caplog, capfd):
     caplog.set_level(logging.DEBUG)
     rows = []
@@ -282,3 +283,39 @@ def test_end_to_end_every_id_once_with_reasons_and_no_key_anywhere(server, tmp_p
     assert KEY not in caplog.text and KEY not in captured.out + captured.err
     assert KEY not in "".join(p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*") if p.is_file()
                               and p.suffix != ".parquet")
+
+
+@pytest.mark.postgres
+def test_a_server_that_dies_mid_job_leaves_the_unanswered_rows_for_the_resume(server, tmp_path, pg_url):
+    import threading
+    import time
+
+    rows = [{"id": f"id{i}", "prompt": f"[[slow]] row {i}"} for i in range(24)]
+    inp = write_parquet(tmp_path / "in.parquet", rows)
+    spec = job_spec(inp, tmp_path / "out", job_id="oai-resume", sampling={"max_tokens": 8},
+                    batching={"token_budget": 64},
+                    engine={"kind": "openai", "base_url": server.base_url, "model": "test-model",
+                            "tokenizer": "smollm2-135m", "api_key_env": KEY_VAR, "max_in_flight": 3,
+                            "max_retries": 2, "request_timeout_s": 5})
+
+    def kill_after(n: int) -> None:
+        while server.answered < n:
+            time.sleep(0.005)
+        server.stop()
+
+    killer = threading.Thread(target=kill_after, args=(6,))
+    killer.start()
+    with pytest.raises(JobError, match="cannot be reached|is down"):
+        run_job(spec, db_url=pg_url)
+    killer.join()
+    eng = S.connect(pg_url)
+    first = S.counts(eng, "oai-resume")
+    # what finished batches answered is kept; nothing is dead-lettered for the outage
+    assert first["succeeded"] < 24 and first["failed"] == 0
+    assert S.get_job(eng, "oai-resume")["status"] == "failed"
+    with FaultServer(api_key=KEY, port=server.port) as again:
+        res = run_job(spec, db_url=pg_url)
+    assert res.status == "succeeded" and (res.succeeded, res.failed) == (24, 0)
+    out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
+    assert sorted(r["id"] for r in out) == sorted(f"id{i}" for i in range(24))  # each id once
+    assert again.answered == 24 - first["succeeded"]  # the resume asked only for what was missing
