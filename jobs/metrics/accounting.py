@@ -40,6 +40,21 @@ CLOCKS: dict[str, str] = {
     "utilization": "launcher monotonic clock, one sample per interval",
 }
 
+#: The figures the `openai` engine measures differently: per request at the client (the
+#: worker's HTTP call, transforms/engines/openai_session.py), network and server queue included.
+CLIENT_CLOCKS: dict[str, str] = {
+    "ttft_s": "client clock (worker, monotonic), openai engine: first streamed token - request sent",
+    "tpot_s": "client clock (worker, monotonic), openai engine: (last streamed token - first) / (output tokens - 1)",
+    "e2e_s": "client clock (worker, monotonic), openai engine: end of the stream - request sent (answered attempt)",
+    "queue_s": "not measured by the openai engine (null): the server's queue is inside TTFT",
+    "model_load_s": "worker wall clock: the openai engine's server check (/v1/models); the server's own load is not seen",
+}
+
+
+def clocks_for(engine_config: Mapping[str, Any]) -> dict[str, str]:
+    """The clock of each figure for a job's engine (`engine_config`: its EngineConfig as a dict)."""
+    return {**CLOCKS, **CLIENT_CLOCKS} if engine_config.get("kind") == "openai" else CLOCKS
+
 
 def _values(values: Iterable[float | None]) -> np.ndarray:
     """Float array of the given values, None and NaN left out."""
@@ -105,6 +120,8 @@ def job_metrics(
     prompt = int(np.nansum(cols["prompt_tokens"]))
     output = int(np.nansum(cols["output_tokens"]))
     cached = int(np.nansum(cols["cached_tokens"]))
+    # an HTTP engine whose server reports no cached tokens: unknown, not zero
+    cache_unknown = engine_config.get("kind") == "openai" and not np.isfinite(cols["cached_tokens"]).any()
     per_run = run_figures(batches, workers, runs, now=now)
     gen_wall = sum(r["generation_wall_s"] for r in per_run)
     run_loads = [r["model_load_s"] for r in per_run if r["model_load_s"] is not None]
@@ -126,7 +143,8 @@ def job_metrics(
             "mean_batch_requests": (sum(b["requests"] for b in batches) / len(batches)) if batches else None,
         },
         "lengths": {"prompt_tokens": dist(cols["prompt_tokens"]), "output_tokens": dist(outs)},
-        "tokens": {"prompt": prompt, "output": output, "total": prompt + output, "cached": cached},
+        "tokens": {"prompt": prompt, "output": output, "total": prompt + output,
+                   "cached": None if cache_unknown else cached},
         "latency_s": {
             "ttft": dist(cols["ttft_s"]),
             "tpot": dist(cols["tpot_s"]),
@@ -149,9 +167,10 @@ def job_metrics(
         "workers": [worker_summary(w) for w in workers],
         "devices": device_summary(workers),
         "prefix_cache": {
-            "hit_rate": (cached / prompt) if prompt else None,
-            "cached_prompt_tokens": cached,
-            "definition": "cached prompt tokens / prompt tokens (vLLM num_cached_tokens per request)",
+            "hit_rate": (cached / prompt) if prompt and not cache_unknown else None,
+            "cached_prompt_tokens": None if cache_unknown else cached,
+            "definition": "not reported by this engine's server (null, not zero)" if cache_unknown else
+                          "cached prompt tokens / prompt tokens (vLLM num_cached_tokens per request)",
         },
         "tail": {
             "batch_tail_s": dist(b.get("tail_s") for b in batches),
@@ -171,7 +190,7 @@ def job_metrics(
             "definition": "dead-lettered input rows / input rows, per reason code",
         },
         "utilization": utilization,
-        "clocks": CLOCKS,
+        "clocks": clocks_for(engine_config),
     }
     if prices is not None or price_per_hour is not None:
         m["cost"] = job_cost(workers, batches, per_run, prices=prices, flat=price_per_hour,

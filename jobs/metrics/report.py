@@ -283,7 +283,7 @@ def format_report(data: dict[str, Any]) -> str:
             rows = []
             for key, label, col in LATENCY_ROWS:
                 d = get_path(data["metrics"], f"latency_s.{key}") or {}
-                rows.append([label, *(fmt(d.get(s), "s") for s in STATS), fmt(d.get("n")), CLOCKS[col]])
+                rows.append([label, *(fmt(d.get(s), "s") for s in STATS), fmt(d.get("n")), _clock(data, col)])
             lines += _plain(rows, headers=["", *STATS, "n", "clock"],
                             colalign=("left", *("right",) * (len(STATS) + 1), "left"), indent="  ")
         lines.append("")
@@ -450,13 +450,18 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return f"<table>{body}</table>"
 
 
+def _clock(data: dict[str, Any], col: str) -> str:
+    """The clock a job's figure was measured on (stored with its metrics: the engine's)."""
+    return (data["metrics"].get("clocks") or {}).get(col) or CLOCKS[col]
+
+
 def _latency_table(data: dict[str, Any]) -> str:
     head = "<tr><th></th>" + "".join(f"<th class=n>{s}</th>" for s in STATS) + "<th class=n>n</th><th>clock</th></tr>"
     body = ""
     for key, label, col in LATENCY_ROWS:
         d = get_path(data["metrics"], f"latency_s.{key}") or {}
         body += (f"<tr><td>{label}</td>" + "".join(f"<td class=n>{html.escape(fmt(d.get(s), 's'))}</td>" for s in STATS)
-                 + f"<td class=n>{fmt(d.get('n'))}</td><td class=muted>{html.escape(CLOCKS[col])}</td></tr>")
+                 + f"<td class=n>{fmt(d.get('n'))}</td><td class=muted>{html.escape(_clock(data, col))}</td></tr>")
     return f"<table>{head}{body}</table>"
 
 
