@@ -166,10 +166,8 @@ def one_row(tmp_path):
 
 
 def _validate(base_url: str, one_row, tmp_path, *extra, model: str = "test-model"):
-    spec = tmp_path / "job.yaml"
-    spec.write_text("engine:\n  tokenizer: smollm2-135m\n")  # the local tokenizer that counts the prompts
-    return cli("validate", str(spec), "--input", str(one_row), "--output", str(tmp_path / "o"), "--engine", "openai",
-               "--base-url", base_url, "--model", model, *extra, catch_exceptions=False)
+    return cli("validate", "--input", str(one_row), "--output", str(tmp_path / "o"), "--engine", "openai",
+               "--base-url", base_url, "--model", model, "--tokenizer", "smollm2-135m", *extra, catch_exceptions=False)
 
 
 def test_preflight_accepts_a_good_server_and_refuses_each_bad_config_in_one_line(server, one_row, tmp_path, monkeypatch):
@@ -183,6 +181,10 @@ def test_preflight_accepts_a_good_server_and_refuses_each_bad_config_in_one_line
     # a model the server does not list
     res = _validate(server.base_url, one_row, tmp_path, "--api-key-env", KEY_VAR, model="no-such-model")
     assert_one_line_error(res, 1, "does not serve model 'no-such-model'", "test-model")
+    # no local tokenizer: the server's model name is not a folder here
+    res = cli("validate", "--input", str(one_row), "--output", str(tmp_path / "o"), "--engine", "openai",
+              "--base-url", server.base_url, "--model", "test-model", "--api-key-env", KEY_VAR, catch_exceptions=False)
+    assert_one_line_error(res, 1, "counts tokens with a local tokenizer", "engine.tokenizer")
     # the key's variable is not set
     monkeypatch.delenv(KEY_VAR)
     res = _validate(server.base_url, one_row, tmp_path, "--api-key-env", KEY_VAR)

@@ -98,6 +98,8 @@ def engine_options(f):
                      help="--engine openai: the environment variable holding the API key (never the key)."),
         click.option("--model", default=None, help="Model short name or local HF folder (default smollm2-135m); "
                      "with --engine openai, the name the server serves."),
+        click.option("--tokenizer", default=None, help="--engine openai: the local model folder or short name whose "
+                     "tokenizer counts and orders the prompts (default: --model, if it is a local folder)."),
         click.option("--dtype", default=None, help="Weights/activations dtype (auto picks by measurement on CPU)."),
         click.option("--quantization", default=None, help="vLLM quantization method of the checkpoint."),
         click.option("--kv-cache-dtype", default=None, help="KV cache dtype: auto, fp8, ..."),
@@ -138,7 +140,7 @@ SPEC_PATHS = {
     "input": "input", "output": "output", "job_id": "job_id", "name": "name", "db_url": "db",
     "s3_endpoint_url": "s3_endpoint_url", "input_format": "input_format",
     "engine_kind": "engine.kind", "base_url": "engine.base_url", "api_key_env": "engine.api_key_env",
-    "model": "engine.model", "dtype": "engine.dtype", "quantization": "engine.quantization",
+    "model": "engine.model", "tokenizer": "engine.tokenizer", "dtype": "engine.dtype", "quantization": "engine.quantization",
     "kv_cache_dtype": "engine.kv_cache_dtype", "max_model_len": "engine.max_model_len",
     "max_num_seqs": "engine.max_num_seqs", "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "ordering": "batching.ordering", "token_budget": "batching.token_budget",

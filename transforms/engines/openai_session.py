@@ -1,8 +1,8 @@
 """The `openai` engine: any OpenAI-compatible HTTP server (vLLM's `vllm serve`, SGLang,
 TGI, TensorRT-LLM's `trtllm-serve`, llama.cpp's `llama-server`) behind `EngineSession`.
 
-Each request is one streamed HTTP call, run on a thread pool of `max_in_flight`
-threads: chat prompts go to `{base_url}/chat/completions`, raw prompts to
+Each request is one streamed HTTP call, run on one of `max_in_flight` threads:
+chat prompts go to `{base_url}/chat/completions`, raw prompts to
 `{base_url}/completions`, with `stream_options: {include_usage: true}` so the
 server's own token counts come with the last chunk.  TTFT, TPOT and E2E are
 measured here, on the client's clock (a monotonic clock in the worker), from the
@@ -32,7 +32,6 @@ import random
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -154,15 +153,21 @@ class OpenAISession:
         check_server(cfg)
         self._http = _client(cfg, api_key(cfg), cfg.request_timeout_s, cfg.max_in_flight)
         self.load_s = time.perf_counter() - t
-        self._pool = ThreadPoolExecutor(max_workers=cfg.max_in_flight, thread_name_prefix="tokenmill-openai")
         self._done: queue.Queue[Finished] = queue.Queue()
+        self._todo: queue.Queue[tuple[str, dict[str, Any], int] | None] = queue.Queue()
         self._live: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._failure: str | None = None
         self.retries: Counter[str] = Counter()
         """Retries made, by the reason of the failed attempt."""
-        self.requests = 0
+        # Daemon threads, not a ThreadPoolExecutor: its threads are joined at interpreter
+        # exit, so a request still waiting on a hung server would hold the worker up to
+        # request_timeout_s after the job ended.
+        self._threads = [threading.Thread(target=self._serve, daemon=True, name=f"tokenmill-openai-{i}")
+                         for i in range(cfg.max_in_flight)]
+        for t in self._threads:
+            t.start()
 
     # -- EngineSession
     def add(self, request_id: str, token_ids, sampling: dict[str, Any], *, source=None) -> None:
@@ -173,8 +178,7 @@ class OpenAISession:
         body = request_body(self.cfg.model, source, sampling)
         with self._lock:
             self._live.add(request_id)
-            self.requests += 1
-        self._pool.submit(self._request, request_id, body, len(token_ids))
+        self._todo.put((request_id, body, len(token_ids)))
 
     def step(self) -> list[Finished]:
         if self._stop.is_set():
@@ -214,16 +218,24 @@ class OpenAISession:
         return {
             "device": "remote", "engine": "openai", "base_url": self.cfg.base_url, "model": self.cfg.model,
             "load_s": self.load_s, "max_in_flight": self.cfg.max_in_flight,
-            "requests": self.requests, "retries": dict(self.retries),
+            "max_retries": self.cfg.max_retries, "request_timeout_s": self.cfg.request_timeout_s,
             "clock": "client",
         }
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._threads:
+            self._todo.put(None)
         self._http.close()
 
-    # -- one request, on a pool thread
+    # -- one request at a time, on each of `max_in_flight` threads
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            job = self._todo.get()
+            if job is None:
+                return
+            self._request(*job)
+
     def _wanted(self, request_id: str) -> bool:
         if self._stop.is_set() or self._failure:
             return False
