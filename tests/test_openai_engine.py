@@ -326,3 +326,42 @@ def test_a_server_that_dies_mid_job_leaves_the_unanswered_rows_for_the_resume(se
     out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
     assert sorted(r["id"] for r in out) == sorted(f"id{i}" for i in range(24))  # each id once
     assert again.answered == 24 - first["succeeded"]  # the resume asked only for what was missing
+
+
+def test_kill_9_of_a_run_then_resume_answers_each_id_once(server, tmp_path, sqlite_url):
+    """A real `tokenmill run --engine openai` killed with kill -9 mid-run, then run again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    n = 60
+    inp = write_parquet(tmp_path / "in.parquet", [{"id": f"q{i:02d}", "prompt": f"[[slow]] row {i}"} for i in range(n)])
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(inp), "--output", str(out),
+            "--db", sqlite_url, "--job-id", "oai-kill", "--engine", "openai", "--base-url", server.base_url,
+            "--model", "test-model", "--tokenizer", "smollm2-135m", "--api-key-env", KEY_VAR,
+            "--max-tokens", "8", "--token-budget", "64"]
+    proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    eng = S.connect(sqlite_url)
+    deadline = time.monotonic() + 300  # a bound against a hung test, not a speed assertion
+    while time.monotonic() < deadline and proc.poll() is None:
+        if S.get_job(eng, "oai-kill") is not None and S.counts(eng, "oai-kill")["succeeded"] >= 8:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before the kill: {proc.communicate()[1][-2000:]}"
+    os.killpg(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert KEY not in err
+    before = {r["id"] for r in S.request_rows(eng, "oai-kill", ("id",))}
+    assert 8 <= len(before) < n
+    rerun = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"rows in {n} / succeeded {n} / failed 0" in rerun.stdout
+    assert KEY not in rerun.stdout + rerun.stderr
+    ids = [r["id"] for r in pq.read_table(out / "outputs.parquet").to_pylist()]
+    assert sorted(ids) == [f"q{i:02d}" for i in range(n)]  # each id once
+    for i in range(n):  # rows committed before the kill were not asked again
+        asked = server.attempts[f"[[slow]] row {i}"]
+        assert asked == 1 if f"q{i:02d}" in before else asked in (1, 2), (i, asked)
