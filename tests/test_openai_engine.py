@@ -76,12 +76,25 @@ def test_chat_and_raw_prompts_are_streamed_and_measured_at_the_client(server):
     assert not dead
     assert rows["r0"]["text"] == "".join(answer_for("What is two plus two?"))
     assert rows["r1"]["text"] == "".join(answer_for("Once upon a time"))
+    # the server's usage (its prompt_tokens: words), not tokenmill's count (3 token ids here)
+    assert (rows["r0"]["prompt_tokens"], rows["r1"]["prompt_tokens"]) == (5, 4)
     for r in rows.values():
-        assert r["output_tokens"] == 4 and r["prompt_tokens"] > 0  # the server's usage, not the local count
+        assert r["output_tokens"] == 4
         assert 0 < r["ttft_s"] <= r["e2e_s"] and r["tpot_s"] is not None
         assert r["queue_s"] is None and r["cached_tokens"] is None  # not measurable over HTTP: null, not 0
         assert r["finish_reason"] == "length"
     assert set(server.auth) == {f"Bearer {KEY}"}
+
+
+def test_request_body_maps_the_sampling_keys():
+    s = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": None, "stop": ["\n"], "min_tokens": None,
+         "ignore_eos": False}
+    chat = O.request_body("m", [{"role": "user", "content": "hi"}], s)
+    assert chat == {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 7,
+                    "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5, "top_p": 0.9, "stop": ["\n"]}
+    raw = O.request_body("m", "hi", {**s, "seed": 3, "min_tokens": 2, "ignore_eos": True})
+    assert raw["prompt"] == "hi" and "messages" not in raw
+    assert (raw["seed"], raw["min_tokens"], raw["ignore_eos"]) == (3, 2, True)
 
 
 FAULTS = [
@@ -173,6 +186,7 @@ def _validate(base_url: str, one_row, tmp_path, *extra, model: str = "test-model
 def test_preflight_accepts_a_good_server_and_refuses_each_bad_config_in_one_line(server, one_row, tmp_path, monkeypatch):
     ok = _validate(server.base_url, one_row, tmp_path, "--api-key-env", KEY_VAR)
     assert ok.exit_code == 0, ok.output
+    assert f"model test-model at {server.base_url} (tokenizer " in ok.output
     # a server that is down
     with FaultServer() as other:
         down = other.base_url

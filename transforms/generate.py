@@ -7,7 +7,9 @@ sequence slots, i.e. while the current batch's tail is still decoding, so the
 engine never idles at a batch boundary.  A batch's results are emitted (and
 committed by the Write step) as soon as all of its requests are done.
 
-A row the engine rejects is a dead letter (`bad_request`).  If a step fails,
+A row the engine rejects is a dead letter (`bad_request`), and so is a row an
+engine finishes with a reason code (`Finished.error_reason`: the `openai` engine
+after its retries).  If a step fails,
 the batches in flight are retried by bisection on a fresh engine until the
 poison row is alone; it becomes a dead letter (`engine_error`) and the rest is
 answered.  A batch older than `batch_timeout_s` counts as hung: between steps

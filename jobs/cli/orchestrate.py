@@ -133,6 +133,12 @@ def check_spec(spec) -> dict[str, Any]:
     return found
 
 
+def _served_by(spec, found: dict[str, Any]) -> str:
+    if spec.engine.kind == "openai":
+        return f"{spec.engine.model} at {spec.engine.base_url} (tokenizer {found['model_path']})"
+    return str(found["model_path"])
+
+
 @main.command(context_settings=CONTEXT_SETTINGS)
 @job_spec_options
 @json_option
@@ -158,7 +164,7 @@ def validate(spec_file, as_json, **kw):
         return
     click.echo(
         f"ok: job {found['job_id']}: {found['rows']:,} rows in {found['files']} file(s) "
-        f"({found['input_format']} -> {found['output_format']}), model {found['model_path']}"
+        f"({found['input_format']} -> {found['output_format']}), model {_served_by(spec, found)}"
     )
     if found.get("unserved_models"):
         names = ", ".join(f"{m!r} ({n} lines)" for m, n in found["unserved_models"].items())
