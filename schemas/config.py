@@ -45,6 +45,8 @@ def _one_of(*allowed: str):
     return check
 
 
+#: The longest wait between two attempts of an `openai` engine request (its backoff's cap).
+HTTP_BACKOFF_CAP_S = 30.0
 #: EngineConfig keys of the `openai` engine (an OpenAI-compatible HTTP server): not vLLM `EngineArgs`.
 HTTP_ENGINE_KEYS = frozenset({"kind", "base_url", "api_key_env", "max_in_flight", "request_timeout_s", "max_retries"})
 
@@ -68,7 +70,7 @@ class EngineConfig(_Strict):
     the key itself is never in the spec).  Unset: no key is sent."""
     max_in_flight: int = Field(16, ge=1, le=4096)
     """`kind: openai`: requests each worker has open at once."""
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)
     """`kind: openai`: the longest one attempt of a request may take (and wait between bytes)."""
     max_retries: int = Field(3, ge=0, le=100)
     """`kind: openai`: retries of a request after a 429, a 5xx, a timeout, a dropped connection
@@ -92,6 +94,11 @@ class EngineConfig(_Strict):
     block_size: int | None = Field(None, ge=1)
     extra: dict[str, Any] = Field(default_factory=dict)
     """Passed through to `vllm.LLM` unchanged (any other `EngineArgs` field)."""
+
+    def http_worst_case_s(self) -> float:
+        """The longest one row may take on the `openai` engine: every attempt timing out,
+        with the longest backoff between them."""
+        return (self.max_retries + 1) * self.request_timeout_s + self.max_retries * HTTP_BACKOFF_CAP_S
 
     @field_validator("api_key_env")
     @classmethod
@@ -211,6 +218,15 @@ class JobSpec(_Strict):
         if self.price_per_hour is not None and self.prices:
             raise ValueError("set price_per_hour (one flat price per device-hour) or prices (per device model), "
                              "not both")
+        e = self.engine
+        if e.kind == "openai":
+            worst = e.http_worst_case_s()
+            if worst >= self.batching.batch_timeout_s:
+                raise ValueError(
+                    f"engine: a row may take {worst:g} s over its {e.max_retries + 1} attempts "
+                    f"(request_timeout_s {e.request_timeout_s:g} each, plus backoff), not under "
+                    f"batching.batch_timeout_s {self.batching.batch_timeout_s:g}: lower request_timeout_s or "
+                    "max_retries, or raise batch_timeout_s")
         if self.output_format is None:
             fmt = "openai-jsonl" if self.resolved_input_format() == "openai-jsonl" else "parquet"
             object.__setattr__(self, "output_format", fmt)
@@ -241,8 +257,9 @@ def format_validation_error(err: ValidationError, source: str = "job spec") -> s
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        elif "input" in e and e["type"] != "missing" and "api_key_env" not in e["loc"]:
-            # (an api_key_env value that fails is most likely a key pasted in: never echoed)
+        elif "input" in e and e["type"] != "missing" and e["loc"] and "api_key_env" not in e["loc"]:
+            # (not the whole spec, for an error about it as a whole: it may hold a db password;
+            # nor an api_key_env value that fails: most likely a key pasted in)
             msg = f"{msg} (got {e['input']!r})"
         parts.append(f"{loc}: {msg}")
     return f"invalid {source}: " + "; ".join(parts)

@@ -234,6 +234,15 @@ def test_spec_keys_and_their_refusals():
     with pytest.raises(SpecError) as err:  # a key pasted where the variable's name goes is not echoed
         load_spec({**base, "engine": {"kind": "openai", "base_url": "http://x/v1", "api_key_env": KEY}})
     assert KEY not in str(err.value) and "api_key_env" in str(err.value)
+    # a row's retries must end before its batch counts as hung (batching.batch_timeout_s)
+    http = {"kind": "openai", "base_url": "http://x/v1"}
+    assert load_spec({**base, "engine": http}).engine.http_worst_case_s() == 4 * 300 + 3 * 30
+    with pytest.raises(SpecError, match="a row may take 2490 s over its 4 attempts.*batch_timeout_s 1800"):
+        load_spec({**base, "engine": {**http, "request_timeout_s": 600}})
+    load_spec({**base, "engine": {**http, "request_timeout_s": 600}, "batching": {"batch_timeout_s": 3600}})
+    with pytest.raises(SpecError) as err:  # a whole-spec error does not echo the spec (its db URL, ...)
+        load_spec({**base, "db": "postgresql://u:hunter2@h/db", "engine": {**http, "request_timeout_s": 600}})
+    assert "hunter2" not in str(err.value)
     # the vLLM engine is never handed the openai keys
     from tokenmill.transforms.engines.vllm_session import engine_kwargs
 

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from tokenmill.schemas import records as R
-from tokenmill.schemas.config import EngineConfig
+from tokenmill.schemas.config import HTTP_BACKOFF_CAP_S, EngineConfig
 from tokenmill.schemas.errors import first_line
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 #: Backoff before retry n (0-based): uniform in [d/2, d], d = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**n).
 BACKOFF_BASE_S = 0.5
-BACKOFF_CAP_S = 30.0
+BACKOFF_CAP_S = HTTP_BACKOFF_CAP_S
 #: How long checking the server (/v1/models) may take.
 CHECK_TIMEOUT_S = 10.0
 
