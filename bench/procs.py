@@ -31,10 +31,13 @@ RULES: list[tuple[str, Callable[[list[str]], bool]]] = [
     ("sdk_shell", lambda c: bool(c) and c[0].endswith("sh") and any("sdk_worker_main" in p for p in c)),
     ("sdk_worker", lambda c: any("sdk_worker_main" in p for p in c)),
     ("resource_tracker", lambda c: any("resource_tracker" in p for p in c)),
-    # a dask cluster (bench/dask_cluster.py): `python -m distributed.cli.dask_scheduler`, and
-    # `python -m distributed.cli.dask_worker ... --nanny`, whose process is the nanny; the
-    # worker that runs the tasks is the nanny's child (multiprocessing spawn, below)
-    ("dask_scheduler", lambda c: any("distributed.cli.dask_scheduler" in p for p in c)),
+    # a dask cluster (bench/dask_cluster.py): dask titles its scheduler `dask scheduler [ADDRESS]`
+    # and the worker that runs the tasks `dask worker [ADDRESS]`; that worker is a child of
+    # `python -m distributed.cli.dask_worker ... --nanny`, the nanny, which keeps its command
+    # line (before its title the worker is the nanny's multiprocessing spawn, below)
+    ("dask_scheduler", lambda c: bool(c) and c[0].startswith("dask scheduler")
+     or any("distributed.cli.dask_scheduler" in p for p in c)),
+    ("dask_worker", lambda c: bool(c) and c[0].startswith("dask worker")),
     ("dask_nanny", lambda c: any("distributed.cli.dask_worker" in p for p in c)),
 ]
 
