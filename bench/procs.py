@@ -7,7 +7,9 @@ titles with setproctitle, Beam's DirectRunner starts its SDK workers as
 seconds and keeps each one's series and peak under a stable label
 (`launcher`, `sdk_worker-1`, `engine_core-2`, ...: kind and order of first
 sight).  Killed processes' children that outlive them are followed too.  A
-runner whose workers look different adds a rule to `RULES`.
+runner whose workers look different adds a rule to `RULES`; one whose workers
+are not the launcher's children (a dask cluster) hands their processes to the
+sampler as further roots (`also`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ RULES: list[tuple[str, Callable[[list[str]], bool]]] = [
     ("sdk_shell", lambda c: bool(c) and c[0].endswith("sh") and any("sdk_worker_main" in p for p in c)),
     ("sdk_worker", lambda c: any("sdk_worker_main" in p for p in c)),
     ("resource_tracker", lambda c: any("resource_tracker" in p for p in c)),
+    # a dask cluster (bench/dask_cluster.py): dask titles its scheduler `dask scheduler [ADDRESS]`
+    # and the worker that runs the tasks `dask worker [ADDRESS]`; that worker is a child of
+    # `python -m distributed.cli.dask_worker ... --nanny`, the nanny, which keeps its command
+    # line (before its title the worker is the nanny's multiprocessing spawn, below)
+    ("dask_scheduler", lambda c: bool(c) and c[0].startswith("dask scheduler")
+     or any("distributed.cli.dask_scheduler" in p for p in c)),
+    ("dask_worker", lambda c: bool(c) and c[0].startswith("dask worker")),
+    ("dask_nanny", lambda c: any("distributed.cli.dask_worker" in p for p in c)),
 ]
 
 #: vLLM process titles (`VLLM::<title>`, vllm.utils.system_utils.set_process_title) → kind
@@ -50,9 +60,10 @@ def classify(cmdline: list[str], *, is_root: bool = False, parent_kind: str | No
     for kind, test in RULES:
         if test(cmdline):
             return kind
-    # an engine core's child before it sets its title (multiprocessing spawn)
-    if parent_kind == "engine_core" and any("multiprocessing" in p for p in cmdline):
-        return "engine_worker"
+    # an engine core's child before it sets its title, a nanny's worker (multiprocessing spawn)
+    spawned = {"engine_core": "engine_worker", "dask_nanny": "dask_worker"}
+    if parent_kind in spawned and any("multiprocessing" in p for p in cmdline):
+        return spawned[parent_kind]
     return "other"
 
 
@@ -72,11 +83,14 @@ class ProcessSampler(threading.Thread):
     """RSS of every process under `root_pid`, per process, every `every_s` seconds.
 
     A process that leaves the tree (its parent was killed and it was re-parented)
-    is still sampled while it lives, and marked orphaned."""
+    is still sampled while it lives, and marked orphaned.  `also`: further roots
+    whose trees are sampled the same way (a cluster's scheduler and workers, which
+    outlive the run by design)."""
 
-    def __init__(self, root_pid: int, every_s: float = 0.5):
+    def __init__(self, root_pid: int, every_s: float = 0.5, also: list[int] | tuple[int, ...] = ()):
         super().__init__(daemon=True, name="bench-rss-sampler")
         self.root = psutil.Process(root_pid)
+        self.also = [psutil.Process(pid) for pid in also]
         self.every_s = every_s
         self.t0 = time.monotonic()
         self.procs: dict[int, Proc] = {}
@@ -84,12 +98,19 @@ class ProcessSampler(threading.Thread):
         self._lock = threading.Lock()
         self._halt = threading.Event()
 
+    @staticmethod
+    def _trees(roots: list[psutil.Process]) -> list[psutil.Process]:
+        out = []
+        for r in roots:
+            try:
+                out += [r, *r.children(recursive=True)]
+            except psutil.Error:
+                pass
+        return out
+
     def sample(self) -> None:
         now = time.monotonic() - self.t0
-        try:
-            tree = [self.root, *self.root.children(recursive=True)]
-        except psutil.Error:
-            tree = []
+        tree = self._trees([self.root, *self.also])
         in_tree = {p.pid for p in tree}
         for p in tree:
             self._handles.setdefault(p.pid, p)
@@ -169,13 +190,16 @@ class ProcessSampler(threading.Thread):
         return max(cands, key=lambda c: cpu(c[1]) - before[c[1]])
 
     def still_running(self) -> list[str]:
-        """Labels of the processes (the root aside) alive now: what a run left behind."""
+        """Labels of the processes (the root aside) alive now: what a run left behind.  The
+        `also` trees (a cluster and the engines its workers keep for the next job) are not,
+        but a process orphaned out of them is."""
         out = []
         with self._lock:
             labels = self.labels()
             pids = list(self.procs)
+        kept = {p.pid for p in self._trees(self.also)}
         for pid in pids:
-            if pid == self.root.pid:
+            if pid == self.root.pid or pid in kept:
                 continue
             try:
                 if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:

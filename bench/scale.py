@@ -19,12 +19,14 @@ groups.
 
 Runs, each a `tokenmill run` subprocess on a fresh SQLite database:
   1. N rows, 1 worker        2. 10 N rows, 1 worker        3. N rows, 2 workers
-then the drills on 10 N rows with 2 workers: kill -9 of one SDK worker, and
-separately of one vLLM engine core, when DRILL_KILL_AT of the rows are done; a
-run that fails (or stalls) after the kill is rerun with the same job id, which
-resumes.  A sampler reads the RSS of every process in the run's tree every
-0.5 s (bench/procs.py tells the launcher, SDK workers, engine cores and their
-model workers apart).
+then the drills on 10 N rows with 2 workers, on each runner of RUNNERS (the
+DirectRunner, then the DaskRunner on a loopback cluster the bench starts and stops
+per drill): kill -9 of one worker process (an SDK worker; a dask worker, which its
+nanny restarts), and separately of one vLLM engine core, when DRILL_KILL_AT of the
+rows are done; a run that fails (or stalls) after the kill is rerun with the same
+job id, which resumes.  A sampler reads the RSS of every process in the run's tree
+(and the cluster's) every 0.5 s (bench/procs.py tells the launcher, SDK workers,
+dask workers, engine cores and their model workers apart).
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Iterator
 
 from bench.common import RESULTS, ROOT, WORK, log, machine, utc_now, utc_stamp
 from bench.procs import MAIN_KINDS, MiB, ProcessSampler
@@ -64,17 +67,49 @@ WORKER_WALL_SPREAD_MAX = 1.15
 
 
 @dataclass(frozen=True)
+class Attached:
+    """What a runner's cluster gives the runs on it: the `tokenmill run` flags that point
+    at it, and its processes (sampled beside the launcher's tree: its workers are not the
+    launcher's children)."""
+
+    args: tuple[str, ...] = ()
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Runner:
-    """How a job is run: its `tokenmill run` flags and which process kind is one of its workers
-    (the drills kill one).  A drill on another runner is a new entry in RUNNERS."""
+    """How a job is run: its `tokenmill run` flags, which process kind is one of its workers
+    (the drills kill one), and what must run beside `tokenmill run` (`cluster`: a context
+    manager that starts it in a folder and stops it).  A drill on another runner is a new
+    entry in RUNNERS."""
 
     name: str
     args: tuple[str, ...]
     worker_kind: str = "sdk_worker"
+    cluster: Callable[[Path], ContextManager[Attached]] | None = None
+
+
+@contextmanager
+def dask_cluster(folder: Path) -> Iterator[Attached]:
+    """A loopback dask scheduler and two worker processes under nannies, for one drill
+    (its engines start with the drill, and a killed worker's orphans go with the cluster)."""
+    from bench.dask_cluster import start_cluster
+
+    cluster = start_cluster(folder / "dask-logs", n_workers=2)
+    try:
+        yield Attached(tuple(f"--pipeline-option={o}" for o in cluster.options()),
+                       (cluster.scheduler.pid, *(w.pid for w in cluster.workers)))
+    finally:
+        cluster.stop()
 
 
 ONE_WORKER = Runner("direct-1", ("--workers", "1"), worker_kind="launcher")
-RUNNERS = {"direct": Runner("direct-2", ("--workers", "2"))}
+RUNNERS = {
+    "direct": Runner("direct-2", ("--workers", "2")),
+    # the nanny restarts a killed worker process; the engine core is the worker's child
+    "dask": Runner("dask-2", ("--runner", "DaskRunner", "--workers", "2"), worker_kind="dask_worker",
+                   cluster=dask_cluster),
+}
 
 
 # ---------------------------------------------------------------- input
@@ -133,6 +168,7 @@ class Leg:
     job_id: str
     folder: Path
     model: str
+    attached: Attached = Attached()
     exit_code: int | None = None
     summary: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
@@ -189,13 +225,13 @@ def tokenmill_run(leg: Leg, inp: dict[str, Any], *, during: Callable[[Leg, subpr
     cmd = [
         sys.executable, "-m", "tokenmill.jobs.cli", "run", str(engine_spec(leg.folder)),
         "--input", inp["path"], "--output", str(leg.out), "--db", leg.db_url, "--job-id", leg.job_id,
-        "--model", leg.model, "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json", *leg.runner.args,
+        "--model", leg.model, "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json", *leg.runner.args, *leg.attached.args,
     ]
     n = len(list(leg.folder.glob("stdout*.txt")))  # a rerun keeps the first run's logs
     with open(leg.folder / f"stdout{n or ''}.txt", "w") as so, open(leg.folder / f"stderr{n or ''}.txt", "w") as se:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True, start_new_session=True)
-        leg.sampler = ProcessSampler(proc.pid)
+        leg.sampler = ProcessSampler(proc.pid, also=leg.attached.pids)
         leg.sampler.start()
         th = None
         if during is not None:
@@ -385,11 +421,20 @@ def plain_run(name: str, rows: int, runner: Runner, model: str, work: Path) -> d
 def drill(target: str, rows: int, runner: Runner, model: str, work: Path, *, stall_s: float) -> dict[str, Any]:
     """kill -9 one process of kind `target` (`worker` = the runner's worker kind, or
     `engine_core`) once DRILL_KILL_AT of the rows are in the database; rerun the same
-    job id if the run does not finish by itself."""
+    job id if the run does not finish by itself.  A runner's cluster is started for the
+    drill and stopped after it."""
+    name = f"drill-{target}-{runner.name}"
+    folder = work / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with runner.cluster(folder) if runner.cluster else nullcontext(Attached()) as attached:
+        return _drill(name, target, rows, runner, model, folder, attached, stall_s=stall_s)
+
+
+def _drill(name: str, target: str, rows: int, runner: Runner, model: str, folder: Path, attached: Attached, *,
+           stall_s: float) -> dict[str, Any]:
     kind = runner.worker_kind if target == "worker" else target
     inp = make_input(rows)
-    name = f"drill-{target}-{runner.name}"
-    leg = Leg(name, rows, runner, f"scale-{name}", work / name, model)
+    leg = Leg(name, rows, runner, f"scale-{name}", folder, model, attached)
 
     def kill(leg: Leg, proc: subprocess.Popen) -> None:
         while proc.poll() is None:
@@ -422,7 +467,7 @@ def drill(target: str, rows: int, runner: Runner, model: str, work: Path, *, sta
         before_batches = _batch_ids(leg)
         log(f"{name}: the run {'stalled' if leg.stalled else f'exited {leg.exit_code}'} after the kill "
             f"with {before_rows:,} rows done: rerunning job {leg.job_id}")
-        rerun = Leg(name + "-rerun", rows, runner, leg.job_id, leg.folder, model)
+        rerun = Leg(name + "-rerun", rows, runner, leg.job_id, leg.folder, model, attached)
         tokenmill_run(rerun, inp)
         legs.append(leg_report(rerun, inp, final=False))
         after_rows = done_rows(rerun.db_url, rerun.job_id)
@@ -609,12 +654,17 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-drills", action="store_true", help="no failure drills")
     ap.add_argument("--drills", default="worker,engine_core", help="what the drills kill: worker (one of the runner's "
                     "workers), engine_core (one vLLM engine core)")
-    ap.add_argument("--drill-runner", default="direct", choices=sorted(RUNNERS))
+    ap.add_argument("--drill-runners", default=",".join(RUNNERS), help=f"the runners the drills run on, in order "
+                    f"(default: every one of {', '.join(RUNNERS)}; dask starts a loopback cluster per drill)")
     ap.add_argument("--drill-rows", type=int, default=None, help="rows per drill (default: the largest size)")
     ap.add_argument("--stall-s", type=float, default=180.0, help="after a kill, a run with no new row for this long is stopped")
     ap.add_argument("--model", default="smollm2-135m", help="the prepared model whose tokenizer and architecture the tiny model takes")
     ap.add_argument("--json", default=None, help="results file (default bench/results/scale-<stamp>.json; the plot goes beside it)")
     args = ap.parse_args(argv)
+    try:
+        drill_runners = [RUNNERS[r] for r in args.drill_runners.split(",") if r]
+    except KeyError as err:
+        ap.error(f"--drill-runners: no runner {err}; the runners are {', '.join(RUNNERS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -646,9 +696,9 @@ def main(argv=None) -> int:
         two = f"{sizes[0]}-rows-2-workers"
         res["runs"][two] = plain_run(two, sizes[0], RUNNERS["direct"], model, work)
     if not args.skip_drills:
-        runner = RUNNERS[args.drill_runner]
-        for target in [t for t in args.drills.split(",") if t]:
-            res["drills"].append(drill(target, args.drill_rows or sizes[-1], runner, model, work, stall_s=args.stall_s))
+        for runner in drill_runners:
+            for target in [t for t in args.drills.split(",") if t]:
+                res["drills"].append(drill(target, args.drill_rows or sizes[-1], runner, model, work, stall_s=args.stall_s))
     res["targets"] = targets(res["runs"], f"{sizes[0]}-rows-1-worker", f"{sizes[-1]}-rows-1-worker", two) \
         + drill_targets(res["drills"])
     res["finished_at"] = utc_now()

@@ -36,6 +36,17 @@ def test_classify_names_beam_and_vllm_processes():
     assert classify(["python", "-B", "-c", "from multiprocessing.resource_tracker import main;main(3)"]) == "resource_tracker"
 
 
+def test_classify_names_a_dask_clusters_processes():
+    py = "/venv/bin/python"
+    assert classify([py, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1"]) == "dask_scheduler"
+    assert classify([py, "-m", "distributed.cli.dask_worker", "tcp://127.0.0.1:1", "--nanny"]) == "dask_nanny"
+    spawned = [py, "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)", "--multiprocessing-fork"]
+    assert classify(spawned, parent_kind="dask_nanny") == "dask_worker"  # the process that runs the tasks, before
+    assert classify(["dask worker [tcp://127.0.0.1:2]", "", ""]) == "dask_worker"  # and after dask titles it
+    assert classify(["dask scheduler [tcp://127.0.0.1:1]", "", ""]) == "dask_scheduler"
+    assert SC.RUNNERS["dask"].worker_kind == "dask_worker" and SC.RUNNERS["dask"].cluster is not None
+
+
 #: a stand-in for an SDK worker: titles a forked child like vLLM titles its engine core
 #: (the child keeps the worker's command line until then), prints the child's pid, waits
 _WORKER = """

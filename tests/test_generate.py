@@ -130,3 +130,28 @@ def test_a_step_that_never_returns_is_ended_by_the_watchdog_and_the_row_isolated
     assert [(d.id, d.reason) for d in dead] == [("p2", R.ENGINE_TIMEOUT)]
     assert "blocked past 0.3 s" in dead[0].message
     assert sum(s.killed.is_set() for s in sessions) >= 2  # the batch's engine, then each retry holding p2
+
+
+def test_a_units_last_batches_decode_while_the_next_unit_is_fed():
+    # advance() returns once every fed batch is in the engine, not once it is answered:
+    # the tail of unit 1 is still decoding when unit 2 is fed, so the engine does not run
+    # dry at the boundary; every row is still answered once and the in-flight bound holds.
+    s = FakeSession(max_num_seqs=4)
+    runner = BatchRunner(cfg(max_inflight_batches=2), lambda: s, lambda: s)
+    unit1 = pack(prompts(8), token_budget=4 * 6, batch_prefix="u1-")
+    unit2 = pack([TokenizedPrompt(id=f"q{i}", input_file=1, input_row=i, token_ids=[2000 + i, 1, 2], prefix_key="00",
+                                  max_tokens=3) for i in range(8)], token_budget=4 * 6, batch_prefix="u2-")
+    assert [len(b.prompts) for b in unit1 + unit2] == [4, 4, 4, 4]
+    runner.feed(unit1)
+    first = list(runner.advance())
+    assert s.num_unfinished() > 0 and runner.in_flight >= 1  # unit 1's tail is still in the engine
+    assert "u1-1" not in [st["batch_id"] for _, _, st in first]
+    runner.feed(unit2)
+    rest = list(runner.advance()) + list(runner.drain())
+    assert "u1-1" in [st["batch_id"] for _, _, st in rest]  # answered after unit 2 was fed
+    answered = [r["id"] for rows, _, _ in first + rest for r in rows]
+    assert sorted(answered) == sorted([f"p{i}" for i in range(8)] + [f"q{i}" for i in range(8)])
+    assert runner.in_flight == 0 and s.num_unfinished() == 0
+    assert s.max_inflight <= 2 * 4  # never more than max_inflight_batches batches in the engine
+    assert runner.admitted_rows == runner.generated_rows == 16
+    runner.close()

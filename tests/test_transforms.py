@@ -177,6 +177,37 @@ def test_generate_answers_each_prompt_once_dead_letters_rejected_ones_and_report
         assert_that(stats, equal_to([10]), label="batch requests")
 
 
+def test_generate_updates_the_worker_row_at_most_every_few_seconds_and_with_final_counts_at_bundle_end(monkeypatch):
+    import dataclasses
+
+    from apache_beam.utils.windowed_value import WindowedValue
+
+    from tokenmill.transforms import generate as G
+    from tokenmill.transforms import write as W
+
+    reports = []
+    monkeypatch.setattr(W, "record_worker", lambda *a, **k: None)
+    monkeypatch.setattr(W, "update_worker_peak", lambda url, job, worker, **counts: reports.append(counts))
+    monkeypatch.setattr(G, "_DONE", {})
+    fn = G.GenerateFn(dataclasses.replace(_generate_config(token_budget=64), db_url="sqlite://"), FakeSession)
+    fn.setup()
+    fn.start_bundle()
+    emitted = []
+    for k in range(3):  # three units of three batches, in one bundle
+        emitted += fn.process(_chunk([_prompt(10 * k + i, [100 + 10 * k + i] + [1] * 20) for i in range(6)], unit=f"{k}.0"))
+    finished = list(fn.finish_bundle())
+    fn.teardown()
+    # the last unit's tail comes out of finish_bundle, as windowed values (Beam's rule there)
+    windowed = [o.value if isinstance(o, beam.pvalue.TaggedOutput) else o for o in finished]
+    assert windowed and all(isinstance(w, WindowedValue) for w in windowed)
+    rows = [r for o in emitted + [w.value for w in windowed] if isinstance(o, list) for r in o]
+    assert sorted(r["id"] for r in rows) == sorted(f"p{10 * k + i}" for k in range(3) for i in range(6))
+    # 9 batches, yet the row was written on the first one and at the bundle's end only
+    # (the fake run is far shorter than REPORT_EVERY_S), the last with every count
+    assert len(reports) == 2
+    assert reports[-1] == {"admitted_rows": 18, "generated_rows": 18, "generated_tokens": 54}
+
+
 def test_write_to_database_commits_outputs_dead_letters_and_batch_stats_idempotently(sqlite_url):
     out = [OutputRow(job_id="j", id=f"o{i}", input_file=0, input_row=i, text="t").as_dict() for i in range(3)]
     dead = [FailedRecord(input_file=0, input_row=7, id="x", reason=R.BAD_REQUEST, message="no")]

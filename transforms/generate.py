@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import apache_beam as beam
+from apache_beam.transforms.window import GlobalWindows
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
@@ -46,6 +47,10 @@ from tokenmill.transforms.chunks import DEAD
 log = logging.getLogger(__name__)
 
 STATS = "stats"
+#: Seconds between two updates of the worker's row while a bundle runs (its counters and peak
+#: memory); a bundle's end always updates it.  Per batch it cost ~4 ms (a psutil walk of the
+#: process tree and a write), on the critical path of the engine loop.
+REPORT_EVERY_S = 5.0
 
 
 @dataclass
@@ -136,6 +141,11 @@ class BatchRunner:
         self.worker = worker
         self.cancelled = False
         self._watchdog = StepWatchdog()
+        self._pending: deque[Batch] = deque()
+        self._active: dict[str, dict[str, Any]] = {}
+        """batch id → its state, for the batches in the engine"""
+        self._owner: dict[str, tuple[str, TokenizedPrompt]] = {}
+        """request id → (batch id, prompt), for the requests in the engine"""
         self.admitted_rows = 0
         """Requests handed to the engine, retries included: engine-side work, for rework figures."""
         self.generated_rows = 0
@@ -168,12 +178,49 @@ class BatchRunner:
         return None
 
     def run(self, batches: list[Batch]):
-        """Yield (rows, dead, stats) per finished batch."""
-        self._watchdog = StepWatchdog()
+        """Yield (rows, dead, stats) per finished batch, until every batch is answered."""
         try:
-            yield from self._run(batches)
+            self.feed(batches)
+            yield from self.drain()
         finally:
-            self._watchdog.close()
+            self.close()
+
+    def feed(self, batches: list[Batch]) -> None:
+        """Queue batches behind the ones already fed (a worker's next work unit)."""
+        self._pending.extend(batches)
+
+    def advance(self):
+        """Yield finished batches until every fed batch is in the engine, then return
+        with the last ones still in flight: the engine keeps decoding them while the
+        worker reads and tokenizes its next unit (no drain at a unit's end)."""
+        yield from self._drive(drain=False)
+
+    def drain(self):
+        """Yield finished batches until nothing is in flight."""
+        yield from self._drive(drain=True)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches fed and not yet yielded."""
+        return len(self._pending) + len(self._active)
+
+    def discard(self) -> None:
+        """Forget what is in flight (a failed bundle: its work is retried): abort its
+        requests so they do not hold engine slots, and stop the watchdog."""
+        if self._owner:
+            try:
+                self._session_fn().abort(list(self._owner))
+            except Exception as err:  # an engine that is gone has nothing to abort
+                log.debug("abort of a discarded runner's requests failed: %s", first_line(err))
+        self._pending.clear()
+        self._active.clear()
+        self._owner.clear()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the watchdog thread (a later step arms a new one)."""
+        self._watchdog.close()
+        self._watchdog = StepWatchdog()
 
     def _step(self, s: EngineSession, started: float) -> list[Finished]:
         """One engine step, with the batch deadline enforced before it and, by killing
@@ -194,13 +241,11 @@ class BatchRunner:
             raise BatchTimeout(f"engine step blocked past {limit:g} s (batch_timeout_s); engine killed") from failure
         return out
 
-    def _run(self, batches: list[Batch]):
+    def _drive(self, drain: bool):
         s = self._session_fn()
-        pending = deque(batches)
-        active: dict[str, dict[str, Any]] = {}
-        owner: dict[str, tuple[str, TokenizedPrompt]] = {}
+        pending, active, owner = self._pending, self._active, self._owner
         max_ahead = self.cfg.batching.max_inflight_batches
-        while pending or active:
+        while pending or (drain and active):
             # Admit while the engine has free sequence slots (the tail of the
             # current batch), keeping at most max_ahead batches in flight.
             while pending and len(active) < max_ahead and (not active or s.num_unfinished() < s.max_num_seqs):
@@ -219,6 +264,8 @@ class BatchRunner:
                     else:
                         owner[rid] = (b.batch_id, p)
                         st["left"] += 1
+            if not pending and not drain:
+                return  # every fed batch is in the engine: the caller's next unit comes next
             if not active:
                 continue
             # Underfed: the engine has free sequence slots while a batch waits
@@ -350,6 +397,9 @@ class GenerateFn(beam.DoFn):
         self._last_cancel_check = 0.0
         self._cancel = False
         self._recorded = False
+        self._runner: BatchRunner | None = None
+        """The bundle's runner: it carries the last batches of one unit into the next."""
+        self._reported_at = float("-inf")
 
     def _session(self, restart: bool = False, job_tokens: JobTokens | None = None) -> EngineSession:
         return worker_session(self.cfg.engine, self.cfg.model_path, self._factory, workers=self.cfg.num_workers,
@@ -387,40 +437,84 @@ class GenerateFn(beam.DoFn):
             self._cancel = cancel_requested(self.cfg.db_url, self.cfg.job_id)
         return self._cancel
 
+    def start_bundle(self):
+        self._discard()  # a runner left by a failed bundle: its work is being retried
+        self._runner = None
+
     def process(self, chunk: Chunk):
         s = self._first_session(chunk)
-        batches = plan_batches(
+        if self._runner is None:
+            self._runner = BatchRunner(self.cfg, self._session, self._restart, cancelled=self._cancelled,
+                                       worker=self._worker)
+        self._runner.feed(plan_batches(
             chunk.items,
             ordering=self.cfg.batching.ordering,
             token_budget=self.cfg.batching.token_budget,
             max_num_seqs=s.max_num_seqs,
             # unique per attempt: a unit retried after a failure plans new batches
             batch_prefix=f"{self.cfg.run_id}-{chunk.unit}.{chunk.part}-{uuid.uuid4().hex[:6]}-",
-        )
-        runner = BatchRunner(
-            self.cfg, self._session, self._restart, cancelled=self._cancelled, worker=self._worker
-        )
-        for rows, dead, stats in runner.run(batches):
-            if rows:
-                yield rows
-            for d in dead:
-                yield beam.pvalue.TaggedOutput(DEAD, d)
-            yield beam.pvalue.TaggedOutput(STATS, stats)
-            self._report(runner)
+        ))
+        # Returns once the unit's last batch is in the engine: its tail decodes while
+        # the next unit is read and tokenized, and is emitted with the next unit's
+        # batches (or by finish_bundle).
+        for out in self._runner.advance():
+            yield from _outputs(out)
+            self._report()
+
+    def finish_bundle(self):
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        try:
+            for out in runner.drain():
+                for o in _outputs(out):  # finish_bundle emits windowed values
+                    if isinstance(o, beam.pvalue.TaggedOutput):
+                        yield beam.pvalue.TaggedOutput(o.tag, GlobalWindows.windowed_value(o.value))
+                    else:
+                        yield GlobalWindows.windowed_value(o)
+        finally:
+            runner.close()
         done = _DONE.get(self.cfg.job_id, (0, 0, 0))
         _DONE[self.cfg.job_id] = (done[0] + runner.admitted_rows, done[1] + runner.generated_rows,
                                   done[2] + runner.generated_tokens)
+        self._report(final=True)  # every unit of the bundle answered: its final counts
 
-    def _report(self, runner: BatchRunner) -> None:
-        """The worker's row: what its engine finished so far, and its peak memory."""
-        if self.cfg.db_url:
-            from tokenmill.transforms.write import update_worker_peak
+    def teardown(self):
+        self._discard()
 
-            done = _DONE.get(self.cfg.job_id, (0, 0, 0))
-            update_worker_peak(self.cfg.db_url, self.cfg.job_id, self._worker,
-                               admitted_rows=done[0] + runner.admitted_rows,
-                               generated_rows=done[1] + runner.generated_rows,
-                               generated_tokens=done[2] + runner.generated_tokens)
+    def _discard(self) -> None:
+        runner, self._runner = getattr(self, "_runner", None), None
+        if runner is not None:
+            runner.discard()
+
+    def _report(self, *, final: bool = False) -> None:
+        """The worker's row: what its engine finished so far, and its peak memory.  At most
+        every REPORT_EVERY_S while a bundle runs (a process-tree walk and a database
+        write), and always at its end."""
+        if not self.cfg.db_url:
+            return
+        now = time.monotonic()
+        if not final and now - self._reported_at < REPORT_EVERY_S:
+            return
+        self._reported_at = now
+        from tokenmill.transforms.write import update_worker_peak
+
+        admitted, rows, tokens = _DONE.get(self.cfg.job_id, (0, 0, 0))
+        if self._runner is not None:
+            r = self._runner
+            admitted, rows, tokens = admitted + r.admitted_rows, rows + r.generated_rows, tokens + r.generated_tokens
+        update_worker_peak(self.cfg.db_url, self.cfg.job_id, self._worker,
+                           admitted_rows=admitted, generated_rows=rows, generated_tokens=tokens)
+
+
+def _outputs(out):
+    """One finished batch as the DoFn's outputs: its rows (main), dead letters, stats."""
+    rows, dead, stats = out
+    if rows:
+        yield rows
+    for d in dead:
+        yield beam.pvalue.TaggedOutput(DEAD, d)
+    yield beam.pvalue.TaggedOutput(STATS, stats)
 
 
 class Generate(beam.PTransform):
