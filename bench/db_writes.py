@@ -1,7 +1,7 @@
 """Database write benchmark: 100k output rows through the job's own write path.
 
-Each finished batch of the pipeline is one `WriteOutputsFn.process` call = one
-transaction with an idempotent bulk insert; this drives that same DoFn method
+Each finished batch of the pipeline is one `transforms.write.commit_batch` call = one
+transaction with idempotent bulk inserts (its outputs and its figures); this drives that same function
 with realistic rows (a ~400-character answer each) into SQLite (a file, WAL)
 and the PostgreSQL server on 127.0.0.1:5432 (a fresh schema), then writes the
 same rows a second time (a resumed job: every key exists, nothing is added).
@@ -31,8 +31,8 @@ from bench.common import RESULTS, utc_now, utc_stamp
 from tokenmill.jobs.metrics.hardware import cpu_flags
 from tokenmill.schemas import storage as S
 from tokenmill.transforms.engines.device import cpu_model
-from tokenmill.schemas.records import OutputRow
-from tokenmill.transforms.write import WriteOutputsFn
+from tokenmill.schemas.records import BatchStats, OutputRow
+from tokenmill.transforms.write import commit_batch
 
 PG_URL = os.environ.get("TOKENMILL_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 ANSWER = ("The capital of France is Paris, a city on the Seine known for its museums, cafés and long history. " * 4)[:400]
@@ -56,16 +56,19 @@ def make_batches(job_id: str, rows: int, batch: int) -> list[list[dict]]:
     return out
 
 
+def _stats(job_id: str, i: int, rows: list[dict]) -> dict:
+    return BatchStats(job_id=job_id, batch_id=f"b{i}", worker="bench:1", requests=len(rows)).as_dict()
+
+
 def run_backend(name: str, url: str, batches: list[list[dict]], job_id: str) -> dict:
     eng = S.connect(url)  # schema at head before timing
-    fn = WriteOutputsFn(url)
     t0 = time.perf_counter()
-    for b in batches:
-        list(fn.process(b))
+    for i, b in enumerate(batches):
+        commit_batch(url, job_id, b, [], _stats(job_id, i, b))
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for b in batches:
-        list(fn.process(b))
+    for i, b in enumerate(batches):
+        commit_batch(url, job_id, b, [], _stats(job_id, i, b))
     again = time.perf_counter() - t0
     n = S.counts(eng, job_id)["succeeded"]
     rows = sum(len(b) for b in batches)

@@ -1,9 +1,9 @@
 """The batch inference pipeline: each step a labelled PTransform over work units.
 
     PlanUnits ─┬─ ClaimIds ──────────────────┐ (side input: every id claimed first)
-               └─ ReadPrompts → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate → WriteOutputs
-    dead letters of Validate, DedupIds, Tokenize, Generate → WriteDeadLetters (one writer each)
-    batch stats of Generate → WriteBatchStats
+               └─ ReadPrompts → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate
+    dead letters of Validate, DedupIds, Tokenize → WriteDeadLetters (one writer each)
+    Generate commits each finished batch itself: outputs, its dead letters, its figures
 
 Every element after PlanUnits is one `Chunk`: a unit's rows, carried together
 from the read to the engine, so the chain fuses into one stage per worker and
@@ -28,7 +28,7 @@ from tokenmill.transforms.read import InputPlan, PlanUnits, ReadPrompts, plan_un
 from tokenmill.transforms.resume import SkipDone
 from tokenmill.transforms.tokenize import DEFAULT_BLOCK_SIZE, Tokenize
 from tokenmill.transforms.validate import Validate
-from tokenmill.transforms.write import WriteToDatabase
+from tokenmill.transforms.write import WriteDeadLetters
 
 #: Runners whose workers all run on the launching machine (their engines share its cores).
 LOCAL_RUNNERS = ("DirectRunner", "direct", "DaskRunner")
@@ -93,11 +93,10 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
         ),
         parts.session_factory,
     )
-    dead["Generate"] = gen[DEAD]
-    written = gen.ok | "WriteOutputs" >> WriteToDatabase(parts.db_url, parts.job_id, "outputs")
-    # One writer per step, not a Flatten: each stays fused with its step, so no runner
-    # buffers a job's dead letters between stages.
+    # Generate has committed each batch (outputs, dead letters, figures) when it finished:
+    # on every runner, fused with a writer or not, a failure loses only the batches in flight.
+    # One dead-letter writer per other step, not a Flatten: each stays fused with its step,
+    # so no runner buffers a job's dead letters between stages.
     for step, pc in dead.items():
-        pc | f"WriteDeadLetters{step}" >> WriteToDatabase(parts.db_url, parts.job_id, "dead_letters")
-    gen[STATS] | "WriteBatchStats" >> WriteToDatabase(parts.db_url, parts.job_id, "batches")
-    return {"outputs": gen.ok, "dead": tuple(dead.values()), "stats": gen[STATS], "written": written}
+        pc | f"WriteDeadLetters{step}" >> WriteDeadLetters(parts.db_url, parts.job_id)
+    return {"outputs": gen.ok, "dead": (*dead.values(), gen[DEAD]), "stats": gen[STATS]}

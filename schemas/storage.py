@@ -26,7 +26,7 @@ from tokenmill.schemas import tables as T
 from tokenmill.schemas.db import db_engine
 from tokenmill.schemas.secrets import mask_url
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.records import REQUEST_COLUMNS, StoredRow
+from tokenmill.schemas.records import REQUEST_COLUMNS, BatchStats, DeadLetterRow, OutputRow, StoredRow
 
 #: Rows per chunk when streaming a job's rows out (exports).
 CHUNK_ROWS = 5000
@@ -404,6 +404,17 @@ def insert_rows(eng: Engine, record: type[StoredRow], rows: Iterable[dict[str, A
         return 0
     with eng.begin() as conn:
         return _insert_ignore(conn, _table(record), rows)
+
+
+def commit_batch(eng: Engine, outputs: list[dict[str, Any]], dead_letters: list[dict[str, Any]],
+                 stats: list[dict[str, Any]]) -> None:
+    """One finished batch in one transaction: its output rows, the dead letters the engine
+    gave, its figures (`OutputRow`, `DeadLetterRow`, `BatchStats` as `as_dict()` gives
+    them).  Existing keys are skipped, as in `insert_rows`."""
+    with eng.begin() as conn:
+        for record, rows in ((OutputRow, outputs), (DeadLetterRow, dead_letters), (BatchStats, stats)):
+            if rows:
+                _insert_ignore(conn, _table(record), rows)
 
 
 #: What a worker row's refresh overwrites (a restarted engine, or the same process in a later run).

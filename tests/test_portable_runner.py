@@ -181,7 +181,7 @@ def test_deploy_specs_load_strictly_and_build_a_valid_pipeline(name, runner_cls,
     proto = p.to_runner_api()
     labels = {t.unique_name for t in proto.components.transforms.values()}
     assert {"PlanUnits", "ClaimIds", "ReadPrompts", "Validate", "SkipDone", "DedupIds", "Tokenize", "Generate",
-            "WriteOutputs", "WriteDeadLettersValidate", "WriteDeadLettersGenerate", "WriteBatchStats"} <= labels
+            "WriteDeadLettersValidate", "WriteDeadLettersTokenize"} <= labels
 
 
 def test_dockerfile_python_side_resolves(tmp_path):

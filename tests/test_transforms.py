@@ -26,7 +26,7 @@ from tokenmill.transforms.read import PlanUnits, ReadPrompts, plan_input, plan_u
 from tokenmill.transforms.resume import SkipDone
 from tokenmill.transforms.tokenize import Tokenize
 from tokenmill.transforms.validate import Validate
-from tokenmill.transforms.write import WriteToDatabase
+from tokenmill.transforms.write import WriteDeadLetters, commit_batch
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
 
@@ -208,17 +208,17 @@ def test_generate_updates_the_worker_row_at_most_every_few_seconds_and_with_fina
     assert reports[-1] == {"admitted_rows": 18, "generated_rows": 18, "generated_tokens": 54}
 
 
-def test_write_to_database_commits_outputs_dead_letters_and_batch_stats_idempotently(sqlite_url):
+def test_a_batch_and_dead_letters_are_committed_idempotently(sqlite_url):
+    """Generate's per-batch commit (outputs, its dead letters, its figures: one transaction)
+    and a step's dead-letter writer: written twice (a retried bundle, a rerun), stored once."""
     out = [OutputRow(job_id="j", id=f"o{i}", input_file=0, input_row=i, text="t").as_dict() for i in range(3)]
+    engine_dead = [FailedRecord(input_file=0, input_row=5, id="e", reason=R.ENGINE_ERROR, message="boom")]
     dead = [FailedRecord(input_file=0, input_row=7, id="x", reason=R.BAD_REQUEST, message="no")]
-    stats = [R.BatchStats(job_id="j", batch_id="b0", requests=3).as_dict()]
+    stats = R.BatchStats(job_id="j", batch_id="b0", requests=4).as_dict()
     for _ in range(2):  # a retried bundle or a rerun writes the same keys again
+        commit_batch(sqlite_url, "j", out, engine_dead, stats)
         with _pipeline() as p:
-            written = p | "outs" >> beam.Create([out]) | "w1" >> WriteToDatabase(sqlite_url, "j", "outputs")
-            assert_that(written, equal_to([3]))
-            _ = p | "dead" >> beam.Create(dead) | "w2" >> WriteToDatabase(sqlite_url, "j", "dead_letters")
-            _ = p | "stats" >> beam.Create(stats) | "w3" >> WriteToDatabase(sqlite_url, "j", "batches")
+            _ = p | "dead" >> beam.Create(dead) | "w" >> WriteDeadLetters(sqlite_url, "j")
     eng = S.connect(sqlite_url)
-    assert S.counts(eng, "j") == {"succeeded": 3, "failed": 1}
+    assert S.counts(eng, "j") == {"succeeded": 3, "failed": 2}
     assert [b["batch_id"] for b in S.job_batches(eng, "j")] == ["b0"]
-

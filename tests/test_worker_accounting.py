@@ -173,13 +173,11 @@ def test_the_worker_row_carries_what_the_worker_measured(sqlite_url, monkeypatch
     assert w["measure"]["peak_tree_rss_bytes"] > 0 and w["measure"]["window_s"] >= 0
 
 
-def test_a_batchs_figures_are_committed_when_it_finishes_not_at_the_end_of_the_bundle(sqlite_url):
+def test_a_batchs_figures_are_committed_with_its_outputs_when_it_finishes(sqlite_url):
     """A run killed mid-bundle keeps the figures of its finished batches (its generation window)."""
     from tokenmill.schemas.records import BatchStats
-    from tokenmill.transforms.write import WriteBatchStatsFn
+    from tokenmill.transforms.write import commit_batch
 
-    fn = WriteBatchStatsFn(sqlite_url, "jb")
-    fn.start_bundle()
-    fn.process(BatchStats(job_id="jb", batch_id="abc123-0.0-x-0", worker="h:1", requests=2, started_at=1.0,
-                          finished_at=2.0).as_dict())
+    commit_batch(sqlite_url, "jb", [], [], BatchStats(job_id="jb", batch_id="abc123-0.0-x-0", worker="h:1",
+                                                     requests=2, started_at=1.0, finished_at=2.0).as_dict())
     assert [b["batch_id"] for b in S.job_batches(S.connect(sqlite_url), "jb")] == ["abc123-0.0-x-0"]

@@ -458,7 +458,7 @@ class GenerateFn(beam.DoFn):
         # the next unit is read and tokenized, and is emitted with the next unit's
         # batches (or by finish_bundle).
         for out in self._runner.advance():
-            yield from _outputs(out)
+            yield from self._finished(out)
             self._report()
 
     def finish_bundle(self):
@@ -467,7 +467,7 @@ class GenerateFn(beam.DoFn):
             return
         try:
             for out in runner.drain():
-                for o in _outputs(out):  # finish_bundle emits windowed values
+                for o in self._finished(out):  # finish_bundle emits windowed values
                     if isinstance(o, beam.pvalue.TaggedOutput):
                         yield beam.pvalue.TaggedOutput(o.tag, GlobalWindows.windowed_value(o.value))
                     else:
@@ -505,6 +505,17 @@ class GenerateFn(beam.DoFn):
             admitted, rows, tokens = admitted + r.admitted_rows, rows + r.generated_rows, tokens + r.generated_tokens
         update_worker_peak(self.cfg.db_url, self.cfg.job_id, self._worker,
                            admitted_rows=admitted, generated_rows=rows, generated_tokens=tokens)
+
+
+    def _finished(self, out):
+        """One finished batch: committed (outputs, the engine's dead letters, figures: one
+        transaction), then the DoFn's outputs."""
+        if self.cfg.db_url:
+            from tokenmill.transforms.write import commit_batch
+
+            rows, dead, stats = out
+            commit_batch(self.cfg.db_url, self.cfg.job_id, rows, dead, stats)
+        return _outputs(out)
 
 
 def _outputs(out):

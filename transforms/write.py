@@ -1,7 +1,9 @@
 """Write: outputs, dead letters and batch stats to the database, in transactions.
 
-The database is the job's durable log: a batch's outputs are committed as one
-transaction when the batch finishes, with primary keys (job_id, id) for outputs
+The database is the job's durable log: a batch's outputs, its dead letters and its
+figures are committed as one transaction when the batch finishes, by the worker that
+generated it (`commit_batch`, called by Generate); the other steps' dead letters go
+through `WriteDeadLetters`.  Primary keys (job_id, id) for outputs
 and (job_id, input_file, input_row) for dead letters and inserts that skip
 existing keys, so a retried bundle or a resumed job never duplicates a row.
 The Parquet/JSONL files are exported from there at the end of the job
@@ -19,7 +21,7 @@ from typing import Any
 import apache_beam as beam
 
 from tokenmill.schemas import storage as S
-from tokenmill.schemas.records import BatchStats, DeadLetterRow, FailedRecord, OutputRow, StoredRow
+from tokenmill.schemas.records import DeadLetterRow, FailedRecord
 
 DEAD_FLUSH_ROWS = 500
 
@@ -33,36 +35,30 @@ def dead_row(job_id: str, d: FailedRecord) -> dict[str, Any]:
     ).as_dict()
 
 
-class WriteOutputsFn(beam.DoFn):
-    """One element = one finished batch (a list of output rows) = one transaction."""
-
-    def __init__(self, db_url: str):
-        self._url = db_url
-
-    def process(self, rows):
-        S.insert_rows(S.connect(self._url), OutputRow, rows)
-        yield len(rows)
+def commit_batch(db_url: str, job_id: str, rows: list[dict[str, Any]], dead: list[FailedRecord],
+                 stats: dict[str, Any]) -> None:
+    """One finished batch (Generate's): its outputs, the engine's dead letters and its
+    figures, committed together in one transaction by the worker that generated it, so
+    what a failure loses is the batches in flight on any runner (a runner that does not
+    fuse Generate with a writer step would otherwise hold a whole unit's outputs)."""
+    S.commit_batch(S.connect(db_url), rows, [dead_row(job_id, d) for d in dead], [stats])
 
 
-class _BufferedWriteFn(beam.DoFn):
-    record: type[StoredRow] = StoredRow
-    #: rows buffered before a transaction (the rest at the end of the bundle)
-    flush_rows: int = DEAD_FLUSH_ROWS
+class WriteDeadLettersFn(beam.DoFn):
+    """Dead letters of a step, buffered: one transaction per `DEAD_FLUSH_ROWS` and at the
+    end of a bundle (a rerun finds the rest again: their keys are the input positions)."""
 
     def __init__(self, db_url: str, job_id: str):
         self._url = db_url
         self._job_id = job_id
         self._buf: list[dict[str, Any]] = []
 
-    def to_row(self, element) -> dict[str, Any]:
-        raise NotImplementedError
-
     def start_bundle(self):
         self._buf = []
 
-    def process(self, element):
-        self._buf.append(self.to_row(element))
-        if len(self._buf) >= self.flush_rows:
+    def process(self, d: FailedRecord):
+        self._buf.append(dead_row(self._job_id, d))
+        if len(self._buf) >= DEAD_FLUSH_ROWS:
             self._flush()
 
     def finish_bundle(self):
@@ -70,37 +66,17 @@ class _BufferedWriteFn(beam.DoFn):
 
     def _flush(self):
         if self._buf:
-            S.insert_rows(S.connect(self._url), self.record, self._buf)
+            S.insert_rows(S.connect(self._url), DeadLetterRow, self._buf)
             self._buf = []
 
 
-class WriteDeadLettersFn(_BufferedWriteFn):
-    record = DeadLetterRow
-
-    def to_row(self, d: FailedRecord):
-        return dead_row(self._job_id, d)
-
-
-class WriteBatchStatsFn(_BufferedWriteFn):
-    record = BatchStats
-    # one transaction per batch, as its outputs: a killed run's finished batches keep their
-    # figures (its generation window, docs/ACCOUNTING.md), not only those of whole bundles
-    flush_rows = 1
-
-    def to_row(self, stats: dict[str, Any]):
-        return stats  # built by BatchRunner._emit from BatchStats: exactly the table's columns
-
-
-class WriteToDatabase(beam.PTransform):
-    def __init__(self, db_url: str, job_id: str, kind: str):
+class WriteDeadLetters(beam.PTransform):
+    def __init__(self, db_url: str, job_id: str):
         super().__init__()
-        self._url, self._job_id, self._kind = db_url, job_id, kind
+        self._url, self._job_id = db_url, job_id
 
     def expand(self, pcoll):
-        if self._kind == "outputs":
-            return pcoll | "InsertOutputs" >> beam.ParDo(WriteOutputsFn(self._url))
-        fn = {"dead_letters": WriteDeadLettersFn, "batches": WriteBatchStatsFn}[self._kind]
-        return pcoll | f"Insert_{self._kind}" >> beam.ParDo(fn(self._url, self._job_id))
+        return pcoll | "InsertDeadLetters" >> beam.ParDo(WriteDeadLettersFn(self._url, self._job_id))
 
 
 # ---------------------------------------------------------------- worker bookkeeping
