@@ -68,3 +68,46 @@ def test_engine_processes_exit_when_their_owner_is_killed(tmp_path, model_path, 
             os.killpg(owner.pid, signal.SIGKILL)  # anything else the owner started
         except ProcessLookupError:
             pass
+
+
+#: A session made before multiprocessing was first imported, then one that owns a
+#: non-daemonic multiprocessing child (as vLLM's engine core is); the process exits.
+EXIT_ORDER = """
+import multiprocessing, time
+from tokenmill.schemas.config import EngineConfig
+from tokenmill.transforms.engines import registry
+from tests.fakes import FakeSession
+
+
+class ChildSession(FakeSession):
+    def __init__(self, cfg, model_path):
+        super().__init__(cfg, model_path)
+        self.child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,))
+        self.child.start()
+        print("CHILD", self.child.pid, flush=True)
+
+    def shutdown(self):
+        self.child.kill()
+        self.child.join()
+
+
+registry.get_session(EngineConfig(), "/m", FakeSession)
+registry.get_session(EngineConfig(), "/m", ChildSession)
+"""
+
+
+def test_a_process_whose_engine_is_a_multiprocessing_child_exits_whatever_was_imported_first():
+    # multiprocessing joins its non-daemonic children for ever at exit; the engines
+    # must be stopped before that even when the registry's exit handler was registered
+    # before multiprocessing was imported (a fake session made first, as in the tests).
+    proc = subprocess.Popen([sys.executable, "-c", EXIT_ORDER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-2000:]
+        assert out.startswith("CHILD ")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
