@@ -2,7 +2,8 @@
 process, the child killed with SIGKILL (no exit handler runs), and its engine
 processes must be gone within seconds instead of living on re-parented, holding the
 model and its KV cache.  Both executors tokenmill starts on CPU.  Real engine, real
-processes."""
+processes.  And the other way round: a process that owns an engine core exits
+(its engines stop before multiprocessing joins its children), with fakes."""
 
 from __future__ import annotations
 
