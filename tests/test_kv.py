@@ -173,6 +173,21 @@ def test_a_chosen_executor_or_an_in_process_engine_core_keeps_vllms_executor(mon
     assert V._single_process_env({}) is None
 
 
+def test_an_engine_core_process_on_cpu_gets_an_executor_that_exits_with_its_owner(monkeypatch):
+    from tokenmill.transforms.engines import vllm_session as V
+    from tokenmill.transforms.engines.executors import OwnedMultiprocExecutor, OwnedUniProcExecutor
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    omp = {"OMP_NUM_THREADS": "1"}
+    assert V._owned_executor({}, omp, on_gpu=False) is OwnedUniProcExecutor
+    assert V._owned_executor({}, None, on_gpu=False) is OwnedMultiprocExecutor
+    # the job's executor, vLLM's choice on GPU, an engine core inside its owner: left alone
+    assert V._owned_executor({"distributed_executor_backend": "mp"}, None, on_gpu=False) is None
+    assert V._owned_executor({}, None, on_gpu=True) is None
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert V._owned_executor({}, omp, on_gpu=False) is None
+
+
 # ---------------------------------------------------------------- the CLI's exit
 
 

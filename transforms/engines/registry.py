@@ -82,11 +82,16 @@ _ATEXIT = False
 
 
 def _register_atexit() -> None:
-    # vLLM's engine core is a child process: stop it when the worker exits, or
-    # the interpreter waits on it forever at shutdown.
+    # vLLM's engine core is a non-daemonic multiprocessing child, which
+    # multiprocessing's own exit handler joins for ever: the engines must stop
+    # before it runs.  Exit handlers run last registered first, and multiprocessing
+    # registers its handler when `multiprocessing.util` is first imported, so it is
+    # imported here first: a session made before anything imported it (a fake in the
+    # tests) left ours to run after it, and the interpreter hung at exit.
     global _ATEXIT
     if not _ATEXIT:
         import atexit
+        import multiprocessing.util  # noqa: F401  (registers multiprocessing's exit handler before ours)
 
         atexit.register(_shutdown_at_exit)
         _ATEXIT = True

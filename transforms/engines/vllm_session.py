@@ -51,6 +51,20 @@ def _single_process_env(kwargs: dict[str, Any]) -> dict[str, str] | None:
     return single_process_omp_env()
 
 
+def _owned_executor(kwargs: dict[str, Any], omp_env: dict[str, str] | None, *, on_gpu: bool):
+    """The executor class for an engine core that exits with its owner
+    (`executors.exit_with_owner`), or None to leave the choice to the job or vLLM: on
+    CPU, with the engine core a process of its own and no executor chosen by the job,
+    vLLM's `UniProcExecutor` when the core runs the model itself (`omp_env`), else its
+    `MultiprocExecutor` (what vLLM-CPU picks there).  On GPU vLLM's own choice
+    (one process or several, Ray) stays.  Imports vLLM."""
+    if on_gpu or "distributed_executor_backend" in kwargs or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "1":
+        return None
+    from tokenmill.transforms.engines.executors import OwnedMultiprocExecutor, OwnedUniProcExecutor
+
+    return OwnedUniProcExecutor if omp_env else OwnedMultiprocExecutor
+
+
 # ---------------------------------------------------------------- vLLM session
 
 
@@ -96,8 +110,10 @@ class VllmSession:
             if kv_bytes is not None:
                 self.kwargs["kv_cache_memory_bytes"] = kv_bytes
             omp_env = _single_process_env(self.kwargs)
-        #: "uni": the engine core process runs the model itself; else vLLM's choice
-        self.executor = "uni" if omp_env else str(self.kwargs.get("distributed_executor_backend", "default"))
+        executor = _owned_executor(self.kwargs, omp_env, on_gpu=on_gpu)
+        #: "uni": the engine core process runs the model itself; "mp": in a worker process of its own;
+        #: else the job's or vLLM's choice
+        self.executor = executor.kind if executor else str(self.kwargs.get("distributed_executor_backend", "default"))
         me = psutil.Process()
         before = {c.pid for c in me.children(recursive=True)}
         try:
@@ -105,12 +121,12 @@ class VllmSession:
                 start: dict[str, Any] = {}
                 if omp_env:
                     from vllm.utils.system_utils import set_env_var
-                    from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
                     for k, v in omp_env.items():  # the engine core process starts with them
                         stack.enter_context(set_env_var(k, v))
-                    # the class, not "uni": vLLM-CPU turns "uni" into "mp" when the engine core is a process
-                    start["distributed_executor_backend"] = UniProcExecutor
+                if executor:
+                    # a class, not "uni": vLLM-CPU turns "uni" into "mp" when the engine core is a process
+                    start["distributed_executor_backend"] = executor
                 self.llm = LLM(**self.kwargs, **start)
         except Exception as err:
             raise EngineStartError(f"vLLM engine failed to start: {first_line(err)}") from err
