@@ -229,6 +229,23 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     ran = [j["id"] for j in S.list_jobs(eng, 100)]
     assert ran == [f"tune-{first.tune_id}-ref-n8-r0"]
 
+    # Ctrl-C while the fourth run starts: what ran is kept
+    from tokenmill.jobs.lifecycle import runner
+
+    real, calls = runner.run_job, []
+
+    def interrupted(spec, **kw):
+        calls.append(spec.job_id)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(spec, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "run_job", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            T.tune(spec, **kw)
+    assert len(S.list_jobs(eng, 100)) == 3
+
     res = T.tune(spec, **kw)
     assert res.tune_id == first.tune_id and res.log.sizes == [8, 16] and res.log.stopped is None
     rows = {r["label"]: r for r in res.table}
@@ -254,7 +271,16 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     assert (won.engine.dtype, won.engine.max_num_seqs, won.input) == ("float32", 16, str(inp))
     html = (out / "tune-report.html").read_text()
     assert "Cost against quality loss" in html and "P95 TPOT" in html
-    assert "failed the gate" in (out / "tune-table.txt").read_text()
+    cost, perf = T.plot_figures(res)
+    points = {t.name: list(zip(t.x, t.y)) for t in cost.data}
+    assert [len(points[g]) for g in ("reference", "passes the gate", "fails the gate")] == [1, 1, 2]
+    assert points["passes the gate"][0] == (0.0, pytest.approx(win["cost"]))
+    assert all(x > 3 for x, _ in points["fails the gate"])  # quality loss in points, beyond the gate
+    assert sum(len(t.x) for t in perf.data) == 4 and all(y > 0 for t in perf.data for y in t.y)
+    text = (out / "tune-table.txt").read_text()
+    assert "failed the gate" in text and f"{win['cheaper_than_reference']:.2f}×" in text
+    tie = {**win, "beats_reference": False}
+    assert T._vs_ref(tie).endswith("× (tie)") and not T._vs_ref(win).endswith("(tie)")
     assert pq.read_metadata(out / "samples" / "sample.parquet").num_rows == 16
 
     # the same arguments again: everything is read back

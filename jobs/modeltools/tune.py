@@ -719,6 +719,18 @@ def build_table(ref: Candidate, cands: list[Candidate], log: SearchLog) -> list[
     return rows
 
 
+def _vs_ref(r: dict[str, Any]) -> str:
+    """How many times cheaper than the reference on the same rows; `(tie)` when the
+    difference is inside the runs' noise."""
+    from tokenmill.jobs.metrics.report import fmt
+
+    text = fmt(r.get("cheaper_than_reference"), "ratio")
+    if r["candidate"] != REFERENCE and r.get("cheaper_than_reference") and not r.get("beats_reference") \
+            and r["cheaper_than_reference"] > 1:
+        text += " (tie)"
+    return text
+
+
 def format_table(table: list[dict[str, Any]]) -> str:
     from tabulate import tabulate
 
@@ -736,7 +748,7 @@ def format_table(table: list[dict[str, Any]]) -> str:
         body.append((
             r["label"], r["outcome"] if len(r["outcome"]) < 70 else r["outcome"][:67] + "...",
             r["rows"] if ran else "-", cost(r),
-            fmt(r.get("cheaper_than_reference"), "ratio") if ran else "-",
+            _vs_ref(r) if ran else "-",
             fmt(r.get("output_tok_per_s")) if ran else "-", fmt(r.get("tpot_p95_s"), "s") if ran else "-",
             fmt(r.get("ttft_p95_s"), "s") if ran else "-", fmt(r.get("e2e_p95_s"), "s") if ran else "-",
             fmt(r.get("peak_rss_bytes"), "bytes") if ran else "-", gate,
