@@ -74,6 +74,11 @@ def test_a_candidate_inside_the_reference_noise_ties_and_the_reference_stays():
     costs = {("ref", 8): [10.0, 10.01], ("a", 8): [9.8, 9.81], ("b", 8): [9.9, 10.4]}
     measure, gate = known(costs)
     assert T.search(["ref", "a", "b"], [8], repeats=2, measure=measure, gate=gate).verdict.winner == "a"
+    # and a best candidate costlier beyond the noise is said to be so
+    costs = {("ref", 8): [10.0, 10.01], ("a", 8): [11.0, 11.1]}
+    measure, gate = known(costs)
+    log = T.search(["ref", "a"], [8], repeats=2, measure=measure, gate=gate)
+    assert log.verdict.winner == "ref" and log.outcome["a"] == "passed; costlier than the reference"
 
 
 def test_tie_rule_is_range_overlap():
@@ -164,6 +169,8 @@ def test_candidates_from_the_space(tmp_path):
                                    T.space_changes(sp))
     labels = [c.label for c in cands]
     # float32 × 8 is the spec as given: not a candidate of its own
+    assert T._label({"engine.speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}) == \
+        "speculative_config=ngram"
     assert labels == ["dtype=float32 max_num_seqs=32", "dtype=bfloat16 max_num_seqs=8",
                       "dtype=bfloat16 max_num_seqs=32", "no_such_key=1", "ordering=length"]
     assert "engine.no_such_key: unknown key" in cands[3].rejected

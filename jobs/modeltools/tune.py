@@ -193,7 +193,12 @@ def _label(changes: dict[str, Any]) -> str:
     def short(v):
         if isinstance(v, str) and "/" in v:
             return Path(v).name
-        return json.dumps(v, sort_keys=True, separators=(",", ":")) if isinstance(v, (dict, list)) else str(v)
+        if isinstance(v, dict) and "method" in v:  # speculative_config: its method names it
+            return str(v["method"])
+        if isinstance(v, (dict, list)):
+            text = json.dumps(v, sort_keys=True, separators=(",", ":"))
+            return text if len(text) <= 40 else text[:37] + "..."
+        return str(v)
 
     return " ".join(f"{p.split('.')[-1]}={short(v)}" for p, v in changes.items()) or "spec as given"
 
@@ -474,11 +479,16 @@ def search(keys: list[str], sizes: list[int], *, repeats: int,
     else:
         at = {k: log.entry(k, complete) for k in alive}
         log.verdict = pick(log.entry(REFERENCE, complete), at, complete)
+    ref_costs = log.entry(REFERENCE, complete).values() if complete else []
     for key in alive:
         if key == log.verdict.winner:
             log.outcome[key] = "winner"
-        elif key in log.verdict.tied_with_best or key == log.verdict.best:
-            log.outcome[key] = "passed; tied with the reference" if key == log.verdict.best else "passed; tied with the best"
+        elif key == log.verdict.best:
+            costs = log.entry(key, complete).values()
+            log.outcome[key] = ("passed; costlier than the reference" if beats(ref_costs, costs)
+                                else "passed; tied with the reference")
+        elif key in log.verdict.tied_with_best:
+            log.outcome[key] = "passed; tied with the best"
         else:
             e = log.entry(key, complete) if complete else None
             log.outcome[key] = ("failed the gate" if e is not None and e.passed is False
@@ -774,8 +784,12 @@ def recommendation(res: TuneResult) -> str:
     if v.best is None:
         return f"Keep the spec as given: no candidate passed the gate ({res.gate.text}) on {where}."
     b = rows[v.best]
-    return (f"Keep the spec as given: the cheapest candidate that passes the gate, {b['label']} "
-            f"({b['cheaper_than_reference']:.2f}× by mean), is inside the measured noise of the reference on {where}.")
+    x = b["cheaper_than_reference"]
+    if x > 1:
+        return (f"Keep the spec as given: the cheapest candidate that passes the gate, {b['label']} "
+                f"({x:.2f}× cheaper by mean), is inside the measured noise of the reference on {where}.")
+    return (f"Keep the spec as given: no candidate that passes the gate is cheaper; the cheapest, {b['label']}, "
+            f"costs {1 / x:.2f}× the reference's on {where}.")
 
 
 def plot_figures(res: TuneResult):
