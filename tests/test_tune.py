@@ -199,6 +199,14 @@ def test_sample_is_reproducible_and_nested(tmp_path):
     assert [r["id"] for r in pq.read_table(T.draw_sample(spec, 12, 4, tmp_path / "s3")[0]).to_pylist()] != \
         [r["id"] for r in a]
     assert T.draw_sample(spec, 500, 3, tmp_path / "s4")[1] == 50
+    # the same rows drawn: the same tune; the input's rows changed: another tune
+    g = T.parse_gate(None)
+    ids = {T.make_tune_id(spec, sample=12, seed=3, gate=g, repeats=2, candidates=[], rows=T.sample_digest(p))
+           for p in (p1, p2)}
+    write_parquet(inp, [{**r, "prompt": r["prompt"] + "!"} for r in rows], row_group_size=7)
+    p5, _ = T.draw_sample(spec, 12, 3, tmp_path / "s5")
+    ids.add(T.make_tune_id(spec, sample=12, seed=3, gate=g, repeats=2, candidates=[], rows=T.sample_digest(p5)))
+    assert len(ids) == 2
 
 
 # ---------------------------------------------------------------- a whole tune over fake engines

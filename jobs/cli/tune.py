@@ -34,7 +34,9 @@ def tune(spec_file, sample, out, gate, budget_minutes, space, repeats, seed, db_
     Every candidate (the spec as given with some keys changed) runs as an ordinary job on
     the same sampled rows; successive halving keeps the cheaper half ($ per 1M output
     tokens) of those that pass the gate at each sample size.  Rerun the same command to
-    resume an interrupted tune.
+    resume an interrupted tune.  See docs/TUNE.md.
+
+    \b
     Examples:
       tokenmill tune job.yaml --sample 64 --out tune/ --budget-minutes 20
       tokenmill run tune/winner.yaml

@@ -295,15 +295,23 @@ def draw_sample(spec, n: int, seed: int, out_dir: Path) -> tuple[Path, int]:
 
 
 def rung_file(sample_path: Path, size: int) -> Path:
-    """The first `size` rows of the sample, as a Parquet file beside it (written once)."""
+    """The first `size` rows of the sample, as a Parquet file beside it (written anew, so
+    it always matches the sample)."""
     import pyarrow.parquet as pq
 
     path = sample_path.with_name(f"sample-{size}.parquet")
-    if not path.exists():
-        tmp = path.with_suffix(".tmp")
-        pq.write_table(pq.read_table(sample_path).slice(0, size), tmp)
-        tmp.replace(path)
+    tmp = path.with_suffix(".tmp")
+    pq.write_table(pq.read_table(sample_path).slice(0, size), tmp)
+    tmp.replace(path)
     return path
+
+
+def sample_digest(sample_path: Path) -> str:
+    """A digest of the sampled rows' values: a tune of changed input rows is a new tune."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(sample_path).to_pylist()
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
 
 
 # ---------------------------------------------------------------- the search (no engine, no database)
@@ -564,11 +572,11 @@ class TuneResult:
 
 
 def make_tune_id(reference_spec, *, sample: int, seed: int, gate: Gate, repeats: int,
-                 candidates: list[Candidate]) -> str:
-    """8 hex digits of what decides the tune's runs (not the budget: a larger one goes on
-    where a smaller one stopped)."""
+                 candidates: list[Candidate], rows: str = "") -> str:
+    """8 hex digits of what decides the tune's runs, `rows` (`sample_digest`) included;
+    not the budget: a larger one goes on where a smaller one stopped."""
     payload = {"ref": json.loads(_work(reference_spec)), "input": reference_spec.input, "sample": sample,
-               "seed": seed, "gate": gate.text, "repeats": repeats,
+               "rows": rows, "seed": seed, "gate": gate.text, "repeats": repeats,
                "candidates": [c.changes for c in candidates]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
@@ -633,7 +641,15 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
             echo(f"dropped up front: {c.label}: {c.rejected}")
     runnable = [c for c in cands if c.rejected is None]
     sizes = rung_sizes(len(runnable), n)
-    tid = make_tune_id(spec, sample=n, seed=seed, gate=g, repeats=repeats, candidates=runnable)
+    tid = make_tune_id(spec, sample=n, seed=seed, gate=g, repeats=repeats, candidates=runnable,
+                       rows=sample_digest(sample_path))
+    rungs: dict[int, Path] = {}
+
+    def rung(size: int) -> Path:
+        if size not in rungs:
+            rungs[size] = rung_file(sample_path, size)
+        return rungs[size]
+
     by_key = {REFERENCE: ref, **{c.key: c for c in runnable}}
     eng = S.connect(db_url)
     budget = Budget(None if budget_minutes is None else budget_minutes * 60.0)
@@ -650,7 +666,7 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
         if reused:
             metrics = job["metrics"]
         else:
-            data = _run_data(cand, input=rung_file(sample_path, size), output=out / "jobs" / jid, job_id=jid,
+            data = _run_data(cand, input=rung(size), output=out / "jobs" / jid, job_id=jid,
                              name=f"tune {tid}: {cand.label}, {size} rows, run {rep + 1}")
             t0 = time.time()
             try:
