@@ -1,0 +1,348 @@
+"""`tokenmill tune`: the halving and the tie rule on known figures, the sample, the gate,
+the space; a whole tune over fake engines (jobs in the database, resume, outputs); and a
+real-engine tune over two dtypes × two max_num_seqs on a tiny sample."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import TEST_ENGINE, write_parquet
+from tests.fakes import FakeSession
+from tests.helpers import cli, one_error_line
+from tokenmill.jobs.modeltools import tune as T
+from tokenmill.schemas import storage as S
+
+# ---------------------------------------------------------------- the search on known figures
+
+
+def known(costs: dict[tuple[str, int], list[float]], fails_gate=(), calls=None, broken=()):
+    """measure/gate functions over known figures: costs[(key, size)][rep]."""
+
+    def measure(key, size, rep):
+        if calls is not None:
+            calls.append((key, size, rep))
+        if key in broken:
+            raise T.CandidateFailed("engine would not start")
+        return {"cost": costs[(key, size)][rep], "job_id": f"{key}-{size}-{rep}"}
+
+    def gate(key, size):
+        return key not in fails_gate, 0.5 if key in fails_gate else 0.0, "disagreement", None
+
+    return measure, gate
+
+
+def test_halving_keeps_the_cheaper_half_that_passes_and_interleaves_the_runs():
+    costs = {("ref", 4): [10, 10.2], ("a", 4): [5, 5.1], ("b", 4): [6, 6.1], ("c", 4): [8, 8.1], ("d", 4): [4, 4.1],
+             ("ref", 8): [10, 10.1], ("a", 8): [5.2, 5.3], ("b", 8): [6.2, 6.3]}
+    calls: list = []
+    measure, gate = known(costs, fails_gate={"d"}, calls=calls)
+    log = T.search(["ref", "a", "b", "c", "d"], [4, 8], repeats=2, measure=measure, gate=gate)
+    # every candidate's first run, then every candidate's second (interleaved), rung by rung
+    assert calls == [("ref", 4, 0), ("a", 4, 0), ("b", 4, 0), ("c", 4, 0), ("d", 4, 0),
+                     ("ref", 4, 1), ("a", 4, 1), ("b", 4, 1), ("c", 4, 1), ("d", 4, 1),
+                     ("ref", 8, 0), ("a", 8, 0), ("b", 8, 0), ("ref", 8, 1), ("a", 8, 1), ("b", 8, 1)]
+    assert log.outcome["d"] == "failed the gate" and log.dropped_at["d"] == 4  # cheapest, but fails
+    assert log.outcome["c"] == "costlier half" and log.dropped_at["c"] == 4
+    assert log.verdict.winner == "a" and log.verdict.beats_reference and log.verdict.size == 8
+    assert log.outcome["a"] == "winner" and log.outcome["b"] == "passed; costlier"
+    assert log.outcome["ref"] == "reference"
+
+
+def test_a_candidate_tied_with_the_last_one_kept_is_kept_too():
+    # c's runs overlap b's (6.05..6.3 against 6.0..6.1): inside the noise, so c is not dropped
+    costs = {("ref", 4): [10, 10], ("a", 4): [5, 5.1], ("b", 4): [6.0, 6.1], ("c", 4): [6.3, 6.05], ("d", 4): [9, 9.1]}
+    measure, gate = known(costs)
+    keep, dropped = T.halve({k: T.Entry(runs=[{"cost": v} for v in costs[(k, 4)]], passed=True) for k in "abcd"})
+    assert keep == ["a", "b", "c"] and dropped == {"d": "costlier half"}
+    log = T.search(["ref", "a", "b", "c", "d"], [4, 8], repeats=2, measure=measure, gate=gate,
+                   rung_fits=lambda size, jobs: False)
+    assert log.stopped and log.verdict.size == 4
+
+
+def test_a_candidate_inside_the_reference_noise_ties_and_the_reference_stays():
+    costs = {("ref", 8): [10.0, 10.2], ("a", 8): [9.5, 10.1], ("b", 8): [9.9, 10.4]}
+    measure, gate = known(costs)
+    log = T.search(["ref", "a", "b"], [8], repeats=2, measure=measure, gate=gate)
+    assert log.verdict.winner == "ref" and log.verdict.best == "a" and not log.verdict.beats_reference
+    assert log.verdict.tied_with_best == ["b"]
+    assert log.outcome["a"] == "passed; tied with the reference" and log.outcome["ref"] == "winner"
+    # the same means, measured tighter, are a win
+    costs = {("ref", 8): [10.0, 10.01], ("a", 8): [9.8, 9.81], ("b", 8): [9.9, 10.4]}
+    measure, gate = known(costs)
+    assert T.search(["ref", "a", "b"], [8], repeats=2, measure=measure, gate=gate).verdict.winner == "a"
+    # and a best candidate costlier beyond the noise is said to be so
+    costs = {("ref", 8): [10.0, 10.01], ("a", 8): [11.0, 11.1]}
+    measure, gate = known(costs)
+    log = T.search(["ref", "a"], [8], repeats=2, measure=measure, gate=gate)
+    assert log.verdict.winner == "ref" and log.outcome["a"] == "passed; costlier than the reference"
+
+
+def test_tie_rule_is_range_overlap():
+    assert T.beats([1.0, 1.1], [1.2, 1.3]) and not T.beats([1.2, 1.3], [1.0, 1.1])
+    assert T.tied([1.0, 1.25], [1.2, 1.3]) and T.tied([1.0, 1.0], [1.0, 1.0])
+
+
+def test_a_candidate_that_fails_to_run_is_dropped_and_a_failing_reference_stops_the_tune():
+    costs = {("ref", 4): [10, 10], ("a", 4): [5, 5]}
+    measure, gate = known(costs, broken={"b"})
+    log = T.search(["ref", "a", "b"], [4], repeats=2, measure=measure, gate=gate)
+    assert log.outcome["b"] == "failed: engine would not start" and log.verdict.winner == "a"
+    measure, gate = known(costs, broken={"ref"})
+    with pytest.raises(T.TuneError, match="spec as given failed on the 4-row sample: engine would not start"):
+        T.search(["ref", "a"], [4], repeats=2, measure=measure, gate=gate)
+
+
+def test_a_rung_the_budget_cuts_short_decides_nothing():
+    costs = {("ref", 4): [10, 10], ("a", 4): [5, 5], ("ref", 8): [10, 10], ("a", 8): [5, 5], ("b", 4): [6, 6]}
+    measure, gate = known(costs)
+    left = iter([True] * 6 + [True, False])  # rung 4: 6 runs; rung 8: one run, then out
+    log = T.search(["ref", "a", "b"], [4, 8], repeats=2, measure=measure, gate=gate, job_fits=lambda: next(left))
+    assert log.stopped == "the budget ran out during the 8-row rung"
+    assert log.verdict.size == 4 and log.verdict.winner == "a" and 8 not in log.entries["ref"]
+    with pytest.raises(T.TuneError, match="at least twice"):
+        T.search(["ref"], [4], repeats=1, measure=measure, gate=gate)
+
+
+def test_rung_sizes_double_up_to_the_sample():
+    assert T.rung_sizes(1, 64) == [64]
+    assert T.rung_sizes(4, 64) == [32, 64]
+    assert T.rung_sizes(8, 64) == [16, 32, 64]
+    assert T.rung_sizes(30, 16) == [4, 8, 16]  # never below MIN_RUNG_ROWS
+    assert T.rung_sizes(8, 2) == [2]
+
+
+def test_budget_estimates_a_rung_from_the_runs_so_far():
+    b = T.Budget(100.0)
+    assert b.rung_fits(1000, 50)  # nothing measured yet
+    b.add(10, wall_s=12.0, gen_s=2.0)
+    b.add(10, wall_s=14.0, gen_s=4.0)
+    assert b.estimate(20) == pytest.approx(10.0 + 0.3 * 20)
+    assert b.rung_fits(20, 4) and not b.rung_fits(20, 5) and b.job_fits()
+
+
+# ---------------------------------------------------------------- gate, space, sample
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("auto<=3%", ("auto", "<=", 0.03)), ("accuracy_drop<=0.05", ("accuracy_drop", "<=", 0.05)),
+    ("exact_match >= 90%", ("exact_match", ">=", 0.9)), ("disagreement<=2 points", ("disagreement", "<=", 0.02)),
+    (None, ("auto", "<=", 0.03)),
+])
+def test_gate_parses(text, expect):
+    g = T.parse_gate(text)
+    assert (g.metric, g.op) == expect[:2]
+    assert g.limit == pytest.approx(expect[2])
+
+
+@pytest.mark.parametrize("text,match", [
+    ("accuracy<=3%", "must be one of"), ("exact_match<=0.9", "bounded with >="), ("auto<=300%", "between 0 and 1"),
+    ("3%", "must look like"),
+])
+def test_bad_gate_is_one_line(text, match):
+    with pytest.raises(T.TuneError, match=match):
+        T.parse_gate(text)
+
+
+def test_gate_judges_a_comparison():
+    from tokenmill.jobs.modeltools.compare import compare_rows
+
+    base = {"1": {"text": "paris is the capital", "reference": "paris"}, "2": {"text": "4", "reference": "4"}}
+    cand = {"1": {"text": "paris is a capital", "reference": "paris"}, "2": {"text": "5", "reference": "4"}}
+    c = compare_rows(base, cand)
+    assert T.parse_gate("auto<=3%").judge(c) == (False, pytest.approx(0.5), "accuracy_drop")
+    assert T.parse_gate("accuracy_drop<=60%").judge(c)[0]
+    passed, loss, metric = T.parse_gate("exact_match>=0.5").judge(c)
+    assert (passed, loss, metric) == (False, 1.0, "exact_match")
+
+
+def test_candidates_from_the_space(tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("grid:\n  engine.dtype: [float32, bfloat16]\n  engine.max_num_seqs: [8, 32]\n"
+                     "candidates:\n  - {engine.no_such_key: 1}\n  - {batching.ordering: length}\n")
+    sp = T.load_space(space)
+    ref, cands = T.make_candidates({"input": "x.parquet", "output": "o", "engine": {"dtype": "float32",
+                                                                                   "max_num_seqs": 8}},
+                                   T.space_changes(sp))
+    labels = [c.label for c in cands]
+    # float32 × 8 is the spec as given: not a candidate of its own
+    assert T._label({"engine.speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}) == \
+        "speculative_config=ngram"
+    assert labels == ["dtype=float32 max_num_seqs=32", "dtype=bfloat16 max_num_seqs=8",
+                      "dtype=bfloat16 max_num_seqs=32", "no_such_key=1", "ordering=length"]
+    assert "engine.no_such_key: unknown key" in cands[3].rejected
+    assert len({c.key for c in cands}) == 5 and all(len(c.key) == 6 for c in cands)
+    assert cands[0].spec_data["engine"] == {"dtype": "float32", "max_num_seqs": 32}
+    default = T.load_space(None)
+    assert default["grid"] and default["quantized"] is True
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grids: {}\n")
+    with pytest.raises(T.TuneError, match="unknown key"):
+        T.load_space(bad)
+
+
+def test_sample_is_reproducible_and_nested(tmp_path):
+    from tokenmill.schemas.config import load_spec
+
+    rows = [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(50)]
+    inp = write_parquet(tmp_path / "in.parquet", rows, row_group_size=7)
+    spec = load_spec({"input": str(inp), "output": str(tmp_path / "o")})
+    p1, n = T.draw_sample(spec, 12, 3, tmp_path / "s1")
+    p2, _ = T.draw_sample(spec, 12, 3, tmp_path / "s2")
+    a, b = pq.read_table(p1).to_pylist(), pq.read_table(p2).to_pylist()
+    assert n == 12 and a == b and len({r["id"] for r in a}) == 12
+    assert all(r["prompt"] == "p" + r["id"][1:] for r in a)  # whole rows, not mixed up
+    assert pq.read_table(T.rung_file(p1, 4)).to_pylist() == a[:4]
+    assert [r["id"] for r in pq.read_table(T.draw_sample(spec, 12, 4, tmp_path / "s3")[0]).to_pylist()] != \
+        [r["id"] for r in a]
+    assert T.draw_sample(spec, 500, 3, tmp_path / "s4")[1] == 50
+    # the same rows drawn: the same tune; the input's rows changed: another tune
+    g = T.parse_gate(None)
+    ids = {T.make_tune_id(spec, sample=12, seed=3, gate=g, repeats=2, candidates=[], rows=T.sample_digest(p))
+           for p in (p1, p2)}
+    write_parquet(inp, [{**r, "prompt": r["prompt"] + "!"} for r in rows], row_group_size=7)
+    p5, _ = T.draw_sample(spec, 12, 3, tmp_path / "s5")
+    ids.add(T.make_tune_id(spec, sample=12, seed=3, gate=g, repeats=2, candidates=[], rows=T.sample_digest(p5)))
+    assert len(ids) == 2
+
+
+# ---------------------------------------------------------------- a whole tune over fake engines
+
+
+class PacedFake(FakeSession):
+    """A fake engine whose every step takes STEP_S (fewer sequences in flight: more steps,
+    higher cost) and whose answers grow a tail under bfloat16 (a quality loss)."""
+
+    STEP_S = 0.02
+
+    def step(self):
+        time.sleep(self.STEP_S)
+        out = super().step()
+        if getattr(self.cfg, "dtype", None) == "bfloat16":
+            out = [dataclasses.replace(f, text=f.text + " and more") for f in out]
+        return out
+
+
+def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_path, sqlite_url):
+    inp = write_parquet(tmp_path / "in.parquet",
+                        [{"id": f"q{i}", "prompt": f"question {i} about the weather"} for i in range(40)])
+    space = tmp_path / "space.yaml"
+    space.write_text("grid:\n  engine.dtype: [float32, bfloat16]\n  engine.max_num_seqs: [2, 16]\n"
+                     "candidates:\n  - {engine.model: no-such-model}\n  - {engine.max_num_seqs: 0}\n")
+    spec = {"input": str(inp), "output": str(tmp_path / "never-written"),
+            "engine": {"dtype": "float32", "max_num_seqs": 2}, "sampling": {"max_tokens": 4}}
+    out = tmp_path / "tune"
+    kw = dict(sample=16, out=out, db_url=sqlite_url, space=space, session_factory=PacedFake)
+
+    # a budget spent by the first run: the tune stops inside its first rung, deciding nothing
+    first = T.tune(spec, budget_minutes=1e-6, **kw)
+    assert first.log.stopped and first.recommendation.startswith("No recommendation")
+    eng = S.connect(sqlite_url)
+    ran = [j["id"] for j in S.list_jobs(eng, 100)]
+    assert ran == [f"tune-{first.tune_id}-ref-n8-r0"]
+
+    # Ctrl-C while the fourth run starts: what ran is kept
+    from tokenmill.jobs.lifecycle import runner
+
+    real, calls = runner.run_job, []
+
+    def interrupted(spec, **kw):
+        calls.append(spec.job_id)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(spec, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "run_job", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            T.tune(spec, **kw)
+    assert len(S.list_jobs(eng, 100)) == 3
+
+    res = T.tune(spec, **kw)
+    assert res.tune_id == first.tune_id and res.log.sizes == [8, 16] and res.log.stopped is None
+    rows = {r["label"]: r for r in res.table}
+    assert rows["model=no-such-model"]["outcome"].startswith("rejected: unknown model 'no-such-model'")
+    assert "engine.max_num_seqs" in rows["max_num_seqs=0"]["outcome"]
+    for label in ("dtype=bfloat16 max_num_seqs=2", "dtype=bfloat16 max_num_seqs=16"):
+        assert rows[label]["outcome"] == "failed the gate" and rows[label]["rows"] == 8
+        assert rows[label]["gate"] == "fail" and rows[label]["quality_loss"] > 0.03
+    win = rows["dtype=float32 max_num_seqs=16"]
+    assert win["outcome"] == "winner" and win["rows"] == 16 and win["gate"] == "pass" and win["quality_loss"] == 0
+    assert win["beats_reference"] and win["cheaper_than_reference"] > 1.5
+    assert rows["spec as given"]["rows"] == 16 and rows["spec as given"]["outcome"] == "reference"
+    assert res.recommendation.startswith("Use dtype=float32 max_num_seqs=16: $")
+    # every run is an ordinary job of the tune; the one run before was read back, not rerun
+    jobs = {j["id"]: j for j in S.list_jobs(eng, 100)}
+    assert len(jobs) == 2 * 4 + 2 * 2 and all(j.startswith(f"tune-{res.tune_id}-") for j in jobs)
+    assert all(j["status"] == "succeeded" for j in jobs.values())
+    assert all(len(S.job_runs(eng, j)) == 1 for j in jobs)
+    # the outputs
+    from tokenmill.schemas.config import load_spec_file
+
+    won = load_spec_file(res.files["spec"])
+    assert (won.engine.dtype, won.engine.max_num_seqs, won.input) == ("float32", 16, str(inp))
+    html = (out / "tune-report.html").read_text()
+    assert "Cost against quality loss" in html and "P95 TPOT" in html
+    cost, perf = T.plot_figures(res)
+    points = {t.name: list(zip(t.x, t.y)) for t in cost.data}
+    assert [len(points[g]) for g in ("reference", "passes the gate", "fails the gate")] == [1, 1, 2]
+    assert points["passes the gate"][0] == (0.0, pytest.approx(win["cost"]))
+    assert all(x > 3 for x, _ in points["fails the gate"])  # quality loss in points, beyond the gate
+    assert sum(len(t.x) for t in perf.data) == 4 and all(y > 0 for t in perf.data for y in t.y)
+    text = (out / "tune-table.txt").read_text()
+    assert "failed the gate" in text and f"{win['cheaper_than_reference']:.2f}×" in text
+    tie = {**win, "beats_reference": False}
+    assert T._vs_ref(tie).endswith("× (tie)") and not T._vs_ref(win).endswith("(tie)")
+    assert pq.read_metadata(out / "samples" / "sample.parquet").num_rows == 16
+
+    # the same arguments again: everything is read back
+    again = T.tune(spec, **kw)
+    assert again.log.verdict.winner == res.log.verdict.winner
+    assert all(len(S.job_runs(eng, j)) == 1 for j in jobs) and len(S.list_jobs(eng, 100)) == len(jobs)
+
+
+def test_cli_tune_refuses_a_bad_gate_and_a_spec_that_cannot_run(tmp_path, sqlite_url):
+    inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}])
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"input: {inp}\noutput: {tmp_path / 'o'}\n")
+    res = cli("tune", spec, "--sample", 4, "--out", tmp_path / "t", "--gate", "accuracy<=3%", "--db", sqlite_url)
+    assert res.exit_code == 2 and "--gate metric must be one of" in one_error_line(res)
+    spec.write_text(f"input: {inp}\noutput: {tmp_path / 'o'}\nengine: {{model: no-such-model}}\n")
+    res = cli("tune", spec, "--sample", 4, "--out", tmp_path / "t", "--db", sqlite_url)
+    assert res.exit_code == 2 and "the spec as given does not pass preflight: unknown model" in one_error_line(res)
+
+
+# ---------------------------------------------------------------- the real engine
+
+
+@pytest.mark.engine
+def test_real_tune_over_two_dtypes_and_two_max_num_seqs(tmp_path, sqlite_url, model_path):
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": q}]} for i, q in enumerate(
+        ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello.",
+         "Name a fruit.", "What day comes after Monday?", "Name an ocean.", "What is ice made of?"])]
+    inp = write_parquet(tmp_path / "in.parquet", rows)
+    space = tmp_path / "space.yaml"
+    space.write_text("grid:\n  engine.dtype: [float32, bfloat16]\n  engine.max_num_seqs: [4, 32]\n")
+    spec = {"input": str(inp), "output": str(tmp_path / "o"), "engine": dict(TEST_ENGINE),
+            "sampling": {"max_tokens": 8, "temperature": 0.0}}
+    res = T.tune(spec, sample=8, out=tmp_path / "tune", db_url=sqlite_url, space=space, budget_minutes=30)
+    table = {r["label"]: r for r in res.table}
+    # float32 × 32 is the spec as given (TEST_ENGINE): three candidates, two rungs (4 and 8 rows)
+    assert set(table) == {"spec as given", "dtype=float32 max_num_seqs=4", "dtype=bfloat16 max_num_seqs=4",
+                          "dtype=bfloat16 max_num_seqs=32"}
+    assert res.log.sizes == [4, 8] and res.log.stopped is None
+    for r in table.values():
+        assert r["rows"] in (4, 8) and r["runs"] == 2 and r["cost"] > 0 and r["output_tok_per_s"] > 0
+        assert r["candidate"] == "ref" or r["gate"] in ("pass", "fail")
+    assert table["spec as given"]["rows"] == 8
+    assert res.log.verdict.winner in {"ref", *(c.key for c in res.candidates)}
+    assert res.recommendation.startswith(("Use ", "Keep the spec as given"))
+    from tokenmill.schemas.config import load_spec_file
+
+    assert load_spec_file(res.files["spec"]).input == str(inp)
+    html = (tmp_path / "tune" / "tune-report.html").read_text()
+    assert "Cost against quality loss" in html and "P95 TPOT" in html
+    assert "spec as given" in (tmp_path / "tune" / "tune-table.txt").read_text()
