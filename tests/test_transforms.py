@@ -188,6 +188,8 @@ def test_generate_updates_the_worker_row_at_most_every_few_seconds_and_with_fina
     reports = []
     monkeypatch.setattr(W, "record_worker", lambda *a, **k: None)
     monkeypatch.setattr(W, "update_worker_peak", lambda url, job, worker, **counts: reports.append(counts))
+    admits = []  # the admitted count written ahead of each batch
+    monkeypatch.setattr(W, "update_worker_admitted", lambda url, job, worker, n: admits.append(n))
     monkeypatch.setattr(G, "_DONE", {})
     fn = G.GenerateFn(dataclasses.replace(_generate_config(token_budget=64), db_url="sqlite://"), FakeSession)
     fn.setup()
@@ -206,6 +208,8 @@ def test_generate_updates_the_worker_row_at_most_every_few_seconds_and_with_fina
     # (the fake run is far shorter than REPORT_EVERY_S), the last with every count
     assert len(reports) == 2
     assert reports[-1] == {"admitted_rows": 18, "generated_rows": 18, "generated_tokens": 54}
+    # ... while the admitted count went out before each of the 9 batches, its rows included
+    assert len(admits) == 9 and admits == sorted(admits) and admits[0] > 0 and admits[-1] == 18
 
 
 def test_a_batch_and_dead_letters_are_committed_idempotently(sqlite_url):

@@ -132,8 +132,12 @@ class BatchRunner:
         cancelled: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.time,
         worker: str = "",
+        before_admit: Callable[[int], None] | None = None,
     ):
         self.cfg = cfg
+        self._before_admit = before_admit
+        """Told how many requests are about to be handed to the engine, before they are
+        (a write-ahead count: a worker that dies mid-batch has already said what it took on)."""
         self._session_fn = session_fn
         self._restart_fn = restart_fn
         self._cancelled = cancelled
@@ -254,6 +258,8 @@ class BatchRunner:
                     pending.clear()
                     break
                 b = pending.popleft()
+                if self._before_admit is not None:
+                    self._before_admit(len(b.prompts))
                 st = {"batch": b, "rows": [], "dead": [], "left": 0, "started": self._clock(), "done_times": [], "idle": 0.0}
                 active[b.batch_id] = st
                 for i, p in enumerate(b.prompts):
@@ -445,7 +451,7 @@ class GenerateFn(beam.DoFn):
         s = self._first_session(chunk)
         if self._runner is None:
             self._runner = BatchRunner(self.cfg, self._session, self._restart, cancelled=self._cancelled,
-                                       worker=self._worker)
+                                       worker=self._worker, before_admit=self._admitting)
         self._runner.feed(plan_batches(
             chunk.items,
             ordering=self.cfg.batching.ordering,
@@ -486,6 +492,18 @@ class GenerateFn(beam.DoFn):
         runner, self._runner = getattr(self, "_runner", None), None
         if runner is not None:
             runner.discard()
+
+    def _admitting(self, n: int) -> None:
+        """Write ahead, before a batch's `n` requests go to the engine, the worker's admitted
+        count including them (one small UPDATE a batch): a worker killed with that batch in
+        flight leaves its rework countable from the engine side (Σ admitted − outputs); the
+        other counters follow every REPORT_EVERY_S."""
+        if not self.cfg.db_url or self._runner is None:
+            return
+        from tokenmill.transforms.write import update_worker_admitted
+
+        done = _DONE.get(self.cfg.job_id, (0, 0, 0))[0]
+        update_worker_admitted(self.cfg.db_url, self.cfg.job_id, self._worker, done + self._runner.admitted_rows + n)
 
     def _report(self, *, final: bool = False) -> None:
         """The worker's row: what its engine finished so far, and its peak memory.  At most

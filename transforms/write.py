@@ -153,6 +153,11 @@ def update_worker_peak(db_url: str, job_id: str, worker: str, **counters: int) -
                     **_meter_reading(job_id, worker), **counters)
 
 
+def update_worker_admitted(db_url: str, job_id: str, worker: str, admitted_rows: int) -> None:
+    """The worker's admitted count alone, written ahead of a batch's admission (generate.py)."""
+    S.update_worker(S.connect(db_url), job_id, worker, admitted_rows=admitted_rows)
+
+
 def cancel_requested(db_url: str, job_id: str) -> bool:
     return S.cancel_requested(S.connect(db_url), job_id)
 
