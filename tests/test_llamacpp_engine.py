@@ -116,6 +116,20 @@ def test_models_list_names_the_gguf_files(tmp_path, monkeypatch):
     assert gguf_file("mine.gguf") == (tmp_path / "mine.gguf").resolve()  # a name in the models folder
 
 
+def test_the_build_takes_this_cpus_instruction_sets_but_never_amx():
+    import platform
+
+    flags = subprocess.run(["sh", str(Path(__file__).parent.parent / "deploy" / "llamacpp-cpu-flags.sh")],
+                           capture_output=True, text=True, check=True).stdout.split()
+    if platform.machine() not in ("x86_64", "amd64"):
+        assert flags == ["-DGGML_NATIVE=ON"]
+        return
+    cpu = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split(":")[1].split()
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AMX_INT8=OFF" in flags and "-DGGML_AMX_TILE=OFF" in flags
+    assert f"-DGGML_AVX2={'ON' if 'avx2' in cpu else 'OFF'}" in flags
+    assert f"-DGGML_AVX512={'ON' if 'avx512f' in cpu else 'OFF'}" in flags
+
+
 def test_llamacpp_jobs_report_client_clocks():
     from tokenmill.jobs.metrics.accounting import clocks_for
 
