@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_LOGGING_LEVEL ?= WARNING
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install airflow prepare demo test test-fast bench bench-quant bench-scale bench-db gpu-check clean help
+.PHONY: install airflow llamacpp prepare demo test test-fast bench bench-quant bench-scale bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -57,7 +57,39 @@ $(AIRFLOW_STAMP):
 
 airflow: $(AIRFLOW_STAMP)
 
-prepare: install
+# llama.cpp's llama-server, llama-quantize and llama-imatrix (the `llamacpp` engine,
+# docs/ENGINES.md), built once from the llama.cpp tree that PyPI's llama-cpp-python sdist
+# vendors, into $(TOKENMILL_HOME)/llama.cpp/bin, where tokenmill looks for them
+# (TOKENMILL_LLAMACPP_BIN overrides). Static binaries tuned to this CPU;
+# offline: no web UI download, no curl/openssl. Instruction sets: deploy/llamacpp-cpu-flags.sh
+# (this CPU's, but no AMX on x86).
+TOKENMILL_HOME       ?= $(HOME)/.cache/tokenmill
+LLAMA_CPP_PY_VERSION ?= 0.3.36
+LLAMA_DIR            := $(TOKENMILL_HOME)/llama.cpp
+LLAMA_JOBS           ?= $(shell nproc)
+LLAMA_CPU_FLAGS      ?= $(shell sh deploy/llamacpp-cpu-flags.sh)
+LLAMA_CMAKE_FLAGS    := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF $(LLAMA_CPU_FLAGS) \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
+	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+# The stamp names the version and the flags: changing either rebuilds.
+LLAMA_STAMP          := $(LLAMA_DIR)/.built-$(LLAMA_CPP_PY_VERSION)-$(shell echo '$(LLAMA_CMAKE_FLAGS)' | cksum | cut -d' ' -f1)
+
+$(LLAMA_STAMP): | $(STAMP)
+	rm -rf $(LLAMA_DIR)/src $(LLAMA_DIR)/build $(LLAMA_DIR)/bin.new
+	mkdir -p $(LLAMA_DIR)/src $(LLAMA_DIR)/bin.new
+	$(PY) -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$(LLAMA_CPP_PY_VERSION)" -d $(LLAMA_DIR)/src
+	tar xzf $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_CPP_PY_VERSION).tar.gz -C $(LLAMA_DIR)/src
+	cmake -S $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_CPP_PY_VERSION)/vendor/llama.cpp -B $(LLAMA_DIR)/build -G Ninja $(LLAMA_CMAKE_FLAGS) >$(LLAMA_DIR)/cmake.log
+	cmake --build $(LLAMA_DIR)/build --target llama-server llama-quantize llama-imatrix -j $(LLAMA_JOBS) >$(LLAMA_DIR)/build.log
+	cp $(LLAMA_DIR)/build/bin/llama-server $(LLAMA_DIR)/build/bin/llama-quantize $(LLAMA_DIR)/build/bin/llama-imatrix $(LLAMA_DIR)/bin.new/
+	printf '%s\n' "llama-cpp-python==$(LLAMA_CPP_PY_VERSION)" "$(LLAMA_CMAKE_FLAGS)" >$(LLAMA_DIR)/bin.new/BUILD
+	rm -rf $(LLAMA_DIR)/bin $(LLAMA_DIR)/build $(LLAMA_DIR)/src && mv $(LLAMA_DIR)/bin.new $(LLAMA_DIR)/bin
+	@rm -f $(LLAMA_DIR)/.built-*
+	@touch $@
+
+llamacpp: $(LLAMA_STAMP)
+
+prepare: install llamacpp
 	$(BIN)/tokenmill models prepare smollm2-135m
 
 demo: prepare
@@ -68,7 +100,7 @@ test: prepare airflow
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not engine" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not engine and not llamacpp" $(PYTEST_ARGS)
 
 bench: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.throughput $(BENCH_ARGS)

@@ -72,7 +72,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(
         parts.model_path, spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks,
-        keep_source=spec.engine.kind == "openai",
+        keep_source=spec.engine.over_http,
     )
     dead["Tokenize"] = tok[DEAD]
     # The part is taken from the whole unit, before the database is asked what is done,

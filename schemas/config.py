@@ -49,27 +49,36 @@ def _one_of(*allowed: str):
 HTTP_BACKOFF_CAP_S = 30.0
 #: EngineConfig keys of the `openai` engine (an OpenAI-compatible HTTP server): not vLLM `EngineArgs`.
 HTTP_ENGINE_KEYS = frozenset({"kind", "base_url", "api_key_env", "max_in_flight", "request_timeout_s", "max_retries"})
+#: Engine kinds driven over HTTP by the `openai` engine's client (requests carry the prompt's
+#: text; latencies on the client's clock; retries per row): any server at `base_url`, or
+#: the `llama-server` a `llamacpp` worker starts itself.
+HTTP_KINDS = frozenset({"openai", "llamacpp"})
 
 
 class EngineConfig(_Strict):
     """Arguments for `vllm.LLM`, named exactly as vLLM's `EngineArgs`; with `kind: openai`,
-    the server an OpenAI-compatible HTTP engine talks to (`HTTP_ENGINE_KEYS`)."""
+    the server an OpenAI-compatible HTTP engine talks to (`HTTP_ENGINE_KEYS`); with
+    `kind: llamacpp`, the GGUF each worker's own `llama-server` runs."""
 
-    kind: Literal["vllm", "openai"] = "vllm"
-    """`vllm`: vLLM in the worker process; `openai`: any OpenAI-compatible HTTP server at `base_url`."""
+    kind: Literal["vllm", "openai", "llamacpp"] = "vllm"
+    """`vllm`: vLLM in the worker process; `openai`: any OpenAI-compatible HTTP server at `base_url`;
+    `llamacpp`: a `llama-server` (llama.cpp) started by each worker on a GGUF."""
     model: str = "smollm2-135m"
     """Short name from the models folder, or a path to a Hugging Face model folder; with
-    `kind: openai`, the model name the server serves (as its /v1/models lists it)."""
+    `kind: openai`, the model name the server serves (as its /v1/models lists it); with
+    `kind: llamacpp`, a `.gguf` file or a built-in short name (its bundled GGUF)."""
     tokenizer: str | None = None
-    """With `kind: openai`: the local model folder or short name whose tokenizer counts and
-    orders the prompts (default: `model`, when it is a local folder)."""
+    """With `kind: openai` or `llamacpp`: the local model folder or short name whose tokenizer counts and
+    orders the prompts (default: `model`, when it is a local folder or a built-in short name;
+    for a GGUF made by `tokenmill quantize`, the tokenizer noted beside it)."""
     base_url: str | None = None
     """`kind: openai`: the server's OpenAI API root, e.g. `http://10.0.0.5:8000/v1`."""
     api_key_env: str | None = None
     """`kind: openai`: the environment variable that holds the API key (read by each worker;
     the key itself is never in the spec).  Unset: no key is sent."""
     max_in_flight: int = Field(16, ge=1, le=4096)
-    """`kind: openai`: requests each worker has open at once."""
+    """`kind: openai`: requests each worker has open at once; `kind: llamacpp`: the server's
+    parallel slots (`-np`), each holding `max_model_len` tokens."""
     request_timeout_s: float = Field(300.0, gt=0)
     """`kind: openai`: the longest one attempt of a request may take (and wait between bytes)."""
     max_retries: int = Field(3, ge=0, le=100)
@@ -118,9 +127,14 @@ class EngineConfig(_Strict):
     def _kind_keys(self) -> "EngineConfig":
         if self.kind == "openai" and not self.base_url:
             raise ValueError("kind openai needs base_url (the server's OpenAI API root, e.g. http://HOST:8000/v1)")
-        if self.kind == "vllm" and (self.base_url or self.api_key_env):
-            raise ValueError("base_url and api_key_env are for kind openai (an HTTP server); this engine is vllm")
+        if self.kind != "openai" and (self.base_url or self.api_key_env):
+            raise ValueError(f"base_url and api_key_env are for kind openai (a server you run); this engine is {self.kind}")
         return self
+
+    @property
+    def over_http(self) -> bool:
+        """Whether the engine is driven over HTTP by the `openai` engine's client (`HTTP_KINDS`)."""
+        return self.kind in HTTP_KINDS
 
     _dtype = field_validator("dtype")(_one_of("auto", "float32", "bfloat16", "float16", "half", "float"))
     _kv_dtype = field_validator("kv_cache_dtype")(_one_of("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"))
@@ -219,7 +233,7 @@ class JobSpec(_Strict):
             raise ValueError("set price_per_hour (one flat price per device-hour) or prices (per device model), "
                              "not both")
         e = self.engine
-        if e.kind == "openai":
+        if e.over_http:
             worst = e.http_worst_case_s()
             if worst >= self.batching.batch_timeout_s:
                 raise ValueError(

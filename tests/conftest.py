@@ -15,6 +15,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "llamacpp: needs llama.cpp's llama-server (`make llamacpp` builds it)")
+
+
 #: The bare form, as most users type it (SQLAlchemy 2.1 maps it to psycopg 3).
 PG_URL = os.environ.get("TOKENMILL_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 

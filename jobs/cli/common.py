@@ -91,14 +91,15 @@ def sampling_options(f):
 
 def engine_options(f):
     opts = [
-        click.option("--engine", "engine_kind", type=click.Choice(["vllm", "openai"]), default=None,
-                     help="vllm (in the worker, default) or openai (an OpenAI-compatible server at --base-url)."),
+        click.option("--engine", "engine_kind", type=click.Choice(["vllm", "openai", "llamacpp"]), default=None,
+                     help="vllm (in the worker, default), openai (an OpenAI-compatible server at --base-url) or "
+                     "llamacpp (a llama-server each worker starts on the GGUF --model names)."),
         click.option("--base-url", default=None, help="--engine openai: the server's API root, e.g. http://HOST:8000/v1."),
         click.option("--api-key-env", default=None, metavar="VAR",
                      help="--engine openai: the environment variable holding the API key (never the key)."),
         click.option("--model", default=None, help="Model short name or local HF folder (default smollm2-135m); "
-                     "with --engine openai, the name the server serves."),
-        click.option("--tokenizer", default=None, help="--engine openai: the local model folder or short name whose "
+                     "with --engine openai, the name the server serves; with --engine llamacpp, a .gguf file or a short name."),
+        click.option("--tokenizer", default=None, help="--engine openai or llamacpp: the local model folder or short name whose "
                      "tokenizer counts and orders the prompts (default: --model, if it is a local folder)."),
         click.option("--dtype", default=None, help="Weights/activations dtype (auto picks by measurement on CPU)."),
         click.option("--quantization", default=None, help="vLLM quantization method of the checkpoint."),

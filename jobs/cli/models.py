@@ -39,7 +39,8 @@ def models_prepare(name, force):
 
 @models.command("list", context_settings=CONTEXT_SETTINGS)
 def models_list():
-    """List the model folders tokenmill can use by short name.
+    """List the model folders tokenmill can use by short name, and the GGUF files
+    (the bundled one, those in the models folder) for --engine llamacpp.
 
     \b
     Example:
@@ -55,6 +56,15 @@ def models_list():
     for name, desc in BUILTIN_MODELS.items():
         if name not in seen:
             click.echo(f"{name:<24} (not prepared: tokenmill models prepare {name}) {desc}")
+    # GGUF files for --engine llamacpp: the bundled one (by short name) and any in the models folder
+    from tokenmill.jobs.modeltools.prepare import PrepareError, gguf_path
+
+    try:
+        click.echo(f"{'smollm2-135m':<24} {gguf_path()} (GGUF, --engine llamacpp)")
+    except PrepareError:
+        pass
+    for f in sorted(models_dir().glob("*.gguf")):
+        click.echo(f"{f.name:<24} {f} (GGUF, --engine llamacpp)")
 
 
 @main.group(context_settings=CONTEXT_SETTINGS)

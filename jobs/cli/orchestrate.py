@@ -136,6 +136,8 @@ def check_spec(spec) -> dict[str, Any]:
 def _served_by(spec, found: dict[str, Any]) -> str:
     if spec.engine.kind == "openai":
         return f"{spec.engine.model} at {spec.engine.base_url} (tokenizer {found['model_path']})"
+    if spec.engine.kind == "llamacpp":
+        return f"{spec.engine.model} on llama-server (tokenizer {found['model_path']})"
     return str(found["model_path"])
 
 

@@ -30,20 +30,24 @@ def parse_bytes(text: str) -> int:
 
 @main.command(context_settings=CONTEXT_SETTINGS)
 @click.option("--model", "-m", required=True, help="Short model name or full-precision model folder.")
-@click.option("--scheme", required=True, help="w8a8-int8 (int8 per-channel weights, dynamic int8 activations) or w4a16 (int4 grouped weights).")
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the quantized checkpoint.")
+@click.option("--scheme", required=True, help="w8a8-int8 (int8 per-channel weights, dynamic int8 activations) or w4a16 "
+              "(int4 grouped weights), for vLLM; gguf-f16, gguf-q8_0 or gguf-q4_k_m (llama-quantize), for --engine llamacpp.")
+@click.option("--out", "-o", required=True, type=click.Path(), help="Folder for the quantized checkpoint (a .gguf file for gguf-* schemes).")
 @click.option("--group-size", type=int, default=None, help="w4a16 only: input columns per scale (default 128; must divide every layer's input dim).")
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None, help="Job input Parquet with prompts (checked; RTN schemes do not need it).")
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
 @json_option
 def quantize(model, scheme, out, group_size, calibration, force, as_json):
-    """Write a compressed-tensors checkpoint that vLLM loads directly.
+    """Write a compressed-tensors checkpoint that vLLM loads directly, or (gguf-* schemes)
+    a GGUF for the llamacpp engine.
 
     \b
     Examples:
       tokenmill quantize --model smollm2-135m --scheme w8a8-int8 --out models/smollm2-w8a8
       tokenmill quantize --model smollm2-135m --scheme w4a16 --group-size 64 --out models/smollm2-w4a16
       tokenmill run --model models/smollm2-w8a8 --input data/eval_set.parquet --output runs/q8
+      tokenmill quantize --model smollm2-135m --scheme gguf-q8_0 --out models/smollm2-q8_0.gguf
+      tokenmill run --engine llamacpp --model models/smollm2-q8_0.gguf --input data/eval_set.parquet --output runs/g8
     """
     from tokenmill.jobs.modeltools.quantize import QuantizeError
     from tokenmill.jobs.modeltools.quantize import quantize as do_quantize
@@ -59,7 +63,8 @@ def quantize(model, scheme, out, group_size, calibration, force, as_json):
     from tokenmill.jobs.modeltools.kvplan import format_bytes
 
     g = f", group size {d['group_size']}" if d["group_size"] else ""
-    click.echo(f"wrote {d['out']}: {d['scheme']}{g}, {d['layers']} layers quantized in {d['seconds']} s")
+    unit = "tensors" if d["scheme"].startswith("gguf-") else "layers"
+    click.echo(f"wrote {d['out']}: {d['scheme']}{g}, {d['layers']} {unit} quantized in {d['seconds']} s")
     click.echo(f"  weights on disk {format_bytes(d['weights_bytes'])} (from {format_bytes(d['source_bytes'])}, {d['size_ratio']}× smaller)")
     for n in d["notes"]:
         click.echo(f"  note: {n}")

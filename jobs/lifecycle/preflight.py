@@ -2,7 +2,8 @@
 
 What can fail before the first row is read is checked here, in this order:
 the model resolves to a local folder (for the `openai` engine: its tokenizer does,
-the API key variable is set, the server answers and serves the model); the engine options (and the checkpoint's
+the API key variable is set, the server answers and serves the model; for the
+`llamacpp` engine: llama-server is built, the GGUF is there, its tokenizer resolves); the engine options (and the checkpoint's
 quantization) suit the device the engine runs on; the runner can start (a
 DaskRunner names a scheduler that answers, has workers and the same
 environment); the output path is usable; the input and output buckets exist and
@@ -39,7 +40,7 @@ class Preflight:
         """Names the engine answers to in an OpenAI batch line's body `model`."""
         if self.model_path is None:
             return ()
-        if self.spec.engine.kind == "openai":  # model_path is only the tokenizer's folder
+        if self.spec.engine.over_http:  # model_path is only the tokenizer's folder
             return (self.spec.engine.model,)
         return (self.spec.engine.model, self.model_path, os.path.basename(self.model_path))
 
@@ -188,6 +189,29 @@ def check_openai_engine(spec: JobSpec, pf: Preflight) -> None:
         pf.problems.append(str(err))
 
 
+def check_llamacpp_engine(spec: JobSpec, pf: Preflight) -> None:
+    """The `llamacpp` engine: llama-server built, the GGUF there, a local tokenizer of the same model."""
+    from tokenmill.schemas.models import ModelNotFound, resolve_model
+    from tokenmill.transforms.engines.llamacpp_session import binary, gguf_file, tokenizer_name
+    from tokenmill.transforms.engines.protocol import EngineStartError
+
+    for check in (lambda: gguf_file(spec.engine.model), lambda: binary("llama-server")):
+        try:
+            check()
+        except EngineStartError as err:
+            pf.problems.append(str(err))
+    try:
+        name = tokenizer_name(spec.engine)
+    except EngineStartError as err:
+        pf.problems.append(str(err))
+        return
+    try:
+        pf.model_path = str(resolve_model(name, need_weights=False))
+    except ModelNotFound as err:
+        pf.problems.append(f"engine kind llamacpp counts tokens with a local tokenizer: {err} "
+                           "(set engine.tokenizer to a local model folder or short name)")
+
+
 def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) -> Preflight:
     """Run every check, collecting the problems (one line each) instead of stopping at the first.
 
@@ -207,6 +231,8 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) 
     pf = Preflight(spec=spec, on_gpu=has_nvidia_gpu(), options=pipeline_options(spec))
     if engine and spec.engine.kind == "openai":
         check_openai_engine(spec, pf)
+    elif engine and spec.engine.kind == "llamacpp":
+        check_llamacpp_engine(spec, pf)
     elif engine:
         try:
             pf.model_path = str(resolve_model(spec.engine.model, need_weights=spec.engine.load_format != "dummy"))

@@ -22,6 +22,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from tokenmill.schemas.config import HTTP_KINDS
+
 
 #: Which clock each figure is measured on (shown beside the figures in reports).
 CLOCKS: dict[str, str] = {
@@ -40,20 +42,29 @@ CLOCKS: dict[str, str] = {
     "utilization": "launcher monotonic clock, one sample per interval",
 }
 
-#: The figures the `openai` engine measures differently: per request at the client (the
-#: worker's HTTP call, transforms/engines/openai_session.py), network and server queue included.
+#: The figures the HTTP engines (`openai`, and `llamacpp` through the same client) measure
+#: differently: per request at the client (the worker's HTTP call,
+#: transforms/engines/openai_session.py), network and server queue included.
 CLIENT_CLOCKS: dict[str, str] = {
-    "ttft_s": "client clock (worker, monotonic), openai engine: first streamed token - request sent",
-    "tpot_s": "client clock (worker, monotonic), openai engine: (last streamed token - first) / (output tokens - 1)",
-    "e2e_s": "client clock (worker, monotonic), openai engine: end of the stream - request sent (answered attempt)",
-    "queue_s": "not measured by the openai engine (null): the server's queue is inside TTFT",
+    "ttft_s": "client clock (worker, monotonic), HTTP engine: first streamed token - request sent",
+    "tpot_s": "client clock (worker, monotonic), HTTP engine: (last streamed token - first) / (output tokens - 1)",
+    "e2e_s": "client clock (worker, monotonic), HTTP engine: end of the stream - request sent (answered attempt)",
+    "queue_s": "not measured by an HTTP engine (null): the server's queue is inside TTFT",
     "model_load_s": "worker wall clock: the openai engine's server check (/v1/models); the server's own load is not seen",
+}
+#: The `llamacpp` engine starts its server: its load is seen.
+LLAMACPP_CLOCKS: dict[str, str] = {
+    "model_load_s": "worker wall clock: the llamacpp engine starting its llama-server until /health answers, "
+                    "then the client's server check",
 }
 
 
 def clocks_for(engine_config: Mapping[str, Any]) -> dict[str, str]:
     """The clock of each figure for a job's engine (`engine_config`: its EngineConfig as a dict)."""
-    return {**CLOCKS, **CLIENT_CLOCKS} if engine_config.get("kind") == "openai" else CLOCKS
+    kind = engine_config.get("kind")
+    if kind not in HTTP_KINDS:
+        return CLOCKS
+    return {**CLOCKS, **CLIENT_CLOCKS, **(LLAMACPP_CLOCKS if kind == "llamacpp" else {})}
 
 
 def _values(values: Iterable[float | None]) -> np.ndarray:
@@ -121,7 +132,7 @@ def job_metrics(
     output = int(np.nansum(cols["output_tokens"]))
     cached = int(np.nansum(cols["cached_tokens"]))
     # an HTTP engine whose server reports no cached tokens: unknown, not zero
-    cache_unknown = engine_config.get("kind") == "openai" and not np.isfinite(cols["cached_tokens"]).any()
+    cache_unknown = engine_config.get("kind") in HTTP_KINDS and not np.isfinite(cols["cached_tokens"]).any()
     per_run = run_figures(batches, workers, runs, now=now)
     gen_wall = sum(r["generation_wall_s"] for r in per_run)
     run_loads = [r["model_load_s"] for r in per_run if r["model_load_s"] is not None]

@@ -6,7 +6,7 @@ library (a vLLM dependency) for the schemes, the packing and the `config.json`
 `quantization_config` block, so the checkpoint is the same format llmcompressor
 writes and vLLM's `compressed-tensors` loader reads.
 
-Schemes:
+Schemes (the `gguf-*` schemes for the `llamacpp` engine are in `gguf.py`):
 
 - `w8a8-int8`: int8 weights, symmetric, one scale per output channel; int8
   activations quantized dynamically per token at run time (no calibration).
@@ -67,8 +67,10 @@ class QuantizeResult:
 def check_scheme(scheme: str, group_size: int | None) -> int | None:
     """The group size this scheme will use (None for per-channel); raise on an unknown
     scheme or a group size given to a scheme that has none."""
+    from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES
+
     if scheme not in SCHEMES:
-        raise QuantizeError(f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES)}")
+        raise QuantizeError(f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES) + sorted(GGUF_SCHEMES)}")
     grouped = SCHEMES[scheme][1]
     if not grouped:
         if group_size is not None:
@@ -200,9 +202,16 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
 
     Raises QuantizeError (one line) before touching weights for an unknown scheme, a
     folder without weights, an existing output folder (unless `force`), or a group
-    size that does not divide some quantized layer's input dimension."""
+    size that does not divide some quantized layer's input dimension.
+
+    A `gguf-*` scheme writes a GGUF file for the `llamacpp` engine instead (`gguf.quantize_gguf`)."""
+    from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES, quantize_gguf
     from tokenmill.schemas.models import ModelNotFound, resolve_model
 
+    if scheme in GGUF_SCHEMES:
+        if group_size is not None or calibration:
+            raise QuantizeError(f"scheme {scheme!r} (llama-quantize) takes no --group-size or --calibration")
+        return quantize_gguf(model, scheme, out, force=force)
     g = check_scheme(scheme, group_size)
     try:
         src = resolve_model(model)
@@ -213,6 +222,8 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
     if g is not None:
         check_group_size(layers, g)
     out = Path(out)
+    if out.is_file():
+        raise QuantizeError(f"--out {str(out)!r} is a file; scheme {scheme} writes a model folder")
     if out.exists() and any(out.iterdir()):
         if not force:
             raise QuantizeError(f"output folder {str(out)!r} is not empty (use --force to replace it)")

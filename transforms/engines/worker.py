@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 
 #: group → whether this process claimed a CPU share for it (False: it runs on a GPU)
 _SHARED_CPU: dict[str, bool] = {}
+#: group → the cores this process claimed for its llama-server
+_CORES: dict[str, list[int]] = {}
 #: (model path, group) → the work the last engine for it was started for
 _JOB_TOKENS: dict[tuple[str, str], JobTokens] = {}
 
@@ -31,13 +33,24 @@ def worker_session(cfg: EngineConfig, model_path: str, factory: registry.Session
     A running session is reused whatever the work (vLLM queues what its cache cannot
     hold yet); an engine started without `job_tokens` (a restart) is sized for the
     last work named for `group`.  Other factories (test fakes) get the config alone and
-    claim nothing, and so do GPU workers.  `restart`: replace the current session."""
+    claim nothing, and so do GPU workers.  The `llamacpp` engine claims the same CPU slot
+    and binds its server to it; the `openai` engine claims none.  `restart`: replace the
+    current session."""
     start: dict[str, object] = {}
     if factory is None and cfg.kind == "openai":  # an HTTP server: no cores, no KV cache here
         from tokenmill.transforms.engines.openai_session import OpenAISession
 
         factory = OpenAISession
-    if factory is None:
+    elif factory is None and cfg.kind == "llamacpp":  # a llama-server bound to this worker's cores
+        from tokenmill.transforms.engines.llamacpp_session import LlamaCppSession
+
+        factory = LlamaCppSession
+        if workers > 1:
+            if group not in _CORES:
+                slot, _CORES[group] = claim_cpu_slot(workers, group)
+                log.info("CPU slot %d of %d for llama-server group %s, cores %s", slot, workers, group, _CORES[group])
+            start["cores"] = _CORES[group]
+    elif factory is None:
         if workers > 1:
             if group not in _SHARED_CPU:
                 _SHARED_CPU[group] = not has_nvidia_gpu()
