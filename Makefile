@@ -25,6 +25,7 @@ help:
 	@echo "make test   - set up everything and run the test suite"
 	@echo "make bench  - throughput benchmark (docs/BENCHMARKS.md)"
 	@echo "make gpu-check - the worker meter against nvidia-smi on a GPU (docs/ACCOUNTING.md)"
+	@echo "make llmcompressor - the venv calibrated quantization runs in (docs/QUANTIZATION.md)"
 
 $(STAMP): setup.cfg
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
