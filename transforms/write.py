@@ -122,6 +122,13 @@ def record_worker(db_url: str, job_id: str, worker: str, session, started_at: fl
         info = session.info()
     except Exception as err:  # a fake engine, or an engine that cannot say
         info = {"error": str(err)}
+    model_path = getattr(session, "model_path", None)
+    if model_path:  # a checkpoint `tokenmill quantize` wrote: its recipe, calibration source and hash
+        from tokenmill.schemas.models import checkpoint_summary, quantization_record
+
+        ckpt = checkpoint_summary(quantization_record(model_path))
+        if ckpt:
+            info["checkpoint"] = ckpt
     for key, old in list(_METERS.items()):  # one engine a process: earlier meters stop sampling (still readable)
         old.stop()
         if key == (job_id, worker) or len(_METERS) > 8:

@@ -39,20 +39,29 @@ def models_prepare(name, force):
 
 @models.command("list", context_settings=CONTEXT_SETTINGS)
 def models_list():
-    """List the model folders tokenmill can use by short name, and the GGUF files
-    (the bundled one, those in the models folder) for --engine llamacpp.
+    """List the model folders tokenmill can use by short name (a folder `tokenmill quantize`
+    wrote says its scheme, method, calibration source and checkpoint hash), and the GGUF
+    files (the bundled one, those in the models folder) for --engine llamacpp.
 
     \b
     Example:
       tokenmill models list
     """
-    from tokenmill.schemas.models import BUILTIN_MODELS, is_model_folder, models_dir
+    from tokenmill.schemas.models import (
+        BUILTIN_MODELS,
+        checkpoint_summary,
+        describe_checkpoint,
+        is_model_folder,
+        models_dir,
+        quantization_record,
+    )
 
     seen = set()
     for d in sorted(models_dir().glob("*")):
         if is_model_folder(d):
             seen.add(d.name)
-            click.echo(f"{d.name:<24} {d}")
+            q = describe_checkpoint(checkpoint_summary(quantization_record(d)))
+            click.echo(f"{d.name:<24} {d}" + (f"  [{q}]" if q else ""))
     for name, desc in BUILTIN_MODELS.items():
         if name not in seen:
             click.echo(f"{name:<24} (not prepared: tokenmill models prepare {name}) {desc}")

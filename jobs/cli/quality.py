@@ -8,6 +8,7 @@ import click
 from tokenmill.jobs.cli.app import main
 from tokenmill.jobs.cli.common import (
     CONTEXT_SETTINGS,
+    EXIT_FAILED,
     EXIT_QUALITY,
     EXIT_USAGE,
     Failure,
@@ -32,12 +33,20 @@ def parse_bytes(text: str) -> int:
 @click.option("--model", "-m", required=True, help="Short model name or full-precision model folder.")
 @click.option("--scheme", required=True, help="w8a8-int8 (int8 per-channel weights, dynamic int8 activations) or w4a16 "
               "(int4 grouped weights), for vLLM; gguf-f16, gguf-q8_0 or gguf-q4_k_m (llama-quantize), for --engine llamacpp.")
+@click.option("--method", default="rtn", show_default=True,
+              help="rtn (round-to-nearest, no calibration); calibrated, in llmcompressor's venv: w8a8-int8 takes "
+                   "gptq or smoothquant+gptq, w4a16 takes gptq or awq (gguf-* schemes: rtn only).")
 @click.option("--out", "-o", required=True, type=click.Path(), help="Folder for the quantized checkpoint (a .gguf file for gguf-* schemes).")
 @click.option("--group-size", type=int, default=None, help="w4a16 only: input columns per scale (default 128; must divide every layer's input dim).")
-@click.option("--calibration", type=click.Path(dir_okay=False), default=None, help="Job input Parquet with prompts (checked; RTN schemes do not need it).")
-@click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
+@click.option("--calibration", default=None, metavar="INPUT|JOB_ID",
+              help="The job's input (Parquet file, folder or glob) or an earlier job's id: calibration prompts, "
+                   "tokenized with the job's chat template (rtn only checks it).")
+@click.option("--samples", type=int, default=None, help="Calibration prompts drawn, stratified by length (default 256).")
+@click.option("--max-seq-len", type=int, default=None, help="Longest calibration prompt in tokens; longer ones are not used (default 1024).")
+@click.option("--force", is_flag=True, help="Replace a non-empty output folder (only once the new one is complete).")
+@db_option
 @json_option
-def quantize(model, scheme, out, group_size, calibration, force, as_json):
+def quantize(model, scheme, method, out, group_size, calibration, samples, max_seq_len, force, db_url, as_json):
     """Write a compressed-tensors checkpoint that vLLM loads directly, or (gguf-* schemes)
     a GGUF for the llamacpp engine.
 
@@ -45,6 +54,8 @@ def quantize(model, scheme, out, group_size, calibration, force, as_json):
     Examples:
       tokenmill quantize --model smollm2-135m --scheme w8a8-int8 --out models/smollm2-w8a8
       tokenmill quantize --model smollm2-135m --scheme w4a16 --group-size 64 --out models/smollm2-w4a16
+      tokenmill quantize --model smollm2-135m --scheme w8a8-int8 --method smoothquant+gptq \\
+          --calibration nightly-2026-11-30 --out models/smollm2-w8a8-sq
       tokenmill run --model models/smollm2-w8a8 --input data/eval_set.parquet --output runs/q8
       tokenmill quantize --model smollm2-135m --scheme gguf-q8_0 --out models/smollm2-q8_0.gguf
       tokenmill run --engine llamacpp --model models/smollm2-q8_0.gguf --input data/eval_set.parquet --output runs/g8
@@ -53,9 +64,10 @@ def quantize(model, scheme, out, group_size, calibration, force, as_json):
     from tokenmill.jobs.modeltools.quantize import quantize as do_quantize
 
     try:
-        res = do_quantize(model, scheme, out, group_size=group_size, calibration=calibration, force=force)
+        res = do_quantize(model, scheme, out, group_size=group_size, method=method, calibration=calibration,
+                          samples=samples, max_seq_len=max_seq_len, db_url=db_url, force=force)
     except QuantizeError as err:
-        raise Failure(str(err), EXIT_USAGE) from None
+        raise Failure(str(err), EXIT_USAGE if err.exit_usage else EXIT_FAILED) from None
     d = res.as_dict()
     if as_json:
         emit_json(d)
@@ -64,8 +76,14 @@ def quantize(model, scheme, out, group_size, calibration, force, as_json):
 
     g = f", group size {d['group_size']}" if d["group_size"] else ""
     unit = "tensors" if d["scheme"].startswith("gguf-") else "layers"
-    click.echo(f"wrote {d['out']}: {d['scheme']}{g}, {d['layers']} {unit} quantized in {d['seconds']} s")
+    click.echo(f"wrote {d['out']}: {d['scheme']} {d.get('method', 'rtn')}{g}, {d['layers']} {unit} quantized in {d['seconds']} s")
     click.echo(f"  weights on disk {format_bytes(d['weights_bytes'])} (from {format_bytes(d['source_bytes'])}, {d['size_ratio']}× smaller)")
+    run = d.get("calibration_run")
+    if run:
+        click.echo(f"  calibration: {d['calibration_rows']} prompts ({run.get('tokens')} tokens) prepared in {d['prepare_s']} s; "
+                   f"llmcompressor run {run.get('wall_s')} s, peak RSS {format_bytes(run.get('peak_rss_bytes') or 0)}")
+    if d["sha256"]:
+        click.echo(f"  checkpoint sha256 {d['sha256']}")
     for n in d["notes"]:
         click.echo(f"  note: {n}")
 

