@@ -297,7 +297,7 @@ def test_end_to_end_every_id_once_with_reasons_and_no_key_anywhere(server, tmp_p
     assert m["clocks"]["ttft_s"].startswith("client clock") and m["latency_s"]["queue"]["n"] == 0
     assert m["prefix_cache"]["hit_rate"] is None and m["tokens"]["cached"] is None  # unknown, not 0
     rep = cli("report", "oai-e2e", "--db", pg_url, catch_exceptions=False)
-    assert rep.exit_code == 0 and "client clock (worker, monotonic), openai engine" in rep.output, rep.output
+    assert rep.exit_code == 0 and "client clock (worker, monotonic), HTTP engine" in rep.output, rep.output
     # the key: in no table, not in the stored spec, not in the logs, not in the worker's engine info
     eng = S.connect(pg_url)
     with eng.connect() as conn:

@@ -269,8 +269,13 @@ class LlamaServer:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
+        """SIGKILL, and wait for it to take (a kill is over when it returns)."""
         if self.running():
             self.proc.kill()
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("llama-server %s still running %s s after SIGKILL", self.proc.pid, STOP_GRACE_S)
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, SIGKILL after STOP_GRACE_S) and wait for it."""
