@@ -13,6 +13,21 @@ speed.  Output tok/s = generated tokens ÷ generation wall time (engine load
 excluded); total tok/s counts prompt + generated tokens over the same time.
 Next to the measured speedup sits the theoretical compression ratio of the
 weights and of the KV cache, since the two differ.
+
+RTN against calibrated (docs/QUANTIZATION.md): each scheme is also quantized
+with its calibrated method (`w8a8-int8 smoothquant+gptq`, `w4a16 gptq`; llmcompressor's
+venv, `make llmcompressor`), calibrated on the chat job's own prompts
+(`--calibration-rows` rows of the same generator and seed as workload (a), whose first
+`--chat-rows` rows are the workload itself; `--calibration-samples` drawn).  Per
+scheme the RTN and calibrated rows sit side by side: checkpoint size on disk,
+output tok/s, eval accuracy, agreement with bf16 on the chat prompts and on the
+eval set (exact match, word similarity, as `compare` computes them) and the
+`compare` gate verdict at `--gate` (3 points for w8a8, as the issue's target asks,
+is `--gate 0.03`).  The calibration run's wall time and peak RSS are recorded too.
+A smoke run at the smallest scale:
+
+    python -m bench.quant --only bf16 w8a8-int8 "w8a8-int8 smoothquant+gptq" --no-spec \
+        --chat-rows 8 --calibration-rows 64 --calibration-samples 16
 """
 
 from __future__ import annotations
@@ -31,14 +46,16 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "bench" / "work" / "quant"
 ENGINE = dict(max_num_seqs=64, max_model_len=1024, gpu_memory_utilization=0.3)
 
-#: name → (engine overrides, weights scheme or None)
-CONFIGS: dict[str, tuple[dict[str, Any], str | None]] = {
-    "bf16": ({"dtype": "bfloat16"}, None),
-    "fp32": ({"dtype": "float32"}, None),
-    "w8a8-int8": ({"dtype": "auto"}, "w8a8-int8"),
-    "w4a16": ({"dtype": "auto"}, "w4a16"),
-    "kv fp8": ({"dtype": "auto", "kv_cache_dtype": "fp8"}, None),
-    "w8a8-int8 + kv fp8": ({"dtype": "auto", "kv_cache_dtype": "fp8"}, "w8a8-int8"),
+#: name → (engine overrides, weights scheme or None, quantization method)
+CONFIGS: dict[str, tuple[dict[str, Any], str | None, str]] = {
+    "bf16": ({"dtype": "bfloat16"}, None, ""),
+    "fp32": ({"dtype": "float32"}, None, ""),
+    "w8a8-int8": ({"dtype": "auto"}, "w8a8-int8", "rtn"),
+    "w8a8-int8 smoothquant+gptq": ({"dtype": "auto"}, "w8a8-int8", "smoothquant+gptq"),
+    "w4a16": ({"dtype": "auto"}, "w4a16", "rtn"),
+    "w4a16 gptq": ({"dtype": "auto"}, "w4a16", "gptq"),
+    "kv fp8": ({"dtype": "auto", "kv_cache_dtype": "fp8"}, None, ""),
+    "w8a8-int8 + kv fp8": ({"dtype": "auto", "kv_cache_dtype": "fp8"}, "w8a8-int8", "rtn"),
 }
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
@@ -112,6 +129,10 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="Run only these configurations (names as in the table).")
     ap.add_argument("--no-spec", action="store_true", help="Skip the speculative decoding run.")
     ap.add_argument("--bf16-chat", action="store_true", help="Also run the chat workload in bf16 (slow on CPUs without bf16 units).")
+    ap.add_argument("--calibration-rows", type=int, default=512, help="Rows of the chat job's prompts to calibrate on.")
+    ap.add_argument("--calibration-samples", type=int, default=None, help="Calibration prompts drawn (default: tokenmill quantize's).")
+    ap.add_argument("--calibration-max-seq-len", type=int, default=None, help="Longest calibration prompt (default: tokenmill quantize's).")
+    ap.add_argument("--gate", type=float, default=0.05, help="The compare gate's max drop for the verdict column.")
     args = ap.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -133,22 +154,41 @@ def main() -> None:
     cfg, _ = K.load_config(str(src))
     auto_dtype = cpu_dtype()
 
-    ckpt: dict[str, str] = {}
-    for scheme in ("w8a8-int8", "w4a16"):
-        q = quantize(str(src), scheme, WORK / "models" / scheme, force=True,
-                     group_size=args.w4a16_group_size if scheme == "w4a16" else None)
-        ckpt[scheme] = str(q.out)
-        print(f"quantized {scheme}: {q.as_dict()}", flush=True)
+    calib = WORK / "calibration.parquet"  # the chat job's own prompts: same generator and seed, a superset
+    W.chat(calib, max(args.calibration_rows, args.chat_rows), seed=1, max_tokens=args.max_tokens)
+    wanted = [n for n in CONFIGS if not args.only or n in args.only]
+    ckpt: dict[tuple[str, str], str] = {}
+    quantized: dict[tuple[str, str], dict[str, Any]] = {}
+    for scheme, method in dict.fromkeys((CONFIGS[n][1], CONFIGS[n][2]) for n in wanted if CONFIGS[n][1]):
+        kw: dict[str, Any] = {}
+        if method != "rtn":
+            kw = dict(calibration=str(calib), samples=args.calibration_samples, max_seq_len=args.calibration_max_seq_len)
+        folder = WORK / "models" / (scheme if method == "rtn" else f"{scheme}-{method.replace('+', '-')}")
+        try:
+            q = quantize(str(src), scheme, folder, force=True, method=method,
+                         group_size=args.w4a16_group_size if scheme == "w4a16" else None, **kw)
+        except Exception as err:  # record why a checkpoint could not be made; its configurations are skipped
+            quantized[(scheme, method)] = {"error": f"{type(err).__name__}: {err}"[:400]}
+            print(f"quantize {scheme} {method}: FAILED {err}", flush=True)
+            continue
+        ckpt[(scheme, method)] = str(q.out)
+        quantized[(scheme, method)] = q.as_dict()
+        print(f"quantized {scheme} {method}: {q.as_dict()}", flush=True)
 
     results = []
-    for name, (eng, scheme) in CONFIGS.items():
-        if args.only and name not in args.only:
-            continue
+    for name in wanted:
+        eng, scheme, method = CONFIGS[name]
         print(f"config {name}", flush=True)
+        if scheme and (scheme, method) not in ckpt:
+            results.append({"name": name, "engine": eng, "error": quantized[(scheme, method)]["error"]})
+            continue
         # On a CPU without bf16 units (AVX2) bf16 matmuls ran ~70× slower than fp32
         # (cpu_dtype.json): there bf16 runs the eval set only (its quality is the baseline)
         ins = {"eval": inputs["eval"]} if name == "bf16" and auto_dtype != "bfloat16" and not args.bf16_chat else inputs
-        results.append(run_one(name, eng, ckpt[scheme] if scheme else str(src), ins, db, args.max_tokens))
+        r = run_one(name, eng, ckpt[(scheme, method)] if scheme else str(src), ins, db, args.max_tokens)
+        if scheme:
+            r["quantized"] = quantized[(scheme, method)]
+        results.append(r)
     spec_res = None
     if not args.no_spec:
         print("config auto dtype + ngram speculative decoding", flush=True)
@@ -161,8 +201,10 @@ def main() -> None:
     base_fp32 = by.get(base_name, {}).get("chat", {}).get("output_tok_per_s")
     base_bf16 = by.get("bf16", {}).get("eval", {}).get("output_tok_per_s")
     for r in results:
+        if r.get("error"):
+            continue
         dtype = auto_dtype if r["engine"].get("dtype") == "auto" else r["engine"]["dtype"]
-        scheme = next((s for n, (e, s) in CONFIGS.items() if n == r["name"]), None)
+        scheme = CONFIGS[r["name"]][1]
         g = args.w4a16_group_size
         r["weights_bytes_planned"] = K.weights_bytes(cfg, dtype, scheme, g)
         r["weights_ratio_vs_fp32"] = K.weights_bytes(cfg, "float32") / r["weights_bytes_planned"]
@@ -177,11 +219,16 @@ def main() -> None:
             for base in ("bf16", "fp32"):
                 b = by.get(base, {}).get("eval")
                 if b and base != r["name"]:
-                    c = compare_jobs(eng, b["job_id"], r["eval"]["job_id"]).as_dict()
+                    c = compare_jobs(eng, b["job_id"], r["eval"]["job_id"], max_drop=args.gate).as_dict()
                     c.pop("worst", None)
                     r.setdefault("quality", {})[base] = c
             own = compare_jobs(eng, r["eval"]["job_id"], r["eval"]["job_id"])
             r["eval_accuracy"] = own.base_accuracy
+        bchat = by.get("bf16", {}).get("chat")
+        if bchat and r.get("chat") and r["name"] != "bf16":  # agreement with bf16 on the job's own prompts
+            c = compare_jobs(eng, bchat["job_id"], r["chat"]["job_id"], max_drop=args.gate).as_dict()
+            c.pop("worst", None)
+            r.setdefault("quality", {})["bf16_chat"] = c
     if spec_res and base_fp32 and spec_res.get("chat"):
         spec_res["speedup_vs_fp32"] = spec_res["chat"]["output_tok_per_s"] / base_fp32
         sd = spec_res.get("spec_decode") or {}
@@ -194,7 +241,8 @@ def main() -> None:
     out = {"stamp": stamp, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                        "auto_dtype": auto_dtype},
            "base": base_name, "engine": ENGINE, "chat_rows": args.chat_rows, "max_tokens": args.max_tokens, "results": results,
-           "speculative": spec_res}
+           "speculative": spec_res, "gate": args.gate, "calibration_rows": args.calibration_rows,
+           "quantized": [{"scheme": k[0], "method": k[1], **v} for k, v in quantized.items()]}
     res_dir = ROOT / "bench" / "results"
     res_dir.mkdir(parents=True, exist_ok=True)
     (res_dir / f"quant-{stamp}.json").write_text(json.dumps(out, indent=2, default=str))
@@ -227,6 +275,8 @@ def markdown(out: dict[str, Any]) -> str:
             f"{f(r.get('eval_accuracy'), '{:.1%}')} | {f(q.get('exact_match_rate'), '{:.1%}')} | "
             f"{f(q.get('accuracy_drop'), '{:+.1%}')} |"
         )
+    lines.append("")
+    lines.append(rtn_vs_calibrated(out))
     s = out.get("speculative")
     if s:
         if s.get("error"):
@@ -238,6 +288,39 @@ def markdown(out: dict[str, Any]) -> str:
                 f"({f(s.get('speedup_vs_fp32'), '{:.2f}×')} of {out.get('base', 'fp32')} without it), acceptance rate "
                 f"{f(s.get('acceptance_rate'), '{:.1%}')} (metrics: {s.get('spec_decode')})"
             )
+    return "\n".join(lines)
+
+
+def rtn_vs_calibrated(out: dict[str, Any]) -> str:
+    """Per scheme, RTN and calibrated side by side: size, speed, accuracy, agreement with bf16, gate."""
+    def f(v, fmt="{:.1f}"):
+        return "-" if v is None else fmt.format(v)
+
+    gate = out.get("gate", 0.05)
+    lines = [
+        f"| scheme | method | checkpoint on disk | calibration run (wall, peak RSS) | output tok/s (chat) | eval accuracy | "
+        f"accuracy drop vs bf16 | exact / similarity vs bf16 (eval) | exact / similarity vs bf16 (chat) | gate ≤{gate:.0%} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in out["results"]:
+        scheme, method = CONFIGS.get(r["name"], ({}, None, ""))[1:]
+        if not scheme or "kv" in r["name"]:
+            continue
+        if r.get("error"):
+            lines.append(f"| {scheme} | {method} | failed: `{r['error']}` |" + " |" * 7)
+            continue
+        q = r.get("quantized") or {}
+        run = q.get("calibration_run") or {}
+        qe = (r.get("quality") or {}).get("bf16") or {}
+        qc = (r.get("quality") or {}).get("bf16_chat") or {}
+        cal = (f"{run.get('wall_s')} s, {run.get('peak_rss_bytes', 0) / (1 << 20):.0f} MiB ({run.get('samples')} prompts)"
+               if run else "-")
+        lines.append(
+            f"| {scheme} | {method} | {f(q.get('weights_bytes'), '{:,} B')} | {cal} | "
+            f"{f(r.get('chat', {}).get('output_tok_per_s'))} | {f(r.get('eval_accuracy'), '{:.1%}')} | "
+            f"{f(qe.get('accuracy_drop'), '{:+.1%}')} | {f(qe.get('exact_match_rate'), '{:.1%}')} / {f(qe.get('word_similarity'), '{:.3f}')} | "
+            f"{f(qc.get('exact_match_rate'), '{:.1%}')} / {f(qc.get('word_similarity'), '{:.3f}')} | "
+            f"{'-' if not qe else ('PASS' if qe.get('passed') else 'FAIL')} |")
     return "\n".join(lines)
 
 

@@ -143,12 +143,21 @@ def test_a_failed_calibration_run_leaves_no_model_folder(tmp_path, model_path, m
     monkeypatch.setenv(LLMC_PYTHON_ENV, sys.executable)
     cal = write_parquet(tmp_path / "cal.parquet", chat_rows(12))
     out = tmp_path / "models" / "q"
-    with pytest.raises(QuantizeFailed, match=r"llmcompressor gptq failed \(exit 1\): ModuleNotFoundError"):
+    import re
+    import shutil
+    from pathlib import Path
+
+    with pytest.raises(QuantizeFailed, match=r"llmcompressor gptq failed \(exit 1\): ModuleNotFoundError") as e:
         quantize(model_path, "w8a8-int8", out, method="gptq", calibration=str(cal), samples=8)
     assert not out.exists() and not no_leftovers(out.parent)
     res = cli("quantize", "--model", model_path, "--scheme", "w8a8-int8", "--method", "gptq", "--out", out,
               "--calibration", cal, "--samples", "8")
     assert res.exit_code == 1 and "ModuleNotFoundError" in one_error_line(res)
+    # the run's log is kept for the user (and its prompts are not); this test's two are removed
+    for msg in (str(e.value), one_error_line(res)):
+        log = Path(re.search(r"\(log: (.+)\)$", msg).group(1))
+        assert "ModuleNotFoundError" in log.read_text() and not (log.parent / "calibration.jsonl").exists()
+        shutil.rmtree(log.parent)
 
 
 # ---------------------------------------------------------------- a real calibration run

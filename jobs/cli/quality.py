@@ -41,7 +41,7 @@ def parse_bytes(text: str) -> int:
 @click.option("--calibration", default=None, metavar="INPUT|JOB_ID",
               help="The job's input (Parquet file, folder or glob) or an earlier job's id: calibration prompts, "
                    "tokenized with the job's chat template (rtn only checks it).")
-@click.option("--samples", type=int, default=None, help="Calibration prompts drawn, stratified by length (default 256).")
+@click.option("--samples", type=int, default=None, help="Calibration prompts drawn, stratified by length (default 64).")
 @click.option("--max-seq-len", type=int, default=None, help="Longest calibration prompt in tokens; longer ones are not used (default 1024).")
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder (only once the new one is complete).")
 @db_option

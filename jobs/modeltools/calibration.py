@@ -25,7 +25,7 @@ from typing import Any
 
 from tokenmill.schemas.errors import first_line
 
-DEFAULT_SAMPLES = 256
+DEFAULT_SAMPLES = 64
 DEFAULT_MAX_SEQ_LEN = 1024
 #: Fewer calibration prompts than this give the Hessian (GPTQ) and the activation ranges
 #: (SmoothQuant) too few tokens to mean anything.
