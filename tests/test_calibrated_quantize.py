@@ -214,3 +214,29 @@ def test_smoothquant_gptq_checkpoint_loads_in_vllm_answers_and_is_recorded(tmp_p
     assert r.metrics["checkpoint"]["calibration"]["samples"] == 8
     rep = cli("report", "w8a8-sq", "--db", sqlite_url)
     assert "smoothquant+gptq, calibrated on" in rep.output, rep.output
+
+
+def test_bench_quant_tables_put_rtn_and_calibrated_side_by_side():
+    from bench.quant import markdown
+
+    def row(name, acc, tps, q=None, **kw):
+        return {"name": name, "engine": {"dtype": "auto"}, "chat": {"output_tok_per_s": tps}, "eval": {"output_tok_per_s": tps},
+                "weights_bytes_planned": 1 << 27, "weights_ratio_vs_fp32": 3.0, "kv_bytes_per_token_planned": 23040,
+                "kv_ratio_vs_fp32": 2.0, "eval_accuracy": acc, "quantized": q or {}, **kw}
+
+    bf16 = row("bf16", 0.617, 400.0)
+    rtn = row("w8a8-int8", 0.5, 500.0, {"weights_bytes": 163226688},
+              quality={"bf16": {"accuracy_drop": 0.117, "exact_match_rate": 0.4, "word_similarity": 0.7, "passed": False},
+                       "bf16_chat": {"exact_match_rate": 0.2, "word_similarity": 0.5}})
+    cal = row("w8a8-int8 smoothquant+gptq", 0.6, 495.0,
+              {"weights_bytes": 163226688, "calibration_run": {"wall_s": 90.0, "peak_rss_bytes": 1 << 30, "samples": 256}},
+              quality={"bf16": {"accuracy_drop": 0.017, "exact_match_rate": 0.7, "word_similarity": 0.9, "passed": True}})
+    failed = {"name": "w4a16 gptq", "engine": {"dtype": "auto"}, "error": "QuantizeFailed: llmcompressor gptq failed"}
+    text = markdown({"results": [bf16, rtn, cal, failed], "gate": 0.03, "base": "bf16"})
+    lines = {ln.split("|")[1].strip() + " " + ln.split("|")[2].strip(): ln for ln in text.splitlines()
+             if ln.startswith("| w")}
+    assert "| gate ≤3% |" in text
+    assert "| 163,226,688 B | - | 500.0 | 50.0% | +11.7% | 40.0% / 0.700 | 20.0% / 0.500 | FAIL |" in lines["w8a8-int8 rtn"]
+    assert "| 90.0 s, 1024 MiB (256 prompts) | 495.0 | 60.0% | +1.7% |" in lines["w8a8-int8 smoothquant+gptq"]
+    assert lines["w8a8-int8 smoothquant+gptq"].endswith("| - / - | PASS |")
+    assert "failed: `QuantizeFailed: llmcompressor gptq failed`" in lines["w4a16 gptq"]
