@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_LOGGING_LEVEL ?= WARNING
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install airflow llamacpp llmcompressor prepare demo test test-fast bench bench-quant bench-scale bench-db gpu-check clean help
+.PHONY: install airflow llamacpp llmcompressor prepare demo test test-fast bench bench-engines bench-quant bench-scale bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -124,6 +124,11 @@ test-fast: install
 
 bench: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.throughput $(BENCH_ARGS)
+
+# tokenmill + llama.cpp against llama-server driven directly on the same prompts (bench/engines.py,
+# a first version of issue 13's comparison). Shorter: make bench-engines BENCH_ARGS="--scale smoke".
+bench-engines: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.engines $(BENCH_ARGS)
 
 bench-quant: prepare llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant $(BENCH_ARGS)

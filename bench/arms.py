@@ -84,7 +84,10 @@ def raw(session, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def tokenmill(workload, engine: EngineConfig, work: Path, *, label: str, ordering: str = "prefix",
-              num_workers: int = 1, session=None, batching: dict | None = None) -> dict[str, Any]:
+              num_workers: int = 1, session=None, batching: dict | None = None,
+              count_load: bool | None = None) -> dict[str, Any]:
+    """`count_load`: leave the job's engine start (its `model_load_s`) out of the
+    generation time (default: with several workers, which start their own engines)."""
     from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.config import load_spec
 
@@ -105,7 +108,7 @@ def tokenmill(workload, engine: EngineConfig, work: Path, *, label: str, orderin
     r = run_job(spec, db_url=db)
     wall = time.perf_counter() - t
     th, tok = r.metrics.get("throughput", {}), r.metrics.get("tokens", {})
-    load = th.get("model_load_s") if num_workers > 1 else 0.0
+    load = th.get("model_load_s") if (num_workers > 1 if count_load is None else count_load) else 0.0
     gen_s = wall - (load or 0.0)
     res = _rates(int(tok.get("prompt") or 0), int(tok.get("output") or 0), r.succeeded, gen_s)
     res.update({
