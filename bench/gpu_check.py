@@ -62,6 +62,7 @@ except ModuleNotFoundError:  # a bare clone on a GPU host: its folders are token
     sys.modules["tokenmill"] = _pkg
 
 from bench.common import RESULTS, utc_now, utc_stamp  # noqa: E402
+from tokenmill.transforms.engines.meter import _max, _mean  # noqa: E402  (the meter's own reductions: None-skipping)
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_NO_GPU, EXIT_CANNOT_RUN = 0, 1, 2, 3, 4
 MIB = 1 << 20
@@ -103,16 +104,6 @@ def parse_smi_apps(text: str, pid: int) -> int | None:
             if mem is not None:
                 found = (found or 0) + int(mem * MIB)
     return found
-
-
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
-def _max(xs):
-    xs = [x for x in xs if x is not None]
-    return max(xs) if xs else None
 
 
 def check(name: str, tokenmill: Any, reference: Any, ok: bool | None, limit: str, note: str = "") -> dict[str, Any]:
