@@ -502,8 +502,16 @@ class GenerateFn(beam.DoFn):
             return
         from tokenmill.transforms.write import update_worker_admitted
 
-        done = _DONE.get(self.cfg.job_id, (0, 0, 0))[0]
-        update_worker_admitted(self.cfg.db_url, self.cfg.job_id, self._worker, done + self._runner.admitted_rows + n)
+        update_worker_admitted(self.cfg.db_url, self.cfg.job_id, self._worker, self._counts()[0] + n)
+
+    def _counts(self) -> tuple[int, int, int]:
+        """(admitted, generated rows, generated tokens) of this process for the job: its
+        finished bundles' (`_DONE`) plus the running bundle's."""
+        admitted, rows, tokens = _DONE.get(self.cfg.job_id, (0, 0, 0))
+        r = self._runner
+        if r is None:
+            return admitted, rows, tokens
+        return admitted + r.admitted_rows, rows + r.generated_rows, tokens + r.generated_tokens
 
     def _report(self, *, final: bool = False) -> None:
         """The worker's row: what its engine finished so far, and its peak memory.  At most
@@ -517,13 +525,9 @@ class GenerateFn(beam.DoFn):
         self._reported_at = now
         from tokenmill.transforms.write import update_worker_peak
 
-        admitted, rows, tokens = _DONE.get(self.cfg.job_id, (0, 0, 0))
-        if self._runner is not None:
-            r = self._runner
-            admitted, rows, tokens = admitted + r.admitted_rows, rows + r.generated_rows, tokens + r.generated_tokens
+        admitted, rows, tokens = self._counts()
         update_worker_peak(self.cfg.db_url, self.cfg.job_id, self._worker,
                            admitted_rows=admitted, generated_rows=rows, generated_tokens=tokens)
-
 
     def _finished(self, out):
         """One finished batch: committed (outputs, the engine's dead letters, figures: one
