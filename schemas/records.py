@@ -135,13 +135,13 @@ class Batch:
 
 # ---------------------------------------------------------------- stored rows
 
-_ARROW = {"str": pa.string(), "text": pa.string(), "int": pa.int64(), "float": pa.float64()}
+_ARROW = {"str": pa.string(), "text": pa.string(), "int": pa.int64(), "float": pa.float64(), "json": pa.string()}
 
 
 def column(sql: str, *, key: bool = False, required: bool = False, export: bool = True):
     """A record field that is also a table column.
 
-    `sql` is "text", "int", "float" or "str:<length>"; `key` makes it part of
+    `sql` is "text", "int", "float", "json" or "str:<length>"; `key` makes it part of
     the primary key, `required` NOT NULL (both must be given; other fields default to None);
     `export` puts it in the exported files."""
     meta = {"sql": sql, "key": key, "required": required, "export": export}
@@ -218,6 +218,10 @@ class BatchStats(StoredRow):
     finished_at: float | None = column("float")
     tail_s: float | None = column("float")
     engine_idle_s: float | None = column("float")
+    retries: dict[str, int] | None = column("json")
+    """Retried attempts of the batch's requests by the failed attempt's reason code (an HTTP
+    engine's retries, counted whether the row was answered in the end or dead-lettered);
+    None for an engine that does not retry (vLLM in process)."""
 
 
 #: Per-request figures that reports and metrics read: every output column but the

@@ -56,7 +56,7 @@ jobs = Table(
     Column("metrics", JSON),
 )
 
-_SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "float": Float}
+_SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "float": Float, "json": JSON}
 
 
 def _sql_type(sql: str) -> TypeEngine:

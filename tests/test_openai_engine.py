@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
@@ -59,14 +60,15 @@ def run_rows(cfg: EngineConfig, sources: list) -> tuple[dict, dict]:
                           sampling=SamplingDefaults(), batching=BatchingConfig(batch_timeout_s=60))
     runner = BatchRunner(gcfg, lambda: session, lambda: session)
     prompts = [prompt(i, s) for i, s in enumerate(sources)]
-    rows, dead = {}, {}
+    rows, dead, stats = {}, {}, []
     try:
-        for r, d, _ in runner.run([Batch("b0", prompts[:len(prompts) // 2]), Batch("b1", prompts[len(prompts) // 2:])]):
+        for r, d, st in runner.run([Batch("b0", prompts[:len(prompts) // 2]), Batch("b1", prompts[len(prompts) // 2:])]):
             rows.update((x["id"], x) for x in r)
             dead.update((x.id, x) for x in d)
+            stats.append(st)
     finally:
         session.shutdown()
-    run_rows.session = session
+    run_rows.session, run_rows.stats = session, stats
     return rows, dead
 
 
@@ -129,6 +131,11 @@ def test_each_fault_is_retried_then_answered_or_dead_lettered_with_its_reason(se
     assert retried[R.RATE_LIMITED] == 2 + 2 and retried[R.SERVER_ERROR] == 1 + 2
     assert retried[R.REQUEST_TIMEOUT] == 2 and retried[R.CONNECTION_DROPPED] == 1 + 2
     assert retried[R.BAD_RESPONSE] == 2 + 2 + 2
+    # what is stored: each batch's retries by reason, summing to the session's count
+    stored = Counter()
+    for st in run_rows.stats:
+        stored.update(st["retries"])
+    assert stored == retried and all(st["retries"] is not None for st in run_rows.stats)
 
 
 def test_no_retries_when_max_retries_is_zero_and_4xx_is_not_retried(server):
@@ -296,8 +303,12 @@ def test_end_to_end_every_id_once_with_reasons_and_no_key_anywhere(server, tmp_p
     m = S.get_job(S.connect(pg_url), "oai-e2e")["metrics"]
     assert m["clocks"]["ttft_s"].startswith("client clock") and m["latency_s"]["queue"]["n"] == 0
     assert m["prefix_cache"]["hit_rate"] is None and m["tokens"]["cached"] is None  # unknown, not 0
+    # retried attempts by reason, stored with the batches: 4 rows × (429 once; 500 twice more; two drops; two truncated)
+    assert m["failures"]["retries_by_reason"] == {R.BAD_RESPONSE: 8, R.CONNECTION_DROPPED: 8, R.RATE_LIMITED: 4,
+                                                  R.SERVER_ERROR: 8}
     rep = cli("report", "oai-e2e", "--db", pg_url, catch_exceptions=False)
     assert rep.exit_code == 0 and "client clock (worker, monotonic), HTTP engine" in rep.output, rep.output
+    assert "retried attempts (HTTP engine)" in rep.output and "rate_limited 4" in rep.output, rep.output
     # the key: in no table, not in the stored spec, not in the logs, not in the worker's engine info
     eng = S.connect(pg_url)
     with eng.connect() as conn:

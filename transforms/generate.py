@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -294,6 +294,8 @@ class BatchRunner:
                 if bid is None:
                     continue
                 st = active[bid]
+                if f.retries is not None:  # an HTTP engine's retries of this row, by reason
+                    st.setdefault("retries", Counter()).update(f.retries)
                 if f.error_reason is not None:  # the engine gave up on this row (after its retries)
                     st["dead"].append(self._gave_up(p, f))
                 else:
@@ -329,6 +331,7 @@ class BatchRunner:
             cached_tokens=None if rows and all(r["cached_tokens"] is None for r in rows)
             else sum(r["cached_tokens"] or 0 for r in rows),
             started_at=st["started"], finished_at=now, tail_s=tail, engine_idle_s=st.get("idle", 0.0),
+            retries=dict(st["retries"]) if "retries" in st else None,
         )
         return rows, st["dead"], stats.as_dict()
 

@@ -18,6 +18,7 @@ arrives when the batch is admitted, so TTFT includes waiting for a slot.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -200,6 +201,10 @@ def job_metrics(
             "by_reason": dict(sorted(failed_by_reason.items())),
             "rate_by_reason": {k: (v / total if total else 0.0) for k, v in sorted(failed_by_reason.items())},
             "definition": "dead-lettered input rows / input rows, per reason code",
+            "retries_by_reason": _retries(batches),
+            "retries_definition": "retried attempts of requests (answered or dead-lettered in the end) by the "
+                                  "failed attempt's reason, as the HTTP engine counted them; null: the engine "
+                                  "does not retry",
         },
         "utilization": utilization,
         "clocks": clocks_for(engine_config),
@@ -209,6 +214,17 @@ def job_metrics(
                              fallback=_fallback_worker(hardware, device_count), output_tokens=output,
                              total_tokens=prompt + output, requests=n)
     return m
+
+
+def _retries(batches: Sequence[dict[str, Any]]) -> dict[str, int] | None:
+    """The batches' retries summed by reason; None when no batch counted any (vLLM in process)."""
+    counted = [b["retries"] for b in batches if b.get("retries") is not None]
+    if not counted:
+        return None
+    total: Counter[str] = Counter()
+    for r in counted:
+        total.update(r)
+    return dict(sorted(total.items()))
 
 
 # ---------------------------------------------------------------- runs, workers and cost

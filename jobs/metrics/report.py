@@ -186,7 +186,8 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
             ("succeeded", fmt(g("requests.succeeded"))),
             ("failed", f"{fmt(g('requests.failed'))} ({fmt(g('failures.rate'), 'pct')})"),
         ] + [(f"  failed: {r}", f"{fmt(n)} ({fmt(g('failures.rate_by_reason.' + r), 'pct')})")
-             for r, n in (g("failures.by_reason") or {}).items()]),
+             for r, n in (g("failures.by_reason") or {}).items()]
+          + _retried_line(g("failures.retries_by_reason"))),
         ("Concurrency (offline: all requests at once)", [
             ("max_num_seqs", fmt(g("concurrency.max_num_seqs"))),
             ("max_num_batched_tokens", fmt(g("concurrency.max_num_batched_tokens"))),
@@ -421,6 +422,13 @@ def cost_figure(datas: list[dict[str, Any]], names: list[str]):
     fig.update_layout(barmode="group", title="Cost (generation only vs all held time: start-up, load, export)",
                       height=380, margin=dict(t=70, b=40))
     return fig
+
+
+def _retried_line(by_reason: dict[str, int] | None) -> list[tuple[str, str]]:
+    """The HTTP engine's retried attempts by reason; no line for an engine that does not retry."""
+    if by_reason is None:
+        return []
+    return [("retried attempts (HTTP engine)", ", ".join(f"{r} {n}" for r, n in by_reason.items()) or "none")]
 
 
 def failures_figure(datas: list[dict[str, Any]], names: list[str]):

@@ -244,12 +244,18 @@ class OpenAISession:
 
     def _request(self, request_id: str, body: dict[str, Any], prompt_len: int) -> None:
         attempt = 0
+        tried: Counter[str] = Counter()  # this request's retries, by reason: stored with its batch
+
+        def done(f: Finished) -> None:
+            f.retries = dict(tried)
+            self._done.put(f)
+
         while self._wanted(request_id):
             try:
-                self._done.put(self._attempt(request_id, body, prompt_len))
+                done(self._attempt(request_id, body, prompt_len))
                 return
             except _Refused as err:
-                self._done.put(self._failed(request_id, R.BAD_REQUEST, f"server refused the request: {err}"))
+                done(self._failed(request_id, R.BAD_REQUEST, f"server refused the request: {err}"))
                 return
             except (_Retry, _Down) as err:
                 if not self._wanted(request_id):
@@ -259,10 +265,10 @@ class OpenAISession:
                         self._failure = (f"OpenAI-compatible server {self.cfg.base_url} is down: {err} "
                                          f"(after {attempt + 1} attempts)")
                         return
-                    self._done.put(self._failed(request_id, err.reason,
-                                                f"{err} (after {attempt + 1} attempts)"))
+                    done(self._failed(request_id, err.reason, f"{err} (after {attempt + 1} attempts)"))
                     return
                 reason = "server_down" if isinstance(err, _Down) else err.reason
+                tried[reason] += 1
                 with self._lock:
                     self.retries[reason] += 1
                 d = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt)
@@ -270,7 +276,7 @@ class OpenAISession:
                 self._stop.wait(wait if wait is not None else random.uniform(d / 2, d))
                 attempt += 1
             except Exception as err:  # a bug here must not leave the row unfinished
-                self._done.put(self._failed(request_id, R.ENGINE_ERROR, f"openai engine: {type(err).__name__}: {first_line(err)}"))
+                done(self._failed(request_id, R.ENGINE_ERROR, f"openai engine: {type(err).__name__}: {first_line(err)}"))
                 return
 
     @staticmethod

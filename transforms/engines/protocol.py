@@ -37,6 +37,9 @@ class Finished:
     output_token_ids: list[int] = field(default_factory=list)
     error_reason: str | None = None
     error: str | None = None
+    retries: dict[str, int] | None = None
+    """Attempts retried before this one ended, by the failed attempt's reason code (an HTTP
+    engine's); None where the engine does not retry."""
 
 
 class EngineSession(Protocol):
