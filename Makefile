@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_LOGGING_LEVEL ?= WARNING
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install airflow llamacpp llmcompressor prepare demo test test-fast bench bench-engines bench-quant bench-scale bench-db gpu-check clean help
+.PHONY: install airflow llamacpp llmcompressor prepare demo test test-fast bench bench-engines bench-quant bench-tune bench-scale bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -132,6 +132,11 @@ bench-engines: prepare
 
 bench-quant: prepare llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant $(BENCH_ARGS)
+
+# `tokenmill tune` on the bundled sample within 20 minutes, then the spec as given and the winner
+# as full jobs, A B B A (bench/tune_check.py, docs/TUNE.md); ~35 min on a 2-core CPU.
+bench-tune: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.tune_check $(BENCH_ARGS)
 
 # N and 10 N rows (one worker), N rows (two workers), kill -9 drills, on a tiny random-weight model:
 # peak RSS per process, rows/s, every id once (docs/BENCHMARKS.md, "Scale"); ~20 min.

@@ -319,13 +319,37 @@ def test_cli_tune_refuses_a_bad_gate_and_a_spec_that_cannot_run(tmp_path, sqlite
 
 
 @pytest.mark.engine
+def test_cpu_screen_resolves_auto_and_drops_duplicates_and_slow_dtypes(tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("grid:\n  engine.dtype: [float32, bfloat16]\n  engine.max_num_seqs: [64, 256]\n")
+    spec = {"input": "x.parquet", "output": "o", "engine": {"max_num_seqs": 256}}  # dtype auto
+    avx2 = {"choice": "float32", "matmuls_per_s": {"float32": 51.0, "bfloat16": 2.6}}
+    ref, cands = T.make_candidates(spec, T.space_changes(T.load_space(space)))
+    T.screen_cpu_dtypes(spec, cands, avx2)
+    why = {c.label: c.rejected for c in cands}
+    assert why["dtype=float32 max_num_seqs=64"] is None
+    assert "the same as the spec as given on this machine" in why["dtype=float32 max_num_seqs=256"]
+    assert "20× slower" in why["dtype=bfloat16 max_num_seqs=64"] and "keep_slow_dtypes" in why["dtype=bfloat16 max_num_seqs=256"]
+    # a CPU where bf16 is the faster (AMX): auto is bf16, and fp32 at 3× slower is still run
+    amx = {"choice": "bfloat16", "matmuls_per_s": {"float32": 900.0, "bfloat16": 2700.0}}
+    ref, cands = T.make_candidates(spec, T.space_changes(T.load_space(space)))
+    T.screen_cpu_dtypes(spec, cands, amx)
+    why = {c.label: c.rejected for c in cands}
+    assert why["dtype=float32 max_num_seqs=256"] is None and "spec as given" in why["dtype=bfloat16 max_num_seqs=256"]
+    ref, cands = T.make_candidates(spec, T.space_changes(T.load_space(space)))
+    T.screen_cpu_dtypes(spec, cands, avx2, keep_slow=True)
+    assert {c.label: c.rejected for c in cands}["dtype=bfloat16 max_num_seqs=64"] is None
+
+
 def test_real_tune_over_two_dtypes_and_two_max_num_seqs(tmp_path, sqlite_url, model_path):
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": q}]} for i, q in enumerate(
         ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello.",
          "Name a fruit.", "What day comes after Monday?", "Name an ocean.", "What is ice made of?"])]
     inp = write_parquet(tmp_path / "in.parquet", rows)
     space = tmp_path / "space.yaml"
-    space.write_text("grid:\n  engine.dtype: [float32, bfloat16]\n  engine.max_num_seqs: [4, 32]\n")
+    # keep_slow_dtypes: both dtypes run even on a CPU where bf16 is measured much slower (AVX2)
+    space.write_text("grid:\n  engine.dtype: [float32, bfloat16]\n  engine.max_num_seqs: [4, 32]\n"
+                     "keep_slow_dtypes: true\n")
     spec = {"input": str(inp), "output": str(tmp_path / "o"), "engine": dict(TEST_ENGINE),
             "sampling": {"max_tokens": 8, "temperature": 0.0}}
     res = T.tune(spec, sample=8, out=tmp_path / "tune", db_url=sqlite_url, space=space, budget_minutes=30)

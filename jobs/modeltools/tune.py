@@ -41,6 +41,10 @@ MIN_RUNG_ROWS = 4
 #: The figure candidates are ranked by: USD per 1M output tokens over generation.
 COST = "cost.per_1m_output_tokens"
 REFERENCE = "ref"
+#: On a CPU, a candidate whose dtype this machine measured at least this many times slower
+#: at a decoder's matrix products than the dtype `auto` picks is dropped up front (its cost
+#: could only be higher); a space with `keep_slow_dtypes: true` runs it anyway.
+SLOW_DTYPE = 4.0
 
 
 class TuneError(ValueError):
@@ -119,7 +123,7 @@ class Candidate:
 
 
 def load_space(path: str | Path | None) -> dict[str, Any]:
-    """The search space YAML (`grid`, `candidates`, `quantized`); TuneError in one line otherwise."""
+    """The search space YAML (`grid`, `candidates`, `quantized`, `keep_slow_dtypes`); TuneError in one line otherwise."""
     import yaml
 
     path = Path(path) if path else DEFAULT_SPACE
@@ -132,17 +136,18 @@ def load_space(path: str | Path | None) -> dict[str, Any]:
     data = data or {}
     if not isinstance(data, dict):
         raise TuneError(f"search space {str(path)!r} must be a mapping with grid, candidates, quantized")
-    unknown = set(data) - {"grid", "candidates", "quantized"}
+    unknown = set(data) - {"grid", "candidates", "quantized", "keep_slow_dtypes"}
     if unknown:
         raise TuneError(f"search space {str(path)!r}: unknown key(s) {', '.join(sorted(unknown))} "
-                        "(expected grid, candidates, quantized)")
+                        "(expected grid, candidates, quantized, keep_slow_dtypes)")
     grid = data.get("grid") or {}
     if not isinstance(grid, dict) or any(not isinstance(v, list) or not v for v in grid.values()):
         raise TuneError(f"search space {str(path)!r}: grid must map key paths to non-empty lists of values")
     cands = data.get("candidates") or []
     if not isinstance(cands, list) or any(not isinstance(c, dict) or not c for c in cands):
         raise TuneError(f"search space {str(path)!r}: candidates must be a list of mappings of key paths to values")
-    return {"grid": grid, "candidates": cands, "quantized": bool(data.get("quantized"))}
+    return {"grid": grid, "candidates": cands, "quantized": bool(data.get("quantized")),
+            "keep_slow_dtypes": bool(data.get("keep_slow_dtypes"))}
 
 
 def quantized_checkpoints(model_path: str | None) -> list[str]:
@@ -235,6 +240,38 @@ def make_candidates(reference_data: dict[str, Any], changes_list: list[dict[str,
         seen.add(work)
         out.append(cand)
     return ref, out
+
+
+def screen_cpu_dtypes(reference_data: dict[str, Any], cands: list[Candidate], measurement: dict[str, Any], *,
+                      keep_slow: bool = False) -> None:
+    """For a vLLM job on a CPU: `dtype: auto` resolved as the engine resolves it
+    (`measurement`: transforms/engines/cpu.cpu_dtype_measurement), a candidate that then is
+    the spec as given, or an earlier candidate, is dropped as a duplicate; one whose dtype
+    ran at least SLOW_DTYPE× fewer matrix products a second than auto's is dropped with
+    those figures (unless `keep_slow`)."""
+    from tokenmill.schemas.config import load_spec
+
+    choice, rates = measurement["choice"], measurement.get("matmuls_per_s") or {}
+
+    def resolved(data: dict[str, Any]) -> tuple[str, str]:
+        work = json.loads(_work(load_spec(data)))
+        if work["engine"].get("dtype") == "auto":
+            work["engine"]["dtype"] = choice
+        return work["engine"]["dtype"], json.dumps(work, sort_keys=True)
+
+    seen = {resolved(reference_data)[1]: "the spec as given"}
+    for c in cands:
+        if c.rejected:
+            continue
+        dtype, work = resolved(c.spec_data)
+        if work in seen:
+            c.rejected = f"the same as {seen[work]} on this machine (`dtype: auto` runs {choice} on this CPU, measured)"
+            continue
+        seen[work] = c.label
+        r, best = rates.get(dtype), rates.get(choice)
+        if not keep_slow and r and best and r * SLOW_DTYPE <= best:
+            c.rejected = (f"{dtype} ran {r:.3g} matmuls/s on this CPU against {choice}'s {best:.3g} (measured, "
+                          f"cpu_dtype.json): {best / r:.0f}× slower, so costlier (keep_slow_dtypes: true runs it)")
 
 
 # ---------------------------------------------------------------- the sample
@@ -601,6 +638,7 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
     from tokenmill.schemas.config import SpecError, load_spec
     from tokenmill.schemas.db import default_db_url
     from tokenmill.schemas.errors import first_line
+    from tokenmill.transforms.engines.device import has_nvidia_gpu
 
     try:
         spec = load_spec(spec_data)
@@ -632,6 +670,10 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
     except ModelNotFound:
         model_path = None
     ref, cands = make_candidates(spec_data, space_changes(sp, model_path))
+    if not fake and spec.engine.kind == "vllm" and not has_nvidia_gpu():
+        from tokenmill.transforms.engines.cpu import cpu_dtype_measurement
+
+        screen_cpu_dtypes(spec_data, cands, cpu_dtype_measurement(), keep_slow=bool(sp.get("keep_slow_dtypes")))
     for c in cands:
         if c.rejected is None:
             problems = checked(c.spec_data, first)
