@@ -133,9 +133,9 @@ bench-engines: prepare
 bench-quant: prepare llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant $(BENCH_ARGS)
 
-# `tokenmill tune` on the bundled sample within 20 minutes, then the spec as given and the winner
+# `tokenmill tune` on the bundled sample within 20 minutes (space: bench/tune_space.yaml), then the spec as given and the winner
 # as full jobs, A B B A (bench/tune_check.py, docs/TUNE.md); ~35 min on a 2-core CPU.
-bench-tune: prepare
+bench-tune: prepare llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.tune_check $(BENCH_ARGS)
 
 # N and 10 N rows (one worker), N rows (two workers), kill -9 drills, on a tiny random-weight model:

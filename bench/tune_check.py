@@ -2,7 +2,10 @@
 
 1. `tokenmill tune` on the bundled sample (`data/sample_prompts.parquet`) with the job
    spec as a user gives it (every engine and batching setting at its default), the
-   default search space and gate, `--sample` rows, `--budget-minutes`;
+   default gate (the bundled eval set's accuracy, at most 3 points lost), `--sample` rows,
+   `--budget-minutes`, and `bench/tune_space.yaml`: the default search space plus two
+   W8A8 checkpoints made for the tune (RTN, and SmoothQuant + GPTQ calibrated on the
+   sampled rows; made once, outside the budget);
 2. then the spec as given (A) and the winning spec (B) as full jobs on the whole file,
    each a fresh `tokenmill run` process (its own engine, as a nightly job runs), after
    one warm-up of each, interleaved A B B A (`--reps` pairs); every run kept.
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", type=int, default=64)
     ap.add_argument("--budget-minutes", type=float, default=20.0)
     ap.add_argument("--reps", type=int, default=2, help="A B B A pairs of full jobs after the tune")
+    ap.add_argument("--space", default=str(ROOT / "bench" / "tune_space.yaml"))
     ap.add_argument("--keep", action="store_true", help="Reuse bench/work/tune (resume an interrupted tune).")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,12 +83,13 @@ def main(argv=None) -> int:
     ref_file.write_text(yaml.safe_dump({"input": args.input, "output": str(work / "runs" / "sample")}))
     res: dict[str, Any] = {"benchmark": "tune", "started_at": utc_now(), "machine": machine(),
                            "spec_as_given": yaml.safe_load(ref_file.read_text()), "sample": args.sample,
-                           "budget_minutes": args.budget_minutes, "target": TARGET}
+                           "budget_minutes": args.budget_minutes, "space": Path(args.space).read_text(),
+                           "target": TARGET}
 
     log(f"tokenmill tune --sample {args.sample} --budget-minutes {args.budget_minutes}")
     t = time.perf_counter()
     p = cli("tune", str(ref_file), "--sample", str(args.sample), "--out", str(work / "out"),
-            "--budget-minutes", str(args.budget_minutes), "--db", db, "--json")
+            "--budget-minutes", str(args.budget_minutes), "--space", args.space, "--db", db, "--json")
     res["tune_wall_s"] = time.perf_counter() - t
     if p.returncode != 0:
         raise SystemExit(f"tokenmill tune exited {p.returncode}: {p.stderr.strip()[-800:]}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -214,7 +215,8 @@ def test_sample_is_reproducible_and_nested(tmp_path):
 
 class PacedFake(FakeSession):
     """A fake engine whose every step takes STEP_S (fewer sequences in flight: more steps,
-    higher cost) and whose answers grow a tail under bfloat16 (a quality loss)."""
+    higher cost) and whose answers are garbled under bfloat16 (a quality loss: "echo:…"
+    becomes "ohce:… and more", so an eval reference "echo" is missed)."""
 
     STEP_S = 0.02
 
@@ -222,7 +224,7 @@ class PacedFake(FakeSession):
         time.sleep(self.STEP_S)
         out = super().step()
         if getattr(self.cfg, "dtype", None) == "bfloat16":
-            out = [dataclasses.replace(f, text=f.text + " and more") for f in out]
+            out = [dataclasses.replace(f, text=f.text.replace("echo", "ohce") + " and more") for f in out]
         return out
 
 
@@ -235,7 +237,11 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     spec = {"input": str(inp), "output": str(tmp_path / "never-written"),
             "engine": {"dtype": "float32", "max_num_seqs": 2}, "sampling": {"max_tokens": 4}}
     out = tmp_path / "tune"
-    kw = dict(sample=16, out=out, db_url=sqlite_url, space=space, session_factory=PacedFake)
+    # the default gate: no references in the job's rows, so accuracy on an eval set (here one the
+    # fake answers right, "echo", unless garbled)
+    evals = write_parquet(tmp_path / "eval.parquet",
+                          [{"id": f"e{i}", "prompt": f"eval question {i}", "reference": "echo"} for i in range(6)])
+    kw = dict(sample=16, out=out, db_url=sqlite_url, space=space, session_factory=PacedFake, eval_set=evals)
 
     # a budget spent by the first run: the tune stops inside its first rung, deciding nothing
     first = T.tune(spec, budget_minutes=1e-6, **kw)
@@ -268,15 +274,18 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     assert "engine.max_num_seqs" in rows["max_num_seqs=0"]["outcome"]
     for label in ("dtype=bfloat16 max_num_seqs=2", "dtype=bfloat16 max_num_seqs=16"):
         assert rows[label]["outcome"] == "failed the gate" and rows[label]["rows"] == 8
-        assert rows[label]["gate"] == "fail" and rows[label]["quality_loss"] > 0.03
+        assert rows[label]["gate"] == "fail" and rows[label]["quality_loss"] == 1.0  # every eval answer lost
+        assert rows[label]["gate_metric"] == "eval_accuracy_drop" and rows[label]["sample_similarity"] == 0.0
     win = rows["dtype=float32 max_num_seqs=16"]
     assert win["outcome"] == "winner" and win["rows"] == 16 and win["gate"] == "pass" and win["quality_loss"] == 0
     assert win["beats_reference"] and win["cheaper_than_reference"] > 1.5
     assert rows["spec as given"]["rows"] == 16 and rows["spec as given"]["outcome"] == "reference"
     assert res.recommendation.startswith("Use dtype=float32 max_num_seqs=16: $")
-    # every run is an ordinary job of the tune; the one run before was read back, not rerun
+    # every run is an ordinary job of the tune; the one run before was read back, not rerun;
+    # one eval-set job for the reference and each candidate judged
     jobs = {j["id"]: j for j in S.list_jobs(eng, 100)}
-    assert len(jobs) == 2 * 4 + 2 * 2 and all(j.startswith(f"tune-{res.tune_id}-") for j in jobs)
+    assert len(jobs) == 2 * 4 + 2 * 2 + 4 and all(j.startswith(f"tune-{res.tune_id}-") for j in jobs)
+    assert sum(j.endswith("-eval") for j in jobs) == 4
     assert all(j["status"] == "succeeded" for j in jobs.values())
     assert all(len(S.job_runs(eng, j)) == 1 for j in jobs)
     # the outputs
@@ -341,6 +350,26 @@ def test_cpu_screen_resolves_auto_and_drops_duplicates_and_slow_dtypes(tmp_path)
     assert {c.label: c.rejected for c in cands}["dtype=bfloat16 max_num_seqs=64"] is None
 
 
+def test_space_quantize_makes_a_checkpoint_once_and_refuses_a_bad_entry(tmp_path, monkeypatch, model_path):
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
+    from tokenmill.schemas.models import models_dir
+
+    space = tmp_path / "space.yaml"
+    space.write_text("quantize:\n  - {scheme: w8a8-int8}\n  - {scheme: nf4}\n")
+    sp = T.load_space(space)
+    sample = write_parquet(tmp_path / "s.parquet", [{"id": "a", "prompt": "hello there"}])
+    made, notes = T.make_checkpoints(sp["quantize"], model_path, sample, 1, echo=lambda line: None)
+    assert [Path(m).parent for m in made] == [models_dir()] and (Path(made[0]) / "TOKENMILL_QUANTIZED.json").is_file()
+    assert "unknown scheme 'nf4'" in notes[1] and notes[0].startswith("made ")
+    # the same entry again: the checkpoint is reused, not made twice
+    again, notes2 = T.make_checkpoints(sp["quantize"][:1], model_path, sample, 1, echo=lambda line: None)
+    assert again == made and notes2 == []
+    assert T.quantized_checkpoints(model_path) == made  # also what `quantized: true` finds
+    space.write_text("quantize:\n  - {method: gptq}\n")
+    with pytest.raises(T.TuneError, match="quantize must be a list of mappings with scheme"):
+        T.load_space(space)
+
+
 def test_real_tune_over_two_dtypes_and_two_max_num_seqs(tmp_path, sqlite_url, model_path):
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": q}]} for i, q in enumerate(
         ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello.",
@@ -352,7 +381,11 @@ def test_real_tune_over_two_dtypes_and_two_max_num_seqs(tmp_path, sqlite_url, mo
                      "keep_slow_dtypes: true\n")
     spec = {"input": str(inp), "output": str(tmp_path / "o"), "engine": dict(TEST_ENGINE),
             "sampling": {"max_tokens": 8, "temperature": 0.0}}
-    res = T.tune(spec, sample=8, out=tmp_path / "tune", db_url=sqlite_url, space=space, budget_minutes=30)
+    # the default gate on the first 8 questions of the bundled eval set (accuracy with references)
+    evals = tmp_path / "eval.parquet"
+    pq.write_table(pq.read_table(T.EVAL_SET).slice(0, 8), evals)
+    res = T.tune(spec, sample=8, out=tmp_path / "tune", db_url=sqlite_url, space=space, budget_minutes=30,
+                 eval_set=evals)
     table = {r["label"]: r for r in res.table}
     # float32 × 32 is the spec as given (TEST_ENGINE): three candidates, two rungs (4 and 8 rows)
     assert set(table) == {"spec as given", "dtype=float32 max_num_seqs=4", "dtype=bfloat16 max_num_seqs=4",
@@ -360,7 +393,7 @@ def test_real_tune_over_two_dtypes_and_two_max_num_seqs(tmp_path, sqlite_url, mo
     assert res.log.sizes == [4, 8] and res.log.stopped is None
     for r in table.values():
         assert r["rows"] in (4, 8) and r["runs"] == 2 and r["cost"] > 0 and r["output_tok_per_s"] > 0
-        assert r["candidate"] == "ref" or r["gate"] in ("pass", "fail")
+        assert r["candidate"] == "ref" or (r["gate"] in ("pass", "fail") and r["gate_metric"] == "eval_accuracy_drop")
     assert table["spec as given"]["rows"] == 8
     assert res.log.verdict.winner in {"ref", *(c.key for c in res.candidates)}
     assert res.recommendation.startswith(("Use ", "Keep the spec as given"))

@@ -16,8 +16,9 @@ from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_USAGE, Failure, db
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False),
               help="Folder for the sample, the candidates' outputs, the table, the HTML report and winner.yaml.")
 @click.option("--gate", default=None, metavar="EXPR",
-              help="Quality gate against the spec as given: auto<=3% (default: accuracy drop with references, "
-                   "else disagreement), accuracy_drop<=0.03, disagreement<=5%, exact_match>=90%, similarity>=0.95.")
+              help="Quality gate against the spec as given: auto<=3% (default: accuracy drop on the job's "
+                   "references, else on the eval set), accuracy_drop<=0.03, disagreement<=5%, exact_match>=90%, "
+                   "similarity>=0.95.")
 @click.option("--budget-minutes", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
               help="Wall time of the candidates' jobs; no rung starts that would not fit.")
 @click.option("--space", type=click.Path(dir_okay=False, exists=True), default=None,
@@ -25,9 +26,12 @@ from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_USAGE, Failure, db
 @click.option("--repeats", type=click.IntRange(min=2), default=2, show_default=True,
               help="Runs of every candidate at every sample size (interleaved); their spread is the noise.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sample draw.")
+@click.option("--eval-set", type=click.Path(dir_okay=False), default=None,
+              help="Parquet of questions with a `reference` column: the default gate's accuracy where the "
+                   "job's rows have no references (default: the bundled data/eval_set.parquet).")
 @db_option
 @json_option
-def tune(spec_file, sample, out, gate, budget_minutes, space, repeats, seed, db_url, as_json):
+def tune(spec_file, sample, out, gate, budget_minutes, space, repeats, seed, eval_set, db_url, as_json):
     """Find the cheapest configuration of a job that passes the quality gate.
 
     \b
@@ -51,7 +55,7 @@ def tune(spec_file, sample, out, gate, budget_minutes, space, repeats, seed, db_
     echo = (lambda line: None) if as_json else (lambda line: click.echo(line, err=True))
     try:
         res = do_tune(data, sample=sample, out=out, db_url=db_url, gate=gate, budget_minutes=budget_minutes,
-                      space=space, repeats=repeats, seed=seed, echo=echo)
+                      space=space, repeats=repeats, seed=seed, eval_set=eval_set, echo=echo)
     except TuneError as err:
         raise Failure(str(err), EXIT_USAGE) from None
     except KeyboardInterrupt:

@@ -41,6 +41,11 @@ MIN_RUNG_ROWS = 4
 #: The figure candidates are ranked by: USD per 1M output tokens over generation.
 COST = "cost.per_1m_output_tokens"
 REFERENCE = "ref"
+#: The bundled evaluation set (questions with reference answers, the repository's data/):
+#: the default gate's accuracy where the job's own rows have no references.
+EVAL_SET = Path(__file__).resolve().parents[2] / "data" / "eval_set.parquet"
+#: Output tokens per eval-set answer (greedy), as `make bench-quant` asks them.
+EVAL_MAX_TOKENS = 32
 #: On a CPU, a candidate whose dtype this machine measured at least this many times slower
 #: at a decoder's matrix products than the dtype `auto` picks is dropped up front (its cost
 #: could only be higher); a space with `keep_slow_dtypes: true` runs it anyway.
@@ -136,18 +141,58 @@ def load_space(path: str | Path | None) -> dict[str, Any]:
     data = data or {}
     if not isinstance(data, dict):
         raise TuneError(f"search space {str(path)!r} must be a mapping with grid, candidates, quantized")
-    unknown = set(data) - {"grid", "candidates", "quantized", "keep_slow_dtypes"}
+    unknown = set(data) - {"grid", "candidates", "quantized", "quantize", "keep_slow_dtypes"}
     if unknown:
         raise TuneError(f"search space {str(path)!r}: unknown key(s) {', '.join(sorted(unknown))} "
-                        "(expected grid, candidates, quantized, keep_slow_dtypes)")
+                        "(expected grid, candidates, quantized, quantize, keep_slow_dtypes)")
+    make = data.get("quantize") or []
+    if not isinstance(make, list) or any(not isinstance(q, dict) or not isinstance(q.get("scheme"), str)
+                                         or set(q) - {"scheme", "method", "group_size"} for q in make):
+        raise TuneError(f"search space {str(path)!r}: quantize must be a list of mappings with scheme "
+                        "(and optionally method, group_size)")
     grid = data.get("grid") or {}
     if not isinstance(grid, dict) or any(not isinstance(v, list) or not v for v in grid.values()):
         raise TuneError(f"search space {str(path)!r}: grid must map key paths to non-empty lists of values")
     cands = data.get("candidates") or []
     if not isinstance(cands, list) or any(not isinstance(c, dict) or not c for c in cands):
         raise TuneError(f"search space {str(path)!r}: candidates must be a list of mappings of key paths to values")
-    return {"grid": grid, "candidates": cands, "quantized": bool(data.get("quantized")),
+    return {"grid": grid, "candidates": cands, "quantized": bool(data.get("quantized")), "quantize": make,
             "keep_slow_dtypes": bool(data.get("keep_slow_dtypes"))}
+
+
+def make_checkpoints(wanted: list[dict[str, Any]], model: str, sample_path: Path, rows: int,
+                     echo: Callable[[str], None]) -> tuple[list[str], list[str]]:
+    """The space's `quantize` entries made from the job's model by `tokenmill quantize`,
+    calibrated (where the method calibrates) on the tune's own sampled rows, into the models
+    folder; a checkpoint made earlier from the same model, recipe and rows is reused.
+    (model folders, notes: what was made or why not)."""
+    from tokenmill.jobs.modeltools.quantize import QuantizeError, QuantizeFailed, quantize
+    from tokenmill.schemas.models import QUANT_RECORD, models_dir, resolve_model
+
+    src = resolve_model(model)
+    digest = sample_digest(sample_path)[:8]
+    made, notes = [], []
+    for q in wanted:
+        method = q.get("method") or "rtn"
+        calibrated = method != "rtn"
+        name = f"{src.name}-{q['scheme']}-{method.replace('+', '-')}" + (f"-g{q['group_size']}" if q.get("group_size") else "")
+        folder = models_dir() / (f"{name}-tune{digest}" if calibrated else name)
+        if (folder / QUANT_RECORD).is_file():
+            made.append(str(folder))
+            continue
+        t0 = time.time()
+        try:
+            quantize(str(src), q["scheme"], folder, method=method, group_size=q.get("group_size"),
+                     **(dict(calibration=str(sample_path), samples=rows) if calibrated else {}))
+        except (QuantizeError, QuantizeFailed) as err:
+            notes.append(f"quantize {q['scheme']} {method}: not made: {err}")
+            echo(f"quantize {q['scheme']} {method}: not made: {err}")
+            continue
+        notes.append(f"made {folder.name} ({q['scheme']}, {method}" + (f", calibrated on the {rows} sampled rows"
+                     if calibrated else "") + f") in {time.time() - t0:.0f} s, outside the budget")
+        echo(notes[-1])
+        made.append(str(folder))
+    return made, notes
 
 
 def quantized_checkpoints(model_path: str | None) -> list[str]:
@@ -626,11 +671,13 @@ def _run_data(cand: Candidate, *, input: Path, output: Path, job_id: str, name: 
 
 def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str | None = None,
          gate: str | None = None, budget_minutes: float | None = None, space: str | Path | None = None,
-         repeats: int = DEFAULT_REPEATS, seed: int = 0, session_factory=None,
+         repeats: int = DEFAULT_REPEATS, seed: int = 0, session_factory=None, eval_set: str | Path | None = None,
          echo: Callable[[str], None] = lambda line: None) -> TuneResult:
     """Search the configurations of `spec_data` (a job spec mapping, the reference) on
     `sample` of its input rows; write the table, the HTML report and the winning spec
-    under `out`.  `session_factory`: the engine (tests pass a fake; default vLLM)."""
+    under `out`.  `session_factory`: the engine (tests pass a fake; default vLLM).
+    `eval_set`: questions with a `reference` column for the default gate where the job's
+    rows have no references (default: the bundled EVAL_SET)."""
     from tokenmill.jobs.lifecycle.preflight import preflight
     from tokenmill.jobs.lifecycle.runner import JobError, run_job
     from tokenmill.jobs.modeltools.compare import CompareError, compare_jobs
@@ -653,6 +700,14 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
     sp = load_space(space)
     sample_path, n = draw_sample(spec, sample, seed, out / "samples")
     notes = [] if n == sample else [f"the input has {n} rows: the sample is all of them"]
+    evals = None  # the default gate without references in the job: accuracy on the eval set
+    if g.metric == "auto" and not spec.reference_column:
+        evals = Path(eval_set) if eval_set else EVAL_SET
+        if not evals.is_file():
+            if eval_set:
+                raise TuneError(f"eval set {str(evals)!r} does not exist")
+            notes.append(f"no eval set at {evals}: the gate is the disagreement with the reference's answers")
+            evals = None
 
     def checked(data: dict[str, Any], size: int) -> list[str]:
         s = load_spec(_run_data(Candidate("", {}, "", data), input=rung_file(sample_path, size),
@@ -669,7 +724,12 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
         model_path = str(resolve_model(spec.engine.model, need_weights=False))
     except ModelNotFound:
         model_path = None
-    ref, cands = make_candidates(spec_data, space_changes(sp, model_path))
+    changes = space_changes(sp, model_path)
+    if sp.get("quantize") and model_path:
+        made, made_notes = make_checkpoints(sp["quantize"], spec.engine.model, sample_path, n, echo)
+        notes += made_notes
+        changes += [{"engine.model": m} for m in made]
+    ref, cands = make_candidates(spec_data, changes)
     if not fake and spec.engine.kind == "vllm" and not has_nvidia_gpu():
         from tokenmill.transforms.engines.cpu import cpu_dtype_measurement
 
@@ -684,7 +744,7 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
     runnable = [c for c in cands if c.rejected is None]
     sizes = rung_sizes(len(runnable), n)
     tid = make_tune_id(spec, sample=n, seed=seed, gate=g, repeats=repeats, candidates=runnable,
-                       rows=sample_digest(sample_path))
+                       rows=sample_digest(sample_path) + (sample_digest(evals) if evals else ""))
     rungs: dict[int, Path] = {}
 
     def rung(size: int) -> Path:
@@ -696,7 +756,7 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
     eng = S.connect(db_url)
     budget = Budget(None if budget_minutes is None else budget_minutes * 60.0)
     echo(f"tune {tid}: {len(runnable)} candidates and the spec as given, samples of {sizes} rows, "
-         f"{repeats} runs each, gate {g.text}")
+         f"{repeats} runs each, gate {g.text}" + (f" on the accuracy over {evals}" if evals else ""))
 
     def job_id(key: str, size: int, rep: int) -> str:
         return f"tune-{tid}-{key}-n{size}-r{rep}"
@@ -731,13 +791,47 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
             raise CandidateFailed(f"job {jid} has no cost per 1M output tokens (no output tokens)")
         return {**figs, "job_id": jid, "reused": reused}
 
+    def eval_job(key: str) -> str:
+        """The candidate's answers to the eval set (greedy, one run, read back on a rerun)."""
+        jid = f"tune-{tid}-{key}-eval"
+        job = S.get_job(eng, jid)
+        if job and job["status"] in ("succeeded", "partial"):
+            return jid
+        data = _run_data(by_key[key], input=evals, output=out / "jobs" / jid, job_id=jid,
+                         name=f"tune {tid}: {by_key[key].label}, eval set")
+        data["reference_column"] = "reference"
+        data["sampling"] = {**(data.get("sampling") or {}), "temperature": 0.0, "max_tokens": EVAL_MAX_TOKENS}
+        t0 = time.time()
+        try:
+            res = run_job(load_spec(data), db_url=db_url, session_factory=session_factory)
+        except (JobError, S.StorageError) as err:
+            budget.add(0, time.time() - t0, 0.0)
+            raise CandidateFailed(first_line(err)) from None
+        th = (res.metrics or {}).get("throughput") or {}
+        budget.add(0, th.get("job_wall_s") or res.wall_s or 0.0, 0.0)
+        echo(f"  {jid} {by_key[key].label}: eval set answered")
+        return jid
+
     def judge(key: str, size: int):
         try:
             c = compare_jobs(eng, job_id(REFERENCE, size, 0), job_id(key, size, 0), max_drop=g.limit, show=3)
         except CompareError as err:
             raise TuneError(str(err)) from None
-        passed, loss, metric = g.judge(c)
-        return passed, loss, metric, c.as_dict()
+        if evals is None:
+            passed, loss, metric = g.judge(c)
+            return passed, loss, metric, c.as_dict()
+        try:
+            ref_eval = eval_job(REFERENCE)
+        except CandidateFailed as err:
+            raise TuneError(f"the spec as given failed on the eval set: {err}") from None
+        try:
+            ce = compare_jobs(eng, ref_eval, eval_job(key), max_drop=g.limit, show=3)
+        except CandidateFailed as err:
+            return False, None, f"eval set run failed: {err}", {"sample": c.as_dict()}
+        except CompareError as err:
+            raise TuneError(str(err)) from None
+        passed, loss, _ = g.judge(ce)
+        return passed, loss, "eval_accuracy_drop", {"eval_set": ce.as_dict(), "sample": c.as_dict()}
 
     log = search([REFERENCE, *(c.key for c in runnable)], sizes, repeats=repeats, measure=measure, gate=judge,
                  rung_fits=budget.rung_fits, job_fits=budget.job_fits)
@@ -782,6 +876,9 @@ def build_table(ref: Candidate, cands: list[Candidate], log: SearchLog) -> list[
             beats_reference=beats(costs, ref_costs) if c.key != REFERENCE else None,
             gate=None if e.passed is None else ("pass" if e.passed else "fail"),
             quality_loss=e.loss, gate_metric=e.gate_metric,
+            # word similarity of its answers to the reference's on the sampled rows (what the
+            # eval-set gate does not look at)
+            sample_similarity=((e.comparison or {}).get("sample") or e.comparison or {}).get("word_similarity"),
         )
         rows.append(row)
     return rows
@@ -812,7 +909,9 @@ def format_table(table: list[dict[str, Any]]) -> str:
     body = []
     for r in table:
         ran = r.get("rows") is not None
-        gate = "-" if not r.get("gate") else f"{r['gate']} ({r['quality_loss']:+.1%} {r['gate_metric']})"
+        gate = "-" if not r.get("gate") else (f"{r['gate']} ({r['gate_metric']})" if r.get("quality_loss") is None
+                                               else f"{r['gate']} ({r['quality_loss']:+.1%} {r['gate_metric']})")
+        sim = r.get("sample_similarity")
         body.append((
             r["label"], r["outcome"] if len(r["outcome"]) < 70 else r["outcome"][:67] + "...",
             r["rows"] if ran else "-", cost(r),
@@ -820,9 +919,11 @@ def format_table(table: list[dict[str, Any]]) -> str:
             fmt(r.get("output_tok_per_s")) if ran else "-", fmt(r.get("tpot_p95_s"), "s") if ran else "-",
             fmt(r.get("ttft_p95_s"), "s") if ran else "-", fmt(r.get("e2e_p95_s"), "s") if ran else "-",
             fmt(r.get("peak_rss_bytes"), "bytes") if ran else "-", gate,
+            "-" if sim is None or r["candidate"] == REFERENCE else f"{sim:.3f}",
         ))
     return tabulate(body, headers=("candidate", "outcome", "rows", "$/1M out (±half spread)", "× cheaper",
-                                   "out tok/s", "TPOT p95", "TTFT p95", "E2E p95", "peak RSS", "gate"),
+                                   "out tok/s", "TPOT p95", "TTFT p95", "E2E p95", "peak RSS", "gate",
+                                   "similarity to ref"),
                     tablefmt="simple", disable_numparse=True)
 
 
