@@ -5,7 +5,7 @@
    default gate (the bundled eval set's accuracy, at most 3 points lost), `--sample` rows,
    `--budget-minutes`, and `bench/tune_space.yaml`: the default search space plus two
    W8A8 checkpoints made for the tune (RTN, and SmoothQuant + GPTQ calibrated on the
-   sampled rows; made once, outside the budget);
+   job's own input; made once, outside the budget);
 2. then the spec as given (A) and the winning spec (B) as full jobs on the whole file,
    each a fresh `tokenmill run` process (its own engine, as a nightly job runs), after
    one warm-up of each, interleaved A B B A (`--reps` pairs); every run kept.

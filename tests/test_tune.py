@@ -358,11 +358,11 @@ def test_space_quantize_makes_a_checkpoint_once_and_refuses_a_bad_entry(tmp_path
     space.write_text("quantize:\n  - {scheme: w8a8-int8}\n  - {scheme: nf4}\n")
     sp = T.load_space(space)
     sample = write_parquet(tmp_path / "s.parquet", [{"id": "a", "prompt": "hello there"}])
-    made, notes = T.make_checkpoints(sp["quantize"], model_path, sample, 1, echo=lambda line: None)
+    made, notes = T.make_checkpoints(sp["quantize"], model_path, sample, str(sample), echo=lambda line: None)
     assert [Path(m).parent for m in made] == [models_dir()] and (Path(made[0]) / "TOKENMILL_QUANTIZED.json").is_file()
     assert "unknown scheme 'nf4'" in notes[1] and notes[0].startswith("made ")
     # the same entry again: the checkpoint is reused, not made twice
-    again, notes2 = T.make_checkpoints(sp["quantize"][:1], model_path, sample, 1, echo=lambda line: None)
+    again, notes2 = T.make_checkpoints(sp["quantize"][:1], model_path, sample, str(sample), echo=lambda line: None)
     assert again == made and notes2 == []
     assert T.quantized_checkpoints(model_path) == made  # also what `quantized: true` finds
     space.write_text("quantize:\n  - {method: gptq}\n")

@@ -160,12 +160,13 @@ def load_space(path: str | Path | None) -> dict[str, Any]:
             "keep_slow_dtypes": bool(data.get("keep_slow_dtypes"))}
 
 
-def make_checkpoints(wanted: list[dict[str, Any]], model: str, sample_path: Path, rows: int,
+def make_checkpoints(wanted: list[dict[str, Any]], model: str, sample_path: Path, calibration: str,
                      echo: Callable[[str], None]) -> tuple[list[str], list[str]]:
     """The space's `quantize` entries made from the job's model by `tokenmill quantize`,
-    calibrated (where the method calibrates) on the tune's own sampled rows, into the models
-    folder; a checkpoint made earlier from the same model, recipe and rows is reused.
-    (model folders, notes: what was made or why not)."""
+    calibrated (where the method calibrates) on `calibration`, the job's own input (quantize
+    draws its samples from it, as `tokenmill quantize --calibration` does), into the models
+    folder; a checkpoint made earlier from the same model and recipe for the same sampled
+    rows is reused.  (model folders, notes: what was made or why not)."""
     from tokenmill.jobs.modeltools.quantize import QuantizeError, QuantizeFailed, quantize
     from tokenmill.schemas.models import QUANT_RECORD, models_dir, resolve_model
 
@@ -183,12 +184,12 @@ def make_checkpoints(wanted: list[dict[str, Any]], model: str, sample_path: Path
         t0 = time.time()
         try:
             quantize(str(src), q["scheme"], folder, method=method, group_size=q.get("group_size"),
-                     **(dict(calibration=str(sample_path), samples=rows) if calibrated else {}))
+                     **(dict(calibration=calibration) if calibrated else {}))
         except (QuantizeError, QuantizeFailed) as err:
             notes.append(f"quantize {q['scheme']} {method}: not made: {err}")
             echo(f"quantize {q['scheme']} {method}: not made: {err}")
             continue
-        notes.append(f"made {folder.name} ({q['scheme']}, {method}" + (f", calibrated on the {rows} sampled rows"
+        notes.append(f"made {folder.name} ({q['scheme']}, {method}" + (f", calibrated on {calibration}"
                      if calibrated else "") + f") in {time.time() - t0:.0f} s, outside the budget")
         echo(notes[-1])
         made.append(str(folder))
@@ -726,7 +727,7 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
         model_path = None
     changes = space_changes(sp, model_path)
     if sp.get("quantize") and model_path:
-        made, made_notes = make_checkpoints(sp["quantize"], spec.engine.model, sample_path, n, echo)
+        made, made_notes = make_checkpoints(sp["quantize"], spec.engine.model, sample_path, spec.input, echo)
         notes += made_notes
         changes += [{"engine.model": m} for m in made]
     ref, cands = make_candidates(spec_data, changes)
