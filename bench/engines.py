@@ -37,11 +37,14 @@ clock for vLLM, client clock for HTTP engines; the `clock` column says which);
 output/total tok/s and requests/s over the generation time (engine start left out);
 peak memory = the largest RSS sum of this program's child processes during a run
 (vLLM's engine core, llama-server, vLLM's API server; on (b) also the two worker
-processes; this process itself, which holds what earlier arms imported, left out);
-CPU utilization = CPU seconds ÷ generation seconds: for tokenmill arms each worker's
-process tree as the job's meter measured it (plus, for `openai_vllm`, the server's
-tree measured here over the run); for `direct`, this process's tree (server and
-client) over the run; failure rate = dead letters ÷ rows; $ per 1M output tokens =
+processes; this process itself, which holds what earlier arms imported, and the API
+server while another arm runs, left out); CPU utilization = CPU seconds ÷ generation
+seconds: for tokenmill arms each worker's process tree as the job's meter measured it
+(on (b) plus, for `openai_vllm`, the server's tree measured here over the run; on (a)
+the one worker is this process, whose tree holds the server; an idle API server's CPU
+seconds are taken off); for `direct`, this process's tree (server and client) over
+the generation; sampled every 0.25 s, so a process's last fraction of a second before
+it exits can be missed; failure rate = dead letters ÷ rows; $ per 1M output tokens =
 the job's accounting figure (for `openai_vllm` it prices the job's workers, not the
 server); for `direct`, its generation wall × the same CPU price (pricing.worker_rate
 for its cores and peak RSS).  Rows lost: every input id answered or dead-lettered
@@ -106,22 +109,29 @@ FIGURES = (
 
 
 class ChildrenPeak(threading.Thread):
-    """The largest RSS sum of this process's descendants, sampled every `every_s`."""
+    """The largest RSS sum of this process's descendants, sampled every `every_s`;
+    `exclude`: roots of trees left out (another arm's idle server)."""
 
-    def __init__(self, every_s: float = 0.2):
+    def __init__(self, every_s: float = 0.2, exclude: tuple[int, ...] = ()):
         super().__init__(daemon=True, name="bench-children-rss")
         import psutil
 
-        self.me, self.every_s, self.peak = psutil.Process(), every_s, 0
+        self.me, self.every_s, self.peak, self.exclude = psutil.Process(), every_s, 0, exclude
         self._halt = threading.Event()
 
     def sample(self) -> None:
         import psutil
 
+        skip = set(self.exclude)
+        for pid in self.exclude:
+            try:
+                skip.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+            except psutil.Error:
+                pass
         total = 0
         for c in self.me.children(recursive=True):
             try:
-                total += c.memory_info().rss
+                total += c.memory_info().rss if c.pid not in skip else 0
             except psutil.Error:
                 pass
         self.peak = max(self.peak, total)
@@ -346,6 +356,10 @@ class Bench:
         if s is not None:
             s.stop()
 
+    def idle_servers(self, used=None) -> tuple[int, ...]:
+        """The vLLM API servers up but not serving this run (left out of its memory and CPU)."""
+        return tuple(s.proc.pid for s in self.servers.values() if s is not used)
+
     # -- one run of an arm
     def run(self, arm: str, wl: str, workload) -> dict[str, Any]:
         setup = self.arm_setup(arm, wl)
@@ -355,18 +369,21 @@ class Bench:
 
     def tokenmill(self, arm: str, wl: str, setup: dict[str, Any], workload, *, label: str | None = None) -> dict[str, Any]:
         from bench.arms import tokenmill
+        from tokenmill.schemas.models import resolve_model
         from tokenmill.transforms.engines import registry as E
 
         cfg, workers = setup["cfg"], setup["workers"]
         session = None
-        if workers == 1 and cfg.kind == "vllm":
-            session = E.get_session(cfg, str(Path(cfg.model)) if arm != "vllm_bf16" else self.model_path)
+        if workers == 1 and cfg.kind == "vllm":  # loaded (untimed) or kept from this arm's last run
+            session = E.get_session(cfg, str(resolve_model(cfg.model)))
         else:
             E.shutdown_all()  # a fresh llama-server per run: no prompt cache carried over
         server = self.servers.get(wl) if cfg.kind == "openai" else None
         reset = server.reset_prefix_cache() if server else None
         server_cpu = cpu_meter(server.proc.pid) if server else None
-        peak = ChildrenPeak()
+        idle = self.idle_servers(server)
+        idle_cpu = cpu_meter(idle[0]) if idle else None
+        peak = ChildrenPeak(exclude=idle)
         peak.start()
         try:
             r = tokenmill(workload, cfg, WORK, label=label or f"engines-{arm}-{wl}", num_workers=workers,
@@ -374,10 +391,16 @@ class Bench:
         finally:
             rss = peak.stop()
             extra_cpu = cpu_seconds(server_cpu) if server_cpu else 0.0
+            idle_s = cpu_seconds(idle_cpu) if idle_cpu else 0.0
             if cfg.kind == "llamacpp":
                 E.shutdown_all()
-        cpu = sum((w.get("tree_cores_busy_mean") or 0.0) * (w.get("window_s") or 0.0) for w in r["workers"]) + extra_cpu
+        cpu = sum((w.get("tree_cores_busy_mean") or 0.0) * (w.get("window_s") or 0.0) for w in r["workers"])
+        if workers > 1:  # the workers' own trees: the server is not in them
+            cpu += extra_cpu
+        else:  # one worker runs in this process, whose tree holds the server, and any idle one
+            cpu -= idle_s
         r.update({"peak_rss_bytes": rss, "cpu_s": cpu, "cpu_util": cpu / r["gen_s"] if r["gen_s"] else None,
+                  "idle_server_cpu_s": idle_s,
                   "clock": "client" if cfg.kind in ("openai", "llamacpp") else "engine",
                   "engine": cfg.model_dump(mode="json", exclude_defaults=True)})
         if server:
@@ -398,7 +421,8 @@ class Bench:
         if rows is None:
             rows = self.rows[workload.name] = prompt_rows(workload, self.model_path, cfg)
         cores = worker_cores()
-        peak = ChildrenPeak()
+        idle = self.idle_servers()
+        peak = ChildrenPeak(exclude=idle)
         peak.start()
         t = time.perf_counter()
         server = LlamaServer(cfg, check_llamacpp(cfg), cores)  # started and /health-checked as the engine does
@@ -406,6 +430,7 @@ class Bench:
             load = time.perf_counter() - t
             client = OpenAISession(client_config(cfg, f"{server.url}/v1").model_copy(update={"max_in_flight": len(rows)}))
             meter = cpu_meter(os.getpid())
+            idle_cpu = cpu_meter(idle[0]) if idle else None
             t = time.perf_counter()
             for r in rows:
                 client.add(r["id"], r["token_ids"], {"max_tokens": r["max_tokens"], "temperature": 0.0, "ignore_eos": True},
@@ -414,7 +439,7 @@ class Bench:
             while client.num_unfinished():
                 done += client.step()
             gen_s = time.perf_counter() - t
-            cpu = cpu_seconds(meter)
+            cpu = cpu_seconds(meter) - (cpu_seconds(idle_cpu) if idle_cpu else 0.0)
             client.shutdown()
             argv = server.argv[1:]
         finally:
