@@ -26,8 +26,9 @@ settings against one server holding both workers' sequences and KV cache; for
 `direct`, one server with both workers' slots.  Each run's `parallelism` says what ran.
 
 Per workload and arm: one warm-up run (and, for tokenmill arms, one untimed eval job on
-data/eval_set.parquet through the same engine config: accuracy against its
-references, as `tokenmill compare` computes it), then `reps` passes A B B A …
+data/eval_set.parquet (smoke: its first 16 rows) through the same engine config:
+accuracy against its references, as `tokenmill compare` computes it; `direct` shows
+its GGUF's llamacpp arm's), then `reps` passes A B B A …
 (bench/throughput.abba); medians of every figure; every run kept in
 `bench/results/engines-<stamp>.json`, the plot (output tok/s against P95 TPOT, one
 point per arm and workload) beside it as `.html`, the Markdown tables printed.
@@ -39,7 +40,9 @@ peak memory = the largest RSS sum of this program's child processes during a run
 (vLLM's engine core, llama-server, vLLM's API server; on (b) also the two worker
 processes; this process itself, which holds what earlier arms imported, and the API
 server while another arm runs, left out); CPU utilization = CPU seconds ÷ generation
-seconds: for tokenmill arms each worker's process tree as the job's meter measured it
+seconds (the job's own generation window, first batch admitted → last finished, for
+tokenmill arms; the time all prompts were in flight for `direct`): for tokenmill arms
+each worker's process tree as the job's meter measured it
 (on (b) plus, for `openai_vllm`, the server's tree measured here over the run; on (a)
 the one worker is this process, whose tree holds the server; an idle API server's CPU
 seconds are taken off); for `direct`, this process's tree (server and client) over
@@ -77,9 +80,9 @@ MiB = 1 << 20
 #: Workload sizes and repetitions; `full` is sized to about 25 minutes on the 2-core CPU.
 SCALES: dict[str, dict[str, Any]] = {
     "smoke": dict(rows=12, max_tokens=8, docs=3, questions=3, doc_words=150, b_max_tokens=4, reps=2,
-                  eval_max_tokens=16),
-    "full": dict(rows=80, max_tokens=32, docs=12, questions=4, doc_words=250, b_max_tokens=8, reps=2,
-                 eval_max_tokens=32),
+                  eval_rows=16, eval_max_tokens=16),
+    "full": dict(rows=64, max_tokens=32, docs=8, questions=4, doc_words=250, b_max_tokens=8, reps=2,
+                 eval_rows=None, eval_max_tokens=32),
 }
 ARMS = ("vllm_bf16", "vllm_w8a8", "llamacpp_f16", "llamacpp_q8_0", "llamacpp_q4_k_m", "openai_vllm", "direct")
 GGUF_SCHEMES = {"f16": "gguf-f16", "q8_0": "gguf-q8_0", "q4_k_m": "gguf-q4_k_m"}
@@ -93,6 +96,21 @@ EVAL = ROOT / "data" / "eval_set.parquet"
 TARGET_DIRECT = 0.9
 TARGET_OPENAI = 0.85
 
+#: what each figure counts, written into the results file (the module docstring says more)
+DEFINITIONS = {
+    "latency": "the job's accounting percentiles (engine clock: vLLM; client clock: openai, llamacpp, direct)",
+    "throughput": "tokens / generation seconds: job wall less its engine start (make bench's count); direct: "
+                  "first request sent to last answer",
+    "peak_rss": "largest RSS sum of this program's child processes in a run (engine core, llama-server, API "
+                "server; on (b) the worker processes too); this process and an idle API server left out",
+    "cpu_util": "CPU seconds / generation window: the workers' meters (+ the API server on (b)); direct: this "
+                "process's tree",
+    "failure_rate": "dead letters / rows",
+    "usd_per_1m_output_tokens": "the job's accounting figure (openai_vllm: prices its workers, not the server); "
+                                "direct: its generation wall x the same CPU price (pricing.worker_rate)",
+    "rows_lost": "input ids neither answered nor dead-lettered exactly once (the worst run)",
+    "eval_accuracy": "one untimed eval job per arm through the same engine config (direct: its GGUF's llamacpp arm)",
+}
 #: (key in a run's figures, column title, digits); percentiles in ms
 FIGURES = (
     ("ttft_p50_ms", "TTFT p50 ms", 0), ("ttft_p95_ms", "TTFT p95 ms", 0),
@@ -399,7 +417,10 @@ class Bench:
             cpu += extra_cpu
         else:  # one worker runs in this process, whose tree holds the server, and any idle one
             cpu -= idle_s
-        r.update({"peak_rss_bytes": rss, "cpu_s": cpu, "cpu_util": cpu / r["gen_s"] if r["gen_s"] else None,
+        # over the job's generation window (first batch admitted → last finished), where the
+        # workers' meters measured: on (b) gen_s also holds the worker processes' start
+        window = r.get("pipeline_generation_wall_s") or r["gen_s"]
+        r.update({"peak_rss_bytes": rss, "cpu_s": cpu, "cpu_util": cpu / window if window else None,
                   "idle_server_cpu_s": idle_s,
                   "clock": "client" if cfg.kind in ("openai", "llamacpp") else "engine",
                   "engine": cfg.model_dump(mode="json", exclude_defaults=True)})
@@ -463,6 +484,17 @@ class Bench:
         })
         return res
 
+    def eval_file(self) -> Path:
+        """The eval set, or its first `eval_rows` rows (smoke scale)."""
+        n = self.sc.get("eval_rows")
+        if not n:
+            return EVAL
+        import pyarrow.parquet as pq
+
+        path = WORK / f"engines-eval-{n}.parquet"
+        pq.write_table(pq.read_table(EVAL).slice(0, n), path)
+        return path
+
     def eval_accuracy(self, arm: str, wl: str) -> dict[str, Any]:
         """One untimed job on the eval set through the arm's engine config (workload (a)'s;
         the direct arm: its GGUF's llamacpp config), accuracy against the references."""
@@ -476,7 +508,7 @@ class Bench:
         if arm == "direct":
             cfg = self.llamacpp_config(wl, self.args.direct_gguf, self.args.slots)
         job = f"engines-eval-{arm}-{time.time_ns()}"
-        spec = load_spec({"job_id": job, "input": str(EVAL), "output": str(WORK / "out" / job),
+        spec = load_spec({"job_id": job, "input": str(self.eval_file()), "output": str(WORK / "out" / job),
                           "engine": cfg.model_dump(mode="json"), "reference_column": "reference",
                           "sampling": {"max_tokens": self.sc["eval_max_tokens"], "temperature": 0.0}})
         if cfg.kind == "llamacpp":
@@ -529,7 +561,8 @@ def run(args) -> dict[str, Any]:
                            "started_at": utc_now(), "scale": args.scale, "settings": sc, "machine": machine(),
                            "arms": list(args.arms), "direct_gguf": args.direct_gguf, "workloads": {}, "runs": {},
                            "warmups": {}, "order": {}, "eval": {}, "errors": [], "servers": b.server_info,
-                           "note": "shared 2-core CPU machine; greedy, ignore_eos, fixed max_tokens"}
+                           "note": "shared 2-core CPU machine; greedy, ignore_eos, fixed max_tokens",
+                           "definitions": DEFINITIONS}
     try:
         from tokenmill.transforms.engines.llamacpp_session import build_info
 
