@@ -644,13 +644,18 @@ def _ratio(m: dict[str, Any], a: str, b: str) -> float | None:
 
 
 def targets(m: dict[str, Any], direct_gguf: str) -> list[dict[str, Any]]:
+    """Each target whose arms (one of the pair at least) ran: the measured ratio or count and
+    whether it is met (None: not measured)."""
     out = []
     workloads = sorted({k.split("/", 1)[0] for k in m})
     for w in workloads:
-        r = _ratio(m, f"{w}/llamacpp_{direct_gguf}", f"{w}/direct")
+        a, b = f"{w}/llamacpp_{direct_gguf}", f"{w}/direct"
+        if a not in m and b not in m:
+            continue
+        r = _ratio(m, a, b)
         out.append({"name": f"tokenmill+llamacpp ({direct_gguf}) / direct llama-server, output tok/s on {w}",
                     "measured": r, "target": f"≥ {TARGET_DIRECT}", "met": None if r is None else r >= TARGET_DIRECT})
-    if "chat" in workloads:
+    if "chat/openai_vllm" in m or "chat/vllm_bf16" in m:
         r = _ratio(m, "chat/openai_vllm", "chat/vllm_bf16")
         out.append({"name": "openai → vllm serve / in-process vLLM bf16, output tok/s on chat",
                     "measured": r, "target": f"≥ {TARGET_OPENAI}", "met": None if r is None else r >= TARGET_OPENAI})
@@ -684,6 +689,8 @@ def markdown(res: dict[str, Any]) -> str:
     for t in res["targets"]:
         met = "–" if t["met"] is None else ("yes" if t["met"] else "no")
         lines.append(f"| {t['name']} | {_f(t['measured'], 3)} | {t['target']} | {met} |")
+    for e in res.get("errors") or []:  # a failed run is reported, not dropped
+        lines.append(f"\nFailed: {e.get('run')} ({e.get('bucket', 'eval')}): `{e['error'][:300]}`")
     return "\n".join(lines) + "\n"
 
 

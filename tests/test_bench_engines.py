@@ -59,6 +59,11 @@ def test_targets_say_met_missed_and_not_measured():
     t = {x["name"]: x for x in res["targets"]}
     b = t["tokenmill+llamacpp (q8_0) / direct llama-server, output tok/s on shared_prefix"]
     assert b["measured"] is None and b["met"] is None
+    # neither arm of a pair ran: no such target
+    for k in ("chat/openai_vllm", "chat/vllm_bf16"):
+        res["runs"].pop(k)
+    B.summarize(res)
+    assert not any(x["name"].startswith("openai") for x in res["targets"])
 
 
 def test_markdown_has_one_table_per_workload_with_every_figure_and_the_targets():
@@ -71,6 +76,8 @@ def test_markdown_has_one_table_per_workload_with_every_figure_and_the_targets()
     row = next(ln for ln in md.splitlines() if ln.startswith("| openai_vllm |"))
     assert "| client |" in row and "| 160.0 |" in row
     assert "| openai → vllm serve / in-process vLLM bf16, output tok/s on chat | 0.800 | ≥ 0.85 | no |" in md
+    res["errors"] = [{"run": "chat/vllm_w8a8", "bucket": "runs", "error": "RuntimeError: boom"}]
+    assert "Failed: chat/vllm_w8a8 (runs): `RuntimeError: boom`" in B.markdown(res)
 
 
 def test_plot_has_one_point_per_arm_and_workload(tmp_path):
