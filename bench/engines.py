@@ -285,7 +285,6 @@ class Bench:
         self.models: dict[str, str] = {}
         self.servers: dict[str, VllmServer] = {}
         self.server_info: dict[str, Any] = {}
-        self.eval: dict[str, dict[str, Any]] = {}
         self.rows: dict[str, list[dict[str, Any]]] = {}
         self.db = f"sqlite:///{WORK / 'bench.db'}"
 
