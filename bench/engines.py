@@ -734,8 +734,13 @@ def main(argv=None) -> int:
                     help="your own rows (tokenmill's input schema) for workload (a) instead of the seeded chat")
     ap.add_argument("--report-only", metavar="JSON", help="recompute tables, targets and plot from a results file")
     args = ap.parse_args(argv)
-    if args.input and not Path(args.input).is_file():
-        ap.error(f"--input {args.input!r} is not a file")
+    if args.input:
+        try:
+            import pyarrow.parquet as pq
+
+            pq.read_metadata(args.input)
+        except Exception as err:
+            ap.error(f"--input {args.input!r} is not a readable Parquet file ({type(err).__name__})")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.report_only:
