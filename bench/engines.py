@@ -550,6 +550,7 @@ def make_workloads(args, sc: dict[str, Any]) -> dict[str, Any]:
 
 def run(args) -> dict[str, Any]:
     from bench.throughput import abba
+    from tokenmill.transforms.engines import registry as E
 
     sc = dict(SCALES[args.scale])
     if args.reps:
@@ -613,10 +614,8 @@ def run(args) -> dict[str, Any]:
         for arm in res["order"][workload.name]:
             record(f"{workload.name}/{arm}", "runs", attempt(lambda: b.run(arm, wl, workload)))
         b.stop_server(wl)
+        E.shutdown_all()  # no engine of this workload left holding memory or cores
         res["workloads"][workload.name]["wall_s"] = time.perf_counter() - t0
-    from tokenmill.transforms.engines import registry as E
-
-    E.shutdown_all()
     summarize(res)
     res["finished_at"] = utc_now()
     out_path.write_text(json.dumps(res, indent=1, default=str))
