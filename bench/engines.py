@@ -304,6 +304,9 @@ class Bench:
                 quantize(self.args.model, GGUF_SCHEMES[q], out)
                 made[q] = {"made_s": time.perf_counter() - t}
             self.models[q] = str(out)
+            # where its weights came from: the bundled GGUF is itself quantized (llama-quantize requantizes it)
+            note = out.with_name(out.name + ".tokenmill.json")
+            made.setdefault("provenance", {})[q] = json.loads(note.read_text()) if note.is_file() else None
         if "vllm_w8a8" in arms:
             out = folder / f"{self.args.model}-w8a8-int8"
             if not (out / "config.json").is_file():
