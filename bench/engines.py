@@ -294,6 +294,7 @@ class Bench:
 
         folder = WORK / "engines-models"
         made: dict[str, Any] = {}
+        prov: dict[str, Any] = {}
         want = {a.split("_", 1)[1] for a in arms if a.startswith("llamacpp_")}
         if "direct" in arms:
             want.add(self.args.direct_gguf)
@@ -306,7 +307,7 @@ class Bench:
             self.models[q] = str(out)
             # where its weights came from: the bundled GGUF is itself quantized (llama-quantize requantizes it)
             note = out.with_name(out.name + ".tokenmill.json")
-            made.setdefault("provenance", {})[q] = json.loads(note.read_text()) if note.is_file() else None
+            prov[q] = json.loads(note.read_text()) if note.is_file() else None
         if "vllm_w8a8" in arms:
             out = folder / f"{self.args.model}-w8a8-int8"
             if not (out / "config.json").is_file():
@@ -314,7 +315,7 @@ class Bench:
                 quantize(self.args.model, "w8a8-int8", out, method="rtn", force=out.exists())
                 made["w8a8"] = {"made_s": time.perf_counter() - t}
             self.models["w8a8"] = str(out)
-        return {"files": dict(self.models), "made_now": made}
+        return {"files": dict(self.models), "made_now": made, "gguf_provenance": prov}
 
     # -- engine configurations
     def vllm_config(self, wl: str, model: str):
