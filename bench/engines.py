@@ -590,36 +590,40 @@ def run(args) -> dict[str, Any]:
         log(f"{key} ({bucket}): {f['output_tok_per_s'] or 0:.1f} out tok/s, TPOT p95 {f['tpot_p95_ms'] or 0:.1f} ms, "
             f"gen {r.get('gen_s') or 0:.1f} s, rows lost {r.get('rows_lost')}")
 
-    for wl, workload in wls.items():
-        res["workloads"][workload.name] = {"key": wl, "rows": workload.rows, "max_tokens": workload.max_tokens,
-                                           "description": workload.description, "file": str(workload.path),
-                                           "workers": 2 if wl == "b" else 1}
-        if "openai_vllm" in args.arms:
-            err = attempt(lambda: b.start_server(wl))
-            if isinstance(err, BaseException):
-                record(f"{workload.name}/openai_vllm", "runs", err)
-        arms = [a for a in args.arms if a != "openai_vllm" or wl in b.servers]
-        t0 = time.perf_counter()
-        for arm in arms:
-            key = f"{workload.name}/{arm}"
-            log(f"warm-up {key}")
-            record(key, "warmups", attempt(lambda: b.run(arm, wl, workload)))
-            if wl == "a" or "a" not in wls:  # one eval per arm, through (a)'s engine config
-                same = res["eval"].get(f"llamacpp_{args.direct_gguf}") if arm == "direct" else None
-                ev = dict(same, note=f"the llamacpp_{args.direct_gguf} arm's eval job: the same GGUF") if same else \
-                    attempt(lambda: b.eval_accuracy(arm, wl))
-                if isinstance(ev, BaseException):
-                    res["errors"].append({"run": f"eval/{arm}", "error": f"{type(ev).__name__}: {str(ev)[:1500]}"})
-                    log(f"eval {arm}: FAILED {ev}")
-                else:
-                    res["eval"][arm] = ev
-                    log(f"eval {arm}: accuracy {ev['accuracy']}")
-        res["order"][workload.name] = abba(arms, sc["reps"])
-        for arm in res["order"][workload.name]:
-            record(f"{workload.name}/{arm}", "runs", attempt(lambda: b.run(arm, wl, workload)))
-        b.stop_server(wl)
-        E.shutdown_all()  # no engine of this workload left holding memory or cores
-        res["workloads"][workload.name]["wall_s"] = time.perf_counter() - t0
+    try:
+        for wl, workload in wls.items():
+            res["workloads"][workload.name] = {"key": wl, "rows": workload.rows, "max_tokens": workload.max_tokens,
+                                               "description": workload.description, "file": str(workload.path),
+                                               "workers": 2 if wl == "b" else 1}
+            if "openai_vllm" in args.arms:
+                err = attempt(lambda: b.start_server(wl))
+                if isinstance(err, BaseException):
+                    record(f"{workload.name}/openai_vllm", "runs", err)
+            arms = [a for a in args.arms if a != "openai_vllm" or wl in b.servers]
+            t0 = time.perf_counter()
+            for arm in arms:
+                key = f"{workload.name}/{arm}"
+                log(f"warm-up {key}")
+                record(key, "warmups", attempt(lambda: b.run(arm, wl, workload)))
+                if wl == "a" or "a" not in wls:  # one eval per arm, through (a)'s engine config
+                    same = res["eval"].get(f"llamacpp_{args.direct_gguf}") if arm == "direct" else None
+                    ev = dict(same, note=f"the llamacpp_{args.direct_gguf} arm's eval job: the same GGUF") if same else \
+                        attempt(lambda: b.eval_accuracy(arm, wl))
+                    if isinstance(ev, BaseException):
+                        res["errors"].append({"run": f"eval/{arm}", "error": f"{type(ev).__name__}: {str(ev)[:1500]}"})
+                        log(f"eval {arm}: FAILED {ev}")
+                    else:
+                        res["eval"][arm] = ev
+                        log(f"eval {arm}: accuracy {ev['accuracy']}")
+            res["order"][workload.name] = abba(arms, sc["reps"])
+            for arm in res["order"][workload.name]:
+                record(f"{workload.name}/{arm}", "runs", attempt(lambda: b.run(arm, wl, workload)))
+            b.stop_server(wl)
+            E.shutdown_all()  # no engine of this workload left holding memory or cores
+            res["workloads"][workload.name]["wall_s"] = time.perf_counter() - t0
+    finally:  # the API server runs in a session of its own: never leave it behind
+        for wl in list(b.servers):
+            b.stop_server(wl)
     summarize(res)
     res["finished_at"] = utc_now()
     out_path.write_text(json.dumps(res, indent=1, default=str))
