@@ -26,7 +26,7 @@ settings against one server holding both workers' sequences and KV cache; for
 `direct`, one server with both workers' slots.  Each run's `parallelism` says what ran.
 
 Per workload and arm: one warm-up run (and, for tokenmill arms, one untimed eval job on
-data/eval_set.parquet (smoke: its first 16 rows) through the same engine config:
+data/eval_set.parquet (smoke: 16 rows spread over it) through the same engine config:
 accuracy against its references, as `tokenmill compare` computes it; `direct` shows
 its GGUF's llamacpp arm's), then `reps` passes A B B A …
 (bench/throughput.abba); medians of every figure; every run kept in
@@ -488,14 +488,16 @@ class Bench:
         return res
 
     def eval_file(self) -> Path:
-        """The eval set, or its first `eval_rows` rows (smoke scale)."""
+        """The eval set, or `eval_rows` of its rows spread evenly over it (smoke scale; the
+        file is grouped by category)."""
         n = self.sc.get("eval_rows")
         if not n:
             return EVAL
         import pyarrow.parquet as pq
 
+        t = pq.read_table(EVAL)
         path = WORK / f"engines-eval-{n}.parquet"
-        pq.write_table(pq.read_table(EVAL).slice(0, n), path)
+        pq.write_table(t.take(list(range(0, t.num_rows, max(1, t.num_rows // n)))[:n]), path)
         return path
 
     def eval_accuracy(self, arm: str, wl: str) -> dict[str, Any]:
