@@ -125,8 +125,11 @@ test-fast: install
 bench: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.throughput $(BENCH_ARGS)
 
-# tokenmill + llama.cpp against llama-server driven directly on the same prompts (bench/engines.py,
-# a first version of issue 13's comparison). Shorter: make bench-engines BENCH_ARGS="--scale smoke".
+# The engines side by side on the same jobs (bench/engines.py, issue 13): tokenmill + vLLM bf16 and
+# W8A8, + llama.cpp F16/Q8_0/Q4_K_M, + openai -> vllm serve, and llama-server driven directly, on
+# workloads (a) and (b); one table per workload, targets, bench/results/engines-<stamp>.json and .html.
+# Full: ~25 min on 2 cores. Shorter: BENCH_ARGS="--scale smoke --arms llamacpp_q8_0 direct";
+# your own rows as workload (a): BENCH_ARGS="--input my.parquet --workloads a".
 bench-engines: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.engines $(BENCH_ARGS)
 

@@ -118,6 +118,15 @@ def tokenmill(workload, engine: EngineConfig, work: Path, *, label: str, orderin
         "prefix_cache_hit_rate": r.metrics.get("prefix_cache", {}).get("hit_rate"),
         "failed": r.failed,
         "batches": _batch_summary(db, job),
+        "job_id": job,
+        "output_dir": str(work / "out" / job),
+        # the report's figures, as the job's accounting gives them (bench/engines.py tables them)
+        "latency_s": {k: r.metrics.get("latency_s", {}).get(k) for k in ("ttft", "tpot", "e2e")},
+        "clocks": {k: r.metrics.get("clocks", {}).get(k) for k in ("ttft_s", "tpot_s", "e2e_s")},
+        "failure_rate": r.metrics.get("failures", {}).get("rate"),
+        "usd_per_1m_output_tokens": (r.metrics.get("cost") or {}).get("per_1m_output_tokens"),
+        "workers": [{k: w.get(k) for k in ("worker", "cpu_count", "window_s", "peak_tree_rss_bytes",
+                                           "tree_cores_busy_mean")} for w in r.metrics.get("workers") or []],
     })
     return res
 
