@@ -3,15 +3,16 @@
 
 Arms (`--arms`, default all), each a real tokenmill job unless said:
 
-* `vllm_bf16`: the in-process vLLM engine, dtype bfloat16;
+* `vllm`: the in-process vLLM engine, dtype `--vllm-dtype` (default: what `dtype: auto`
+  runs on this machine, measured: bfloat16 on a CPU with bf16 units, float32 on an
+  AVX2 one where bf16 ran ~20× slower; the results file says which);
 * `vllm_w8a8`: the same on an int8 W8A8 checkpoint (`tokenmill quantize --scheme
-  w8a8-int8`, RTN, made once into bench/work/engines-models; dtype bfloat16, which
-  W8A8 needs on this CPU);
+  w8a8-int8`, RTN, made once into bench/work/engines-models), same dtype;
 * `llamacpp_f16`, `llamacpp_q8_0`, `llamacpp_q4_k_m`: the `llamacpp` engine on GGUFs
   made once with `tokenmill quantize --scheme gguf-…`; each run starts its servers
   afresh (no prompt cache carried over), the start left out of the time;
 * `openai_vllm`: the `openai` engine pointed at `python -m vllm.entrypoints.openai.api_server`
-  started here (same model, bf16, the same engine arguments as `vllm_bf16`; its start
+  started here (same model, dtype and engine arguments as `vllm`; its start
   not timed; its prefix cache reset before each run; stopped after the workload);
 * `direct`: llama.cpp's own best: a `llama-server` started here on the same GGUF as one
   llamacpp arm (`--direct-gguf`, default q8_0) and every prompt sent at once, streamed
@@ -84,7 +85,7 @@ SCALES: dict[str, dict[str, Any]] = {
     "full": dict(rows=64, max_tokens=32, docs=8, questions=4, doc_words=250, b_max_tokens=8, reps=2,
                  eval_rows=None, eval_max_tokens=32),
 }
-ARMS = ("vllm_bf16", "vllm_w8a8", "llamacpp_f16", "llamacpp_q8_0", "llamacpp_q4_k_m", "openai_vllm", "direct")
+ARMS = ("vllm", "vllm_w8a8", "llamacpp_f16", "llamacpp_q8_0", "llamacpp_q4_k_m", "openai_vllm", "direct")
 GGUF_SCHEMES = {"f16": "gguf-f16", "q8_0": "gguf-q8_0", "q4_k_m": "gguf-q4_k_m"}
 WORKLOADS = {"a": "chat", "b": "shared_prefix"}
 SERVED = "smollm2-served"
@@ -282,6 +283,12 @@ class Bench:
 
         self.args, self.sc = args, sc
         self.model_path = str(resolve_model(args.model))
+        self.vllm_dtype = args.vllm_dtype
+        if self.vllm_dtype == "auto":  # what `dtype: auto` runs here, named, so the results say it
+            from tokenmill.transforms.engines.cpu import cpu_dtype
+            from tokenmill.transforms.engines.device import has_nvidia_gpu
+
+            self.vllm_dtype = "bfloat16" if has_nvidia_gpu() else cpu_dtype()
         self.models: dict[str, str] = {}
         self.servers: dict[str, VllmServer] = {}
         self.server_info: dict[str, Any] = {}
@@ -323,9 +330,9 @@ class Bench:
         from tokenmill.schemas.config import EngineConfig
 
         if wl == "a":
-            return EngineConfig(model=model, dtype="bfloat16", seed=0, **VLLM_A)
+            return EngineConfig(model=model, dtype=self.vllm_dtype, seed=0, **VLLM_A)
         kv = TS[self.args.scale]["b_kv_mib"] * MiB
-        return EngineConfig(model=model, dtype="bfloat16", seed=0, kv_cache_memory_bytes=kv, **VLLM_B)
+        return EngineConfig(model=model, dtype=self.vllm_dtype, seed=0, kv_cache_memory_bytes=kv, **VLLM_B)
 
     def llamacpp_config(self, wl: str, q: str, slots: int):
         from tokenmill.schemas.config import EngineConfig
@@ -340,7 +347,7 @@ class Bench:
         workers = 2 if wl == "b" else 1
         slots = self.args.slots
         if arm.startswith("vllm_"):
-            cfg = self.vllm_config(wl, self.model_path if arm == "vllm_bf16" else self.models["w8a8"])
+            cfg = self.vllm_config(wl, self.model_path if arm == "vllm" else self.models["w8a8"])
             par = f"{workers} worker(s), each its own in-process vLLM engine, max_num_seqs {cfg.max_num_seqs}"
         elif arm.startswith("llamacpp_"):
             cfg = self.llamacpp_config(wl, arm.split("_", 1)[1], slots)
@@ -357,7 +364,7 @@ class Bench:
         return {"cfg": cfg, "workers": workers, "parallelism": par}
 
     def start_server(self, wl: str) -> None:
-        """The vLLM API server for `openai_vllm` on workload `wl`: `vllm_bf16`'s engine
+        """The vLLM API server for `openai_vllm` on workload `wl`: `vllm`'s engine
         arguments (on (b), both workers' sequences and KV cache in one server)."""
         from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
@@ -576,6 +583,7 @@ def run(args) -> dict[str, Any]:
     except Exception as err:
         res["llama_cpp"] = {"error": str(err)}
     res["models"] = b.prepare_models(list(args.arms))
+    res["vllm_dtype"] = b.vllm_dtype
     wls = make_workloads(args, sc)
     stamp = utc_stamp()
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -663,9 +671,9 @@ def targets(m: dict[str, Any], direct_gguf: str) -> list[dict[str, Any]]:
         r = _ratio(m, a, b)
         out.append({"name": f"tokenmill+llamacpp ({direct_gguf}) / direct llama-server, output tok/s on {w}",
                     "measured": r, "target": f"≥ {TARGET_DIRECT}", "met": None if r is None else r >= TARGET_DIRECT})
-    if "chat/openai_vllm" in m or "chat/vllm_bf16" in m:
-        r = _ratio(m, "chat/openai_vllm", "chat/vllm_bf16")
-        out.append({"name": "openai → vllm serve / in-process vLLM bf16, output tok/s on chat",
+    if "chat/openai_vllm" in m or "chat/vllm" in m:
+        r = _ratio(m, "chat/openai_vllm", "chat/vllm")
+        out.append({"name": "openai → vllm serve / in-process vLLM, output tok/s on chat",
                     "measured": r, "target": f"≥ {TARGET_OPENAI}", "met": None if r is None else r >= TARGET_OPENAI})
     for key in sorted(m):
         lost = m[key].get("rows_lost")
@@ -719,13 +727,14 @@ def plot_figure(res: dict[str, Any]):
 
 
 def plot(res: dict[str, Any], path: Path) -> Path:
-    """The plot and the tables as one self-contained HTML page (as `tokenmill tune` writes its own)."""
+    """The plot and the tables as one HTML page next to the results file; plotly.js from its
+    CDN, as bench-scale's plots (a committed results page stays small)."""
     import html
 
-    from tokenmill.jobs.metrics.report import _fig_html, _page
-
-    path.write_text(_page("tokenmill bench-engines", f"<h1>bench-engines {res.get('started_at', '')}</h1>"
-                          f"<pre>{html.escape(markdown(res))}</pre>" + _fig_html(plot_figure(res))))
+    fig = plot_figure(res).to_html(full_html=False, include_plotlyjs="cdn", config={"displaylogo": False})
+    path.write_text("<!doctype html><html><head><meta charset='utf-8'><title>tokenmill bench-engines</title></head>"
+                    f"<body><h1>bench-engines {res.get('started_at', '')}</h1><pre>{html.escape(markdown(res))}</pre>"
+                    f"{fig}</body></html>")
     return path
 
 
@@ -739,6 +748,8 @@ def main(argv=None) -> int:
                     help="the GGUF the direct arm serves; its ratio is taken against that llamacpp arm")
     ap.add_argument("--slots", type=int, default=8, help="llama-server parallel slots per worker (engine.max_in_flight)")
     ap.add_argument("--reps", type=int, default=None, help="override the scale's A B B A passes")
+    ap.add_argument("--vllm-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="dtype of the vllm, vllm_w8a8 and openai_vllm arms (auto: the one `dtype: auto` measures fastest here)")
     ap.add_argument("--input", default=None, metavar="PARQUET",
                     help="your own rows (tokenmill's input schema) for workload (a) instead of the seeded chat")
     ap.add_argument("--report-only", metavar="JSON", help="recompute tables, targets and plot from a results file")

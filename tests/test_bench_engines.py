@@ -24,7 +24,7 @@ def results():
         "runs": {
             "chat/llamacpp_q8_0": [run(80.0, 0.05), run(100.0, 0.04), run(90.0, 0.06)],
             "chat/direct": [run(100.0, 0.04, clock="client")] * 2,
-            "chat/vllm_bf16": [run(200.0, 0.02)] * 2,
+            "chat/vllm": [run(200.0, 0.02)] * 2,
             "chat/openai_vllm": [run(160.0, 0.03, clock="client")] * 2,
             "shared_prefix/llamacpp_q8_0": [run(50.0, 0.1, lost=0), run(50.0, 0.1, lost=3)],
             "shared_prefix/direct": [run(50.0, 0.1)],
@@ -39,7 +39,7 @@ def test_medians_take_every_figure_from_the_runs_and_the_worst_run_for_rows_lost
     m = res["medians"]["chat/llamacpp_q8_0"]
     assert m["runs"] == 3 and m["output_tok_per_s"] == 90.0
     assert m["tpot_p95_ms"] == 50.0 and m["ttft_p50_ms"] == 200.0 and m["peak_rss_mib"] == 512.0
-    assert m["eval_accuracy"] == 0.4 and res["medians"]["chat/vllm_bf16"]["eval_accuracy"] is None
+    assert m["eval_accuracy"] == 0.4 and res["medians"]["chat/vllm"]["eval_accuracy"] is None
     assert res["medians"]["shared_prefix/llamacpp_q8_0"]["rows_lost"] == 3
 
 
@@ -49,8 +49,8 @@ def test_targets_say_met_missed_and_not_measured():
     t = {x["name"]: x for x in res["targets"]}
     chat = t["tokenmill+llamacpp (q8_0) / direct llama-server, output tok/s on chat"]
     assert chat["measured"] == 0.9 and chat["met"] is True  # exactly at the target counts
-    assert t["openai → vllm serve / in-process vLLM bf16, output tok/s on chat"]["measured"] == 0.8
-    assert t["openai → vllm serve / in-process vLLM bf16, output tok/s on chat"]["met"] is False
+    assert t["openai → vllm serve / in-process vLLM, output tok/s on chat"]["measured"] == 0.8
+    assert t["openai → vllm serve / in-process vLLM, output tok/s on chat"]["met"] is False
     assert t["rows lost, shared_prefix/llamacpp_q8_0 (worst run)"]["met"] is False
     assert t["rows lost, chat/direct (worst run)"]["met"] is True
     # an arm that did not run: no ratio, no verdict
@@ -60,7 +60,7 @@ def test_targets_say_met_missed_and_not_measured():
     b = t["tokenmill+llamacpp (q8_0) / direct llama-server, output tok/s on shared_prefix"]
     assert b["measured"] is None and b["met"] is None
     # neither arm of a pair ran: no such target
-    for k in ("chat/openai_vllm", "chat/vllm_bf16"):
+    for k in ("chat/openai_vllm", "chat/vllm"):
         res["runs"].pop(k)
     B.summarize(res)
     assert not any(x["name"].startswith("openai") for x in res["targets"])
@@ -75,7 +75,7 @@ def test_markdown_has_one_table_per_workload_with_every_figure_and_the_targets()
     assert all(title in header for _, title, _ in B.FIGURES)
     row = next(ln for ln in md.splitlines() if ln.startswith("| openai_vllm |"))
     assert "| client |" in row and "| 160.0 |" in row
-    assert "| openai → vllm serve / in-process vLLM bf16, output tok/s on chat | 0.800 | ≥ 0.85 | no |" in md
+    assert "| openai → vllm serve / in-process vLLM, output tok/s on chat | 0.800 | ≥ 0.85 | no |" in md
     res["errors"] = [{"run": "chat/vllm_w8a8", "bucket": "runs", "error": "RuntimeError: boom"}]
     assert "Failed: chat/vllm_w8a8 (runs): `RuntimeError: boom`" in B.markdown(res)
 
@@ -87,7 +87,7 @@ def test_plot_has_one_point_per_arm_and_workload(tmp_path):
     assert "Output throughput against P95 TPOT" in html and "openai_vllm" in html
     fig = B.plot_figure(res)
     assert [t.name for t in fig.data] == ["chat", "shared_prefix"]
-    assert list(fig.data[0].text) == ["llamacpp_q8_0", "direct", "vllm_bf16", "openai_vllm"]
+    assert list(fig.data[0].text) == ["llamacpp_q8_0", "direct", "vllm", "openai_vllm"]
     assert list(fig.data[1].x) == [100.0, 100.0] and list(fig.data[0].y)[2] == 200.0
 
 
