@@ -73,7 +73,7 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
     from tokenmill.jobs.modeltools.quantize import (QuantizeError, QuantizeFailed, QuantizeResult, _versions,
                                                     check_method, checkpoint_hash)
     from tokenmill.schemas.models import BUILTIN_MODELS, ModelNotFound, quantization_record, quantization_record_path, resolve_model
-    from tokenmill.transforms.engines.llamacpp_session import binary, build_info, gguf_file, worker_cores
+    from tokenmill.transforms.engines.llamacpp_session import binary, build_info, gguf_file, log_tail, worker_cores
     from tokenmill.transforms.engines.protocol import EngineStartError
 
     if scheme not in GGUF_SCHEMES:
@@ -147,7 +147,7 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
         proc, _ = _run_bound([str(tool), *quant_args, str(src), "model.gguf", GGUF_SCHEMES[scheme], str(len(cores))],
                              cores, work, work / "llama-quantize.log")
         if proc != 0:
-            raise QuantizeFailed(f"llama-quantize failed (exit {proc}): {_log_tail(work / 'llama-quantize.log')}")
+            raise QuantizeFailed(f"llama-quantize failed (exit {proc}): {log_tail(work / 'llama-quantize.log', 3)}")
         quantize_s = time.perf_counter() - t
         log_text = (work / "llama-quantize.log").read_text(errors="replace")
         build = build_info()
@@ -226,6 +226,7 @@ def _imatrix(src: Path, imatrix_tool: Path, quantize_tool: Path, cal, tok_dir: P
     """Run llama-imatrix on the calibration prompts into `work/imatrix.gguf`, on `src` or,
     when `src` is quantized, an F16 GGUF made from it; (the run, what it was computed on)."""
     from tokenmill.jobs.modeltools.quantize import QuantizeFailed
+    from tokenmill.transforms.engines.llamacpp_session import log_tail
     from tokenmill.transforms.tokenize import load_tokenizer
 
     tok = load_tokenizer(str(tok_dir))
@@ -241,7 +242,7 @@ def _imatrix(src: Path, imatrix_tool: Path, quantize_tool: Path, cal, tok_dir: P
         code, rss = _run_bound([str(quantize_tool), "--allow-requantize", str(src), basis_file.name, "F16",
                                 str(len(cores))], cores, work, work / "f16.log")
         if code != 0:
-            raise QuantizeFailed(f"llama-quantize (F16 for llama-imatrix) failed (exit {code}): {_log_tail(work / 'f16.log')}")
+            raise QuantizeFailed(f"llama-quantize (F16 for llama-imatrix) failed (exit {code}): {log_tail(work / 'f16.log', 3)}")
         peak, f16_s = rss, time.perf_counter() - t0
         basis = {"file": f"F16 of {src.name}", "type": "F16",
                  "why": f"{src.name} is quantized; its weights dequantized to F16 (exactly, for Q4_1), so the activations "
@@ -254,7 +255,7 @@ def _imatrix(src: Path, imatrix_tool: Path, quantize_tool: Path, cal, tok_dir: P
     imatrix_s = time.perf_counter() - t1
     log = (work / "llama-imatrix.log").read_text(errors="replace")
     if code != 0 or not (work / "imatrix.gguf").is_file():
-        raise QuantizeFailed(f"llama-imatrix failed (exit {code}): {_log_tail(work / 'llama-imatrix.log')}")
+        raise QuantizeFailed(f"llama-imatrix failed (exit {code}): {log_tail(work / 'llama-imatrix.log', 3)}")
     chunks = re.search(r"computing over (\d+) chunks, n_ctx=(\d+)", log)
     ppl = re.search(r"Final estimate: PPL = ([\d.]+)", log)
     run = {
@@ -285,11 +286,3 @@ def _run_bound(argv: list[str], cores: list[int], cwd: Path, log: Path) -> tuple
             raise
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, usage.ru_maxrss * 1024
-
-
-def _log_tail(log: Path, lines: int = 3) -> str:
-    try:
-        text = log.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "no log"
-    return " | ".join(ln.strip() for ln in text[-lines:])[:400]

@@ -148,6 +148,15 @@ def check_llamacpp(cfg: EngineConfig) -> Path:
 # ---------------------------------------------------------------- the server
 
 
+def log_tail(path: Path, lines: int = 5) -> str:
+    """The last `lines` lines of a llama.cpp program's log, on one line ("" when unreadable)."""
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(ln.strip() for ln in text[-lines:])
+
+
 def launch_argv(argv: list[str], cores: list[int]) -> list[str]:
     """The command that runs the llama.cpp program `argv` bound to `cores` (all allowed
     when empty) and killed if this process dies (LAUNCHER); start it from a thread that
@@ -234,11 +243,7 @@ class LlamaServer:
         self.proc.wait()
 
     def log_tail(self, lines: int = 5) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return " | ".join(ln.strip() for ln in text[-lines:])
+        return log_tail(self.log_path, lines)
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
