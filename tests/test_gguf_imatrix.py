@@ -108,7 +108,7 @@ def test_an_imatrix_q4_k_m_is_recorded_listed_and_served(tmp_path, model_path, s
     assert rec["calibration"]["source"] == str(cal) and rec["calibration"]["input_rows"] == 24
     assert rec["calibration"]["samples"] == rec["calibration_rows"] == 8
     assert rec["checkpoint"]["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest() == d["sha256"]
-    assert rec["libraries"]["llama.cpp"].startswith("b") and rec["llama_cpp"]["version"].startswith("version:")
+    assert "commit" in rec["libraries"]["llama.cpp"] and rec["llama_cpp"]["version"].startswith("version:")
     # the bundled GGUF is Q4_1: the importance matrix was computed on its F16
     assert rec["recipe"]["imatrix_computed_on"]["type"] == "F16"
     assert "--imatrix" in rec["recipe"]["quantize_args"] and "--parse-special" in rec["recipe"]["imatrix_args"]
@@ -118,7 +118,13 @@ def test_an_imatrix_q4_k_m_is_recorded_listed_and_served(tmp_path, model_path, s
 
     plain = tmp_path / "plain.gguf"
     assert cli("quantize", "--model", "smollm2-135m", "--scheme", "gguf-q4_k_m", "--out", plain).exit_code == 0
-    assert plain.stat().st_size == out.stat().st_size and plain.read_bytes() != out.read_bytes()  # same layout, other rounding
+    from gguf import GGUFReader
+
+    a, b = GGUFReader(str(plain)), GGUFReader(str(out))
+    # the same tensors in the same types, rounded otherwise; the imatrix named in the metadata
+    assert [(t.name, t.tensor_type) for t in a.tensors] == [(t.name, t.tensor_type) for t in b.tensors]
+    assert any((x.data != y.data).any() for x, y in zip(a.tensors, b.tensors) if x.tensor_type.name == "Q4_K")
+    assert "quantize.imatrix.file" in b.fields and "quantize.imatrix.file" not in a.fields
 
     listed = cli("models", "list")
     assert "smol-q4km-imat.gguf" in listed.output and "gguf-q4_k_m imatrix, calibrated on" in listed.output

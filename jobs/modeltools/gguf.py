@@ -209,9 +209,10 @@ def calibration_text(token_ids: list[list[int]], tokenizer) -> str:
 
 
 def llama_cpp_version(version: str) -> str:
-    """`b6000 (abc1234)` from `llama-server --version` ("version: 6000 (abc1234) | built with ...")."""
-    m = re.search(r"version:\s*(\d+)\s*\((\w+)\)", version or "")
-    return f"b{m.group(1)} ({m.group(2)})" if m else (version or "?").split("|")[0].strip()
+    """The version part of `llama-server --version` as build_info() joins it
+    ("version: 0.5.0-dev (build 1, commit 0c1e570) | built with ..." → "0.5.0-dev (build 1, commit 0c1e570)")."""
+    first = (version or "?").split("|")[0].strip()
+    return first.split(":", 1)[1].strip() if first.startswith("version:") else first
 
 
 def _full_precision(src: Path) -> bool:
