@@ -185,16 +185,20 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
 
 
 def imatrix_context(tokens: int, max_seq_len: int) -> int | None:
-    """llama-imatrix's chunk length for `tokens` of calibration text: the largest power of
-    two up to IMATRIX_CTX and `max_seq_len` of which the text holds two chunks (its minimum)
-    with a tenth to spare (llama.cpp's tokenizer may count a few tokens fewer); None when
-    not even MIN_IMATRIX_CTX fits."""
+    """llama-imatrix's chunk length for `tokens` of calibration text: a power of two up to
+    IMATRIX_CTX and `max_seq_len` of which the text holds two chunks (its minimum) with a
+    tenth to spare (llama.cpp's tokenizer may count a few tokens fewer); the largest that
+    leaves at most a tenth of the text unused (the tail shorter than a chunk), else the one
+    that leaves least.  None when not even MIN_IMATRIX_CTX fits."""
+    fits = []
     n = IMATRIX_CTX
     while n >= MIN_IMATRIX_CTX:
         if n <= max(max_seq_len, MIN_IMATRIX_CTX) and 2 * n <= 0.9 * tokens:
-            return n
+            fits.append(n)
         n //= 2
-    return None
+    if not fits:
+        return None
+    return next((n for n in fits if tokens % n <= 0.1 * tokens), min(fits, key=lambda n: (tokens % n, -n)))
 
 
 def calibration_text(token_ids: list[list[int]], tokenizer) -> str:
