@@ -34,7 +34,7 @@ def test_imatrix_goes_only_where_llama_cpps_quantizer_reads_it():
 def test_imatrix_context_holds_two_chunks_of_the_text():
     assert G.imatrix_context(20_000, 1024) == 512  # 39 chunks, 32 tokens unused
     assert G.imatrix_context(20_000, 200) == 128  # never longer than --max-seq-len
-    assert G.imatrix_context(540, 1024) == 256  # two chunks and a tenth to spare: 2 × 256 ≤ 486
+    assert G.imatrix_context(1100, 1024) == 256  # two chunks of 512 and a tenth to spare would need 1138
     assert G.imatrix_context(600, 1024) == 64  # 256 and 128 would leave 88 tokens (15%) unused, 64 leaves 24
     assert G.imatrix_context(1835, 1024) == 256  # 512 would leave 299 tokens (16%) unused, 256 leaves 43
     assert G.imatrix_context(60, 1024) is None
