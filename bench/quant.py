@@ -3,7 +3,12 @@ speculative decoding.  A program, not a timed test: it writes
 `bench/results/quant-<stamp>.json` and prints the Markdown tables for
 docs/BENCHMARKS.md.
 
-    python -m tokenmill.jobs.lifecycle.envexec python -m bench.quant          # ~10 min, 2-core CPU
+    python -m tokenmill.jobs.lifecycle.envexec python -m bench.quant          # ~20-25 min, 2-core CPU
+
+(The defaults are the full measurement: 64 chat rows, the calibrated methods at
+tokenmill quantize's default 64 samples, every configuration but the opt-in ones;
+estimated from a smoke run on the 2-core AVX2 machine, where the w4a16 rows are
+refused by the engine and not calibrated.)
 
 Each configuration runs two tokenmill jobs on one engine (one engine load):
 the evaluation set (data/eval_set.parquet, greedy, max_tokens 32, quality
