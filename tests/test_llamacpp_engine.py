@@ -63,14 +63,15 @@ def test_server_args_bind_slots_context_and_threads(tmp_path):
 
 
 def test_tokenizer_of_a_gguf(tmp_path):
-    from tokenmill.transforms.engines.llamacpp_session import EngineStartError, provenance_file, tokenizer_name
+    from tokenmill.schemas.models import quantization_record_path
+    from tokenmill.transforms.engines.llamacpp_session import EngineStartError, tokenizer_name
 
     assert tokenizer_name(EngineConfig(kind="llamacpp")) == "smollm2-135m"
     assert tokenizer_name(EngineConfig(kind="llamacpp", model="x.gguf", tokenizer="/m/tok")) == "/m/tok"
     g = tmp_path / "q.gguf"
     with pytest.raises(EngineStartError, match="needs engine.tokenizer"):
         tokenizer_name(EngineConfig(kind="llamacpp", model=str(g)))
-    provenance_file(g).write_text(json.dumps({"tokenizer": "smollm2-135m"}))
+    quantization_record_path(g).write_text(json.dumps({"tokenizer": "smollm2-135m"}))
     assert tokenizer_name(EngineConfig(kind="llamacpp", model=str(g))) == "smollm2-135m"
 
 

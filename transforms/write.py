@@ -122,7 +122,8 @@ def record_worker(db_url: str, job_id: str, worker: str, session, started_at: fl
         info = session.info()
     except Exception as err:  # a fake engine, or an engine that cannot say
         info = {"error": str(err)}
-    model_path = getattr(session, "model_path", None)
+    # the checkpoint's folder (vLLM) or GGUF file (llamacpp, whose model_path is the tokenizer's folder)
+    model_path = getattr(session, "gguf", None) or getattr(session, "model_path", None)
     if model_path:  # a checkpoint `tokenmill quantize` wrote: its recipe, calibration source and hash
         from tokenmill.schemas.models import checkpoint_summary, quantization_record
 

@@ -39,9 +39,9 @@ def models_prepare(name, force):
 
 @models.command("list", context_settings=CONTEXT_SETTINGS)
 def models_list():
-    """List the model folders tokenmill can use by short name (a folder `tokenmill quantize`
-    wrote says its scheme, method, calibration source and checkpoint hash), and the GGUF
-    files (the bundled one, those in the models folder) for --engine llamacpp.
+    """List the model folders tokenmill can use by short name, and the GGUF files (the
+    bundled one, those in the models folder) for --engine llamacpp; a folder or GGUF that
+    `tokenmill quantize` wrote says its scheme, method, calibration source and hash.
 
     \b
     Example:
@@ -73,7 +73,8 @@ def models_list():
     except PrepareError:
         pass
     for f in sorted(models_dir().glob("*.gguf")):
-        click.echo(f"{f.name:<24} {f} (GGUF, --engine llamacpp)")
+        q = describe_checkpoint(checkpoint_summary(quantization_record(f)))
+        click.echo(f"{f.name:<24} {f} (GGUF, --engine llamacpp)" + (f"  [{q}]" if q else ""))
 
 
 @main.group(context_settings=CONTEXT_SETTINGS)

@@ -30,17 +30,20 @@ def parse_bytes(text: str) -> int:
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
-@click.option("--model", "-m", required=True, help="Short model name or full-precision model folder.")
+@click.option("--model", "-m", required=True, help="Short model name or full-precision model folder (gguf-* schemes: "
+              "a short name or a .gguf file).")
 @click.option("--scheme", required=True, help="w8a8-int8 (int8 per-channel weights, dynamic int8 activations) or w4a16 "
               "(int4 grouped weights), for vLLM; gguf-f16, gguf-q8_0 or gguf-q4_k_m (llama-quantize), for --engine llamacpp.")
 @click.option("--method", default="rtn", show_default=True,
-              help="rtn (round-to-nearest, no calibration); calibrated, in llmcompressor's venv: w8a8-int8 takes "
-                   "gptq or smoothquant+gptq, w4a16 takes gptq or awq (gguf-* schemes: rtn only).")
+              help="rtn (round-to-nearest, no calibration; for gguf-* plain llama-quantize); calibrated, in "
+                   "llmcompressor's venv: w8a8-int8 takes gptq or smoothquant+gptq, w4a16 takes gptq or awq; "
+                   "gguf-q4_k_m takes imatrix (llama-imatrix's importance matrix on the calibration prompts, then "
+                   "llama-quantize --imatrix).")
 @click.option("--out", "-o", required=True, type=click.Path(), help="Folder for the quantized checkpoint (a .gguf file for gguf-* schemes).")
 @click.option("--group-size", type=int, default=None, help="w4a16 only: input columns per scale (default 128; must divide every layer's input dim).")
 @click.option("--calibration", default=None, metavar="INPUT|JOB_ID",
               help="The job's input (Parquet file, folder or glob) or an earlier job's id: calibration prompts, "
-                   "tokenized with the job's chat template (rtn only checks it).")
+                   "tokenized with the job's chat template (rtn only checks it; plain gguf-* takes none).")
 @click.option("--samples", type=int, default=None, help="Calibration prompts drawn, stratified by length (default 64).")
 @click.option("--max-seq-len", type=int, default=None, help="Longest calibration prompt in tokens; longer ones are not used (default 1024).")
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder (only once the new one is complete).")
@@ -59,6 +62,8 @@ def quantize(model, scheme, method, out, group_size, calibration, samples, max_s
       tokenmill run --model models/smollm2-w8a8 --input data/eval_set.parquet --output runs/q8
       tokenmill quantize --model smollm2-135m --scheme gguf-q8_0 --out models/smollm2-q8_0.gguf
       tokenmill run --engine llamacpp --model models/smollm2-q8_0.gguf --input data/eval_set.parquet --output runs/g8
+      tokenmill quantize --model smollm2-135m --scheme gguf-q4_k_m --method imatrix \\
+          --calibration nightly-2026-11-30 --out models/smollm2-q4_k_m-imat.gguf
     """
     from tokenmill.jobs.modeltools.quantize import QuantizeError
     from tokenmill.jobs.modeltools.quantize import quantize as do_quantize
@@ -80,8 +85,9 @@ def quantize(model, scheme, method, out, group_size, calibration, samples, max_s
     click.echo(f"  weights on disk {format_bytes(d['weights_bytes'])} (from {format_bytes(d['source_bytes'])}, {d['size_ratio']}× smaller)")
     run = d.get("calibration_run")
     if run:
+        tool = "llama-imatrix" if d["method"] == "imatrix" else "llmcompressor"
         click.echo(f"  calibration: {d['calibration_rows']} prompts ({run.get('tokens')} tokens) prepared in {d['prepare_s']} s; "
-                   f"llmcompressor run {run.get('wall_s')} s, peak RSS {format_bytes(run.get('peak_rss_bytes') or 0)}")
+                   f"{tool} run {run.get('wall_s')} s, peak RSS {format_bytes(run.get('peak_rss_bytes') or 0)}")
     if d["sha256"]:
         click.echo(f"  checkpoint sha256 {d['sha256']}")
     for n in d["notes"]:

@@ -30,6 +30,7 @@ dimension), so bad input fails in seconds with one line.
 
 from __future__ import annotations
 
+from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES, IMATRIX_SCHEMES, NO_IMATRIX
 from tokenmill.schemas.errors import first_line
 
 import hashlib
@@ -53,10 +54,18 @@ IGNORE = ("lm_head",)
 #: Scheme → the methods it takes (the first is the default).  SmoothQuant moves
 #: activation outliers into the weights, which helps only where activations are
 #: quantized (w8a8); AWQ protects salient weight channels of a weight-only scheme.
-METHODS = {"w8a8-int8": ("rtn", "gptq", "smoothquant+gptq"), "w4a16": ("rtn", "gptq", "awq")}
+#: The gguf-* schemes (gguf.py) take `rtn` (plain llama-quantize) and, where llama.cpp's
+#: quantizer reads one, `imatrix` (llama-imatrix's importance matrix).
+METHODS = {"w8a8-int8": ("rtn", "gptq", "smoothquant+gptq"), "w4a16": ("rtn", "gptq", "awq"),
+           **{s: ("rtn", "imatrix") if s in IMATRIX_SCHEMES else ("rtn",) for s in GGUF_SCHEMES}}
 WHY_NOT = {
     ("w8a8-int8", "awq"): "AWQ is for weight-only schemes (w4a16)",
     ("w4a16", "smoothquant+gptq"): "SmoothQuant smooths activations for int8 activation quantization, and w4a16 keeps activations in the model dtype",
+    **{(s, "imatrix"): "imatrix is llama.cpp's importance matrix, for the gguf-* schemes" for s in SCHEMES},
+    **{(s, m): f"{m} is llmcompressor's, for the compressed-tensors schemes (w8a8-int8, w4a16); a GGUF takes "
+               f"rtn (plain llama-quantize){' or imatrix' if s in IMATRIX_SCHEMES else ''}"
+       for s in GGUF_SCHEMES for m in ("gptq", "smoothquant+gptq", "awq")},
+    **{(s, "imatrix"): why for s, why in NO_IMATRIX.items()},
 }
 #: The checkpoint format each scheme must come out in (config.json quantization_config.format).
 FORMATS = {"w8a8-int8": "int-quantized", "w4a16": "pack-quantized"}
@@ -109,8 +118,6 @@ class QuantizeResult:
 def check_scheme(scheme: str, group_size: int | None) -> int | None:
     """The group size this scheme will use (None for per-channel); raise on an unknown
     scheme or a group size given to a scheme that has none."""
-    from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES
-
     if scheme not in SCHEMES:
         raise QuantizeError(f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES) + sorted(GGUF_SCHEMES)}")
     grouped = SCHEMES[scheme][1]
@@ -269,15 +276,18 @@ def _versions(*names: str) -> dict[str, str]:
     return out
 
 
-def checkpoint_hash(folder: Path) -> dict[str, Any]:
-    """sha256 of each weights file, and one digest over (name, digest) of them all."""
+def checkpoint_hash(path: Path) -> dict[str, Any]:
+    """sha256 of each weights file of a model folder, and one digest over (name, digest) of
+    them all; of a single file (a GGUF), the file's own sha256 (what `sha256sum` prints)."""
     files = {}
-    for f in sorted(folder.glob("*.safetensors")):
+    for f in sorted(path.glob("*.safetensors")) if path.is_dir() else [path]:
         h = hashlib.sha256()
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
         files[f.name] = h.hexdigest()
+    if not path.is_dir():
+        return {"sha256": files[path.name], "files": files}
     whole = hashlib.sha256("".join(f"{n}:{d}\n" for n, d in files.items()).encode()).hexdigest()
     return {"sha256": whole, "files": files}
 
@@ -424,14 +434,14 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
     QuantizeFailed when the calibration run or the check of its result fails.  `out`
     is only ever replaced by a complete folder."""
     from tokenmill.jobs.modeltools import calibration as C
-    from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES, quantize_gguf
+    from tokenmill.jobs.modeltools.gguf import quantize_gguf
     from tokenmill.schemas.models import QUANT_RECORD, ModelNotFound, resolve_model
 
-    if scheme in GGUF_SCHEMES:  # a GGUF file for the llamacpp engine (llama-quantize)
-        if group_size is not None or calibration or method != "rtn" or samples is not None or max_seq_len is not None:
-            raise QuantizeError(f"scheme {scheme!r} (llama-quantize) takes no --method, --group-size, --calibration, "
-                                "--samples or --max-seq-len")
-        return quantize_gguf(model, scheme, out, force=force)
+    if scheme in GGUF_SCHEMES:  # a GGUF file for the llamacpp engine (llama-quantize, llama-imatrix)
+        if group_size is not None:
+            raise QuantizeError(f"scheme {scheme!r} (llama-quantize) takes no --group-size")
+        return quantize_gguf(model, scheme, out, method=method, calibration=calibration, samples=samples,
+                             max_seq_len=max_seq_len, db_url=db_url, force=force)
     g = check_scheme(scheme, group_size)
     check_method(scheme, method)
     try:

@@ -21,7 +21,6 @@ it); a Beam bundle thread retired by the SDK's pool cannot take the server along
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -122,27 +121,21 @@ def gguf_file(name: str) -> Path:
     return p.resolve()
 
 
-def provenance_file(gguf: Path) -> Path:
-    """The note `tokenmill quantize` writes beside a GGUF it made (its source, scheme, tokenizer)."""
-    return gguf.with_name(gguf.name + ".tokenmill.json")
-
-
 def tokenizer_name(cfg: EngineConfig) -> str:
     """The local model folder or short name whose (Hugging Face) tokenizer counts and
     orders the prompts: `engine.tokenizer`; else a built-in short name itself; else the
-    tokenizer `tokenmill quantize` noted beside the GGUF.  EngineStartError otherwise."""
-    from tokenmill.schemas.models import BUILTIN_MODELS
+    tokenizer in the record `tokenmill quantize` wrote beside the GGUF.  EngineStartError otherwise."""
+    from tokenmill.schemas.models import BUILTIN_MODELS, quantization_record
 
     if cfg.tokenizer:
         return cfg.tokenizer
     if cfg.model in BUILTIN_MODELS:
         return cfg.model
-    note = provenance_file(Path(cfg.model).expanduser())
-    try:
-        return str(json.loads(note.read_text())["tokenizer"])
-    except (OSError, ValueError, KeyError, TypeError):
+    noted = (quantization_record(cfg.model) or {}).get("tokenizer")
+    if not noted:
         raise EngineStartError(f"engine kind llamacpp with GGUF {cfg.model!r} needs engine.tokenizer "
-                               "(the local Hugging Face folder or short name of the same model)") from None
+                               "(the local Hugging Face folder or short name of the same model)")
+    return str(noted)
 
 
 def check_llamacpp(cfg: EngineConfig) -> Path:
@@ -153,6 +146,22 @@ def check_llamacpp(cfg: EngineConfig) -> Path:
 
 
 # ---------------------------------------------------------------- the server
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    """The last `lines` lines of a llama.cpp program's log, on one line ("" when unreadable)."""
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(ln.strip() for ln in text[-lines:])
+
+
+def launch_argv(argv: list[str], cores: list[int]) -> list[str]:
+    """The command that runs the llama.cpp program `argv` bound to `cores` (all allowed
+    when empty) and killed if this process dies (LAUNCHER); start it from a thread that
+    lives as long as the program."""
+    return [sys.executable, "-I", "-S", "-c", LAUNCHER, str(os.getpid()), ",".join(map(str, cores)), *argv]
 
 
 def free_port() -> int:
@@ -225,9 +234,7 @@ class LlamaServer:
         try:
             with open(self.log_path, "wb") as out:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", LAUNCHER, str(os.getpid()), ",".join(map(str, self.cores)),
-                     *self.argv],
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=server_env())
+                    launch_argv(self.argv, self.cores), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=server_env())
         except BaseException as err:
             self._start_error = err
             return
@@ -236,11 +243,7 @@ class LlamaServer:
         self.proc.wait()
 
     def log_tail(self, lines: int = 5) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return " | ".join(ln.strip() for ln in text[-lines:])
+        return log_tail(self.log_path, lines)
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
