@@ -227,9 +227,7 @@ class VllmServer:
     def __init__(self, model_path: str, kwargs: dict[str, Any], log_path: Path, timeout_s: float = 600):
         from bench.arms import server_args
         from tokenmill.transforms.engines.cpu import cpu_runtime_env
-        from tokenmill.transforms.engines.llamacpp_session import free_port
-
-        import httpx
+        from tokenmill.transforms.engines.llamacpp_session import free_port, wait_until_answers
 
         port = free_port()
         self.root = f"http://127.0.0.1:{port}"
@@ -240,17 +238,8 @@ class VllmServer:
         with log_path.open("wb") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"vLLM's server exited {self.proc.returncode}: {log_path.read_text()[-1500:]}")
-                try:
-                    if httpx.get(f"{self.root}/v1/models", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.perf_counter() - t > timeout_s:
-                    raise RuntimeError(f"vLLM's server did not answer within {timeout_s:g} s: {log_path.read_text()[-1500:]}")
-                time.sleep(1)
+            wait_until_answers(self.proc, f"{self.root}/v1/models", timeout_s, "vLLM's API server",
+                               lambda: log_path.read_text()[-1500:], every_s=1.0)
         except BaseException:
             self.stop()
             raise

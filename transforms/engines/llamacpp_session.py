@@ -81,6 +81,26 @@ def binary(name: str) -> Path:
     return p
 
 
+def wait_until_answers(proc: subprocess.Popen, url: str, timeout_s: float, name: str,
+                       tail, every_s: float = 0.1) -> None:
+    """Wait for a server we started (`proc`) to answer `url` with 200; EngineStartError in
+    one line (with `tail()`, the end of its log) if it exits first or does not answer in
+    `timeout_s`.  Used for llama-server here and for vLLM's API server by bench-engines."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise EngineStartError(f"{name} exited with code {code} while starting: {tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise EngineStartError(f"{name} did not answer {url} within {timeout_s:g} s: {tail()}")
+        time.sleep(every_s)
+
+
 def build_info() -> dict[str, Any]:
     """What the binaries are: `llama-server --version` (llama.cpp build number, commit,
     compiler, target) and the BUILD file `make llamacpp` writes (the llama-cpp-python
@@ -246,19 +266,7 @@ class LlamaServer:
         return log_tail(self.log_path, lines)
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise EngineStartError(f"llama-server exited with code {code} while starting: {self.log_tail(3)}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise EngineStartError(f"llama-server did not answer /health within {timeout_s:g} s: {self.log_tail(3)}")
-            time.sleep(0.1)
+        wait_until_answers(self.proc, f"{self.url}/health", timeout_s, "llama-server", lambda: self.log_tail(3))
 
     def props(self) -> dict[str, Any]:
         """The server's /props (build, context, slots, model path), {} when it does not answer."""
