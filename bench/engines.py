@@ -335,7 +335,7 @@ class Bench:
 
         workers = 2 if wl == "b" else 1
         slots = self.args.slots
-        if arm.startswith("vllm_"):
+        if arm in ("vllm", "vllm_w8a8"):
             cfg = self.vllm_config(wl, self.model_path if arm == "vllm" else self.models["w8a8"])
             par = f"{workers} worker(s), each its own in-process vLLM engine, max_num_seqs {cfg.max_num_seqs}"
         elif arm.startswith("llamacpp_"):

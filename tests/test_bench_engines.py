@@ -100,3 +100,24 @@ def test_rows_lost_counts_ids_missing_from_the_export(tmp_path):
     assert B.rows_lost(str(tmp_path), 3)["rows_lost"] == 0
     assert B.rows_lost(str(tmp_path), 5)["rows_lost"] == 2
     assert B.rows_lost(str(tmp_path / "missing"), 4)["rows_lost"] == 4
+
+
+def test_each_arm_gets_its_own_engine(model_path):
+    """Every arm's engine config is the arm's engine (a misrouted arm measured another
+    engine under its name once: the `vllm` arm ran llama.cpp)."""
+    import argparse
+
+    args = argparse.Namespace(model="smollm2-135m", vllm_dtype="float32", slots=4, direct_gguf="q8_0", scale="smoke")
+    b = B.Bench(args, dict(B.SCALES["smoke"]))
+    b.models = {"w8a8": "/m/w8a8", "f16": "/m/f16.gguf", "q8_0": "/m/q8_0.gguf", "q4_k_m": "/m/q4_k_m.gguf"}
+
+    class Server:
+        root = "http://127.0.0.1:1"
+
+    b.servers = {"a": Server()}
+    kinds = {arm: b.arm_setup(arm, "a")["cfg"] for arm in B.ARMS}
+    assert (kinds["vllm"].kind, kinds["vllm"].model, kinds["vllm"].dtype) == ("vllm", b.model_path, "float32")
+    assert (kinds["vllm_w8a8"].kind, kinds["vllm_w8a8"].model) == ("vllm", "/m/w8a8")
+    for q in ("f16", "q8_0", "q4_k_m"):
+        assert (kinds[f"llamacpp_{q}"].kind, kinds[f"llamacpp_{q}"].model) == ("llamacpp", f"/m/{q}.gguf")
+    assert kinds["openai_vllm"].kind == "openai" and kinds["direct"].model == "/m/q8_0.gguf"
