@@ -24,6 +24,9 @@ help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
 	@echo "make test   - set up everything and run the test suite"
 	@echo "make bench  - throughput benchmark (docs/BENCHMARKS.md)"
+	@echo "make bench-engines - vLLM, W8A8, llama.cpp GGUFs, openai->vllm serve, llama-server direct (docs/ENGINES.md)"
+	@echo "make bench-quant - RTN against calibrated quantization (docs/QUANTIZATION.md)"
+	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
 	@echo "make gpu-check - the worker meter against nvidia-smi on a GPU (docs/ACCOUNTING.md)"
 	@echo "make llmcompressor - the venv calibrated quantization runs in (docs/QUANTIZATION.md)"
 
