@@ -272,12 +272,14 @@ class Bench:
 
         self.args, self.sc = args, sc
         self.model_path = str(resolve_model(args.model))
-        self.vllm_dtype = args.vllm_dtype
-        if self.vllm_dtype == "auto":  # what `dtype: auto` runs here, named, so the results say it
-            from tokenmill.transforms.engines.cpu import cpu_dtype
-            from tokenmill.transforms.engines.device import has_nvidia_gpu
+        # what `dtype: auto` runs here, resolved where the engine resolves it (named on a CPU,
+        # so the results say it; left to vLLM, the model's own dtype, on a GPU)
+        from tokenmill.schemas.config import EngineConfig
+        from tokenmill.transforms.engines.device import has_nvidia_gpu
+        from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
-            self.vllm_dtype = "bfloat16" if has_nvidia_gpu() else cpu_dtype()
+        self.vllm_dtype = engine_kwargs(EngineConfig(model=args.model, dtype=args.vllm_dtype), self.model_path,
+                                        on_gpu=has_nvidia_gpu())["dtype"]
         self.models: dict[str, str] = {}
         self.servers: dict[str, VllmServer] = {}
         self.server_info: dict[str, Any] = {}
