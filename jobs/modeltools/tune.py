@@ -606,6 +606,11 @@ class Budget:
         self.spent += wall_s
         self.runs.append((rows, wall_s, gen_s))
 
+    def spend(self, wall_s: float) -> None:
+        """Wall time of a job that is not one of the sample's runs (an eval-set job): spent,
+        but not a run the estimate of a rung is made from."""
+        self.spent += wall_s
+
     def job_fits(self) -> bool:
         return self.seconds is None or self.spent < self.seconds
 
@@ -762,27 +767,30 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
     def job_id(key: str, size: int, rep: int) -> str:
         return f"tune-{tid}-{key}-n{size}-r{rep}"
 
+    def run_or_read(jid: str, data: dict[str, Any], charge: Callable[[float], None]) -> tuple[dict[str, Any], bool]:
+        """(metrics, read back): a tune job that finished before is read back (a rerun resumes),
+        else it runs now; CandidateFailed when it fails, its wall charged to the budget first."""
+        job = S.get_job(eng, jid)
+        if job and job["status"] in ("succeeded", "partial") and job.get("metrics"):
+            return job["metrics"], True
+        t0 = time.time()
+        try:
+            res = run_job(load_spec(data), db_url=db_url, session_factory=session_factory)
+        except S.JobBusy as err:
+            raise TuneError(str(err)) from None
+        except (JobError, S.StorageError) as err:
+            charge(time.time() - t0)
+            raise CandidateFailed(first_line(err)) from None
+        if res.status not in ("succeeded", "partial"):
+            charge(res.wall_s)
+            raise CandidateFailed(f"job {jid} ended {res.status}" + (f": {res.note}" if res.note else ""))
+        return res.metrics, False
+
     def measure(key: str, size: int, rep: int) -> dict[str, Any]:
         jid, cand = job_id(key, size, rep), by_key[key]
-        job = S.get_job(eng, jid)
-        reused = bool(job and job["status"] in ("succeeded", "partial") and job.get("metrics"))
-        if reused:
-            metrics = job["metrics"]
-        else:
-            data = _run_data(cand, input=rung(size), output=out / "jobs" / jid, job_id=jid,
-                             name=f"tune {tid}: {cand.label}, {size} rows, run {rep + 1}")
-            t0 = time.time()
-            try:
-                res = run_job(load_spec(data), db_url=db_url, session_factory=session_factory)
-            except S.JobBusy as err:
-                raise TuneError(str(err)) from None
-            except (JobError, S.StorageError) as err:
-                budget.add(size, time.time() - t0, 0.0)
-                raise CandidateFailed(first_line(err)) from None
-            if res.status not in ("succeeded", "partial"):
-                budget.add(size, res.wall_s, 0.0)
-                raise CandidateFailed(f"job {jid} ended {res.status}" + (f": {res.note}" if res.note else ""))
-            metrics = res.metrics
+        data = _run_data(cand, input=rung(size), output=out / "jobs" / jid, job_id=jid,
+                         name=f"tune {tid}: {cand.label}, {size} rows, run {rep + 1}")
+        metrics, reused = run_or_read(jid, data, lambda wall: budget.add(size, wall, 0.0))
         th = metrics.get("throughput") or {}
         budget.add(size, th.get("job_wall_s") or 0.0, th.get("generation_wall_s") or 0.0)
         figs = figures_of(metrics)
@@ -792,25 +800,22 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
             raise CandidateFailed(f"job {jid} has no cost per 1M output tokens (no output tokens)")
         return {**figs, "job_id": jid, "reused": reused}
 
+    evals_done: set[str] = set()
+
     def eval_job(key: str) -> str:
-        """The candidate's answers to the eval set (greedy, one run, read back on a rerun)."""
+        """The candidate's answers to the eval set (greedy, one run, read back on a rerun), its
+        wall in the budget's spending but not in its estimate of a sample's runs."""
         jid = f"tune-{tid}-{key}-eval"
-        job = S.get_job(eng, jid)
-        if job and job["status"] in ("succeeded", "partial"):
+        if jid in evals_done:
             return jid
         data = _run_data(by_key[key], input=evals, output=out / "jobs" / jid, job_id=jid,
                          name=f"tune {tid}: {by_key[key].label}, eval set")
         data["reference_column"] = "reference"
         data["sampling"] = {**(data.get("sampling") or {}), "temperature": 0.0, "max_tokens": EVAL_MAX_TOKENS}
-        t0 = time.time()
-        try:
-            res = run_job(load_spec(data), db_url=db_url, session_factory=session_factory)
-        except (JobError, S.StorageError) as err:
-            budget.add(0, time.time() - t0, 0.0)
-            raise CandidateFailed(first_line(err)) from None
-        th = (res.metrics or {}).get("throughput") or {}
-        budget.add(0, th.get("job_wall_s") or res.wall_s or 0.0, 0.0)
-        echo(f"  {jid} {by_key[key].label}: eval set answered")
+        metrics, reused = run_or_read(jid, data, budget.spend)
+        budget.spend((metrics.get("throughput") or {}).get("job_wall_s") or 0.0)
+        evals_done.add(jid)
+        echo(f"  {jid} {by_key[key].label}: eval set " + ("read back" if reused else "answered"))
         return jid
 
     def judge(key: str, size: int):
