@@ -3,7 +3,7 @@ speculative decoding.  A program, not a timed test: it writes
 `bench/results/quant-<stamp>.json` and prints the Markdown tables for
 docs/BENCHMARKS.md.
 
-    python -m tokenmill.jobs.lifecycle.envexec python -m bench.quant          # ~25 min, 2-core CPU
+    python -m tokenmill.jobs.lifecycle.envexec python -m bench.quant          # ~60 min, 2-core CPU
 
 (The defaults are the full measurement: 64 chat rows, the calibrated methods at
 tokenmill quantize's default 64 samples, every configuration but the opt-in ones;
@@ -16,6 +16,17 @@ against its references and against the bf16 run) and workload (a) of the
 throughput benchmark (mixed chat, fixed 32 output tokens, ignore_eos) for
 speed.  Output tok/s = generated tokens ÷ generation wall time (engine load
 excluded); total tok/s counts prompt + generated tokens over the same time.
+
+Speed is timed in `--speed-rounds` rounds (default 3), interleaved: round 1 is
+that chat job (the eval job before it warmed the engine); each further round
+loads every configuration's engine again, runs `--warm-rows` chat rows untimed,
+then the timed chat job, in alternating order (forward, reversed, forward, ...),
+so drift over the run falls on every configuration alike.  Tables give the
+median tok/s with the lowest and highest round; a ratio between two
+configurations (speedup, calibrated against RTN) is taken round by round and
+its median reported with every round's value.  Accuracy drops come with the
+answers lost and gained and the drop's 95% interval (compare.py): on 60
+questions one answer is 1.7 points.
 Next to the measured speedup sits the theoretical compression ratio of the
 weights and of the KV cache, since the two differ.
 
@@ -46,6 +57,7 @@ import datetime as dt
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -85,6 +97,7 @@ TARGETS = {
 }
 #: Calibrated throughput against RTN of the same scheme (same kernels): at least this fraction.
 SPEED_TARGET = 0.95
+SPEC_NAME = "auto + ngram spec"
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
 
@@ -104,7 +117,9 @@ def _spec_metrics(names=("vllm:spec_decode_num_accepted_tokens", "vllm:spec_deco
 
 
 def run_one(name: str, engine: dict[str, Any], model: str, inputs: dict[str, Path], db: str,
-            max_tokens: int) -> dict[str, Any]:
+            max_tokens: int, suffix: str = "") -> dict[str, Any]:
+    """Run `inputs` (workload name → Parquet) as tokenmill jobs on one engine load, in order:
+    each job's throughput figures, the engine's settings; `error` when a job fails."""
     from tokenmill.schemas import storage as S
     from tokenmill.jobs.modeltools.kvplan import engine_info_for_job
     from tokenmill.jobs.lifecycle.runner import run_job
@@ -113,11 +128,11 @@ def run_one(name: str, engine: dict[str, Any], model: str, inputs: dict[str, Pat
     slug = name.replace(" ", "").replace("+", "-").replace("(", "").replace(")", "")
     res: dict[str, Any] = {"name": name, "engine": engine, "model": model}
     for wl, path in inputs.items():
-        job_id = f"quant-{slug}-{wl}"
+        job_id = f"quant-{slug}-{wl}{suffix}"
         spec = {
             "input": str(path), "output": str(WORK / "out" / job_id), "job_id": job_id,
             "engine": dict(ENGINE, model=model, **engine),
-            "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": wl == "chat"},
+            "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": wl in ("chat", "warm")},
         }
         if wl == "eval":
             spec["reference_column"] = "reference"
@@ -157,6 +172,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None,
                     help=f"Run only these configurations (names as in the table; {', '.join(map(repr, OPT_IN))} runs only when named).")
     ap.add_argument("--no-spec", action="store_true", help="Skip the speculative decoding run.")
+    ap.add_argument("--speed-rounds", type=int, default=3,
+                    help="Timed runs of the chat workload per configuration, in alternating order (default 3).")
+    ap.add_argument("--warm-rows", type=int, default=8, help="Chat rows run untimed on each fresh engine load first.")
     ap.add_argument("--bf16-chat", action=argparse.BooleanOptionalAction, default=True,
                     help="Run the chat workload in bf16 too, the base of the agreement on the job's own prompts "
                          "(--no-bf16-chat skips it on a CPU without bf16 units, where bf16 is slow).")
@@ -239,15 +257,43 @@ def main() -> None:
             r["quantized"] = quantized[(scheme, method)]
         results.append(r)
     spec_res = None
+    warm = WORK / "warm.parquet"  # the chat workload's first rows: a warm-up on a freshly loaded engine
+    W.chat(warm, min(args.warm_rows, args.chat_rows), seed=1, max_tokens=args.max_tokens)
+    spec_engine = {"dtype": "auto", "speculative_config": SPEC}
     if not args.no_spec:
         print("config auto dtype + ngram speculative decoding", flush=True)
-        spec_res = run_one("auto + ngram spec", {"dtype": "auto", "speculative_config": SPEC}, str(src),
-                           {"chat": chat}, db, args.max_tokens)
+        spec_res = run_one(SPEC_NAME, spec_engine, str(src), {"warm": warm, "chat": chat}, db, args.max_tokens)
+    # speed: round 1 is the quality pass's chat job (warmed by the eval job on the same engine
+    # load); each further round loads every configuration again, warms it, times the chat
+    # workload, in alternating order (forward, reversed, forward, ...)
+    timed = [(r, CONFIGS[r["name"]][0], ckpt[CONFIGS[r["name"]][1:]] if CONFIGS[r["name"]][1] else str(src))
+             for r in results if r.get("chat") and not r.get("error")]
+    if spec_res and spec_res.get("chat"):
+        timed.append((spec_res, spec_engine, str(src)))
+    for pos, (r, _, _) in enumerate(timed):
+        r["speed"] = {"rounds": [dict(_speed_figures(r["chat"]), round=1, position=pos)]}
+    for k in range(2, args.speed_rounds + 1):
+        order = timed if k % 2 else timed[::-1]
+        print(f"speed round {k} of {args.speed_rounds}: {[r['name'] for r, _, _ in order]}", flush=True)
+        for pos, (r, eng, model) in enumerate(order):
+            # bf16 reruns the eval set in round 2 (it warms the engine as in round 1): bf16 against
+            # itself is the noise floor of every quality column
+            again = k == 2 and r["name"] == "bf16" and r.get("eval")
+            ins = {"eval": inputs["eval"], "chat": chat} if again else {"warm": warm, "chat": chat}
+            rr = run_one(r["name"], eng, model, ins, db, args.max_tokens, suffix=f"-r{k}")
+            fig = _speed_figures(rr["chat"]) if rr.get("chat") else {"error": rr.get("error")}
+            r["speed"]["rounds"].append(dict(fig, round=k, position=pos))
+            if again and rr.get("eval"):
+                r["eval_rerun"] = rr["eval"]
+    for r, _, _ in timed:
+        done = [x for x in r["speed"]["rounds"] if x.get("output_tok_per_s")]
+        for key in ("output_tok_per_s", "total_tok_per_s"):
+            r["speed"][key] = statistics.median(x[key] for x in done) if done else None
 
-    eng = S.connect(db)
+    store = S.connect(db)
     by = {r["name"]: r for r in results}
     base_name = "bf16" if auto_dtype == "bfloat16" else "fp32"  # what `dtype: auto` runs here
-    base_fp32 = by.get(base_name, {}).get("chat", {}).get("output_tok_per_s")
+    base_fp32 = by.get(base_name)
     base_bf16 = by.get("bf16", {}).get("eval", {}).get("output_tok_per_s")
     for r in results:
         if r.get("error"):
@@ -264,26 +310,26 @@ def main() -> None:
         kvb = K.plan(cfg, max_model_len=1, dtype=dtype, kv_cache_dtype=kv_dtype)["kv_bytes_per_token"]
         r["kv_bytes_per_token_planned"] = kvb
         r["kv_ratio_vs_fp32"] = K.plan(cfg, max_model_len=1, dtype="float32")["kv_bytes_per_token"] / kvb
-        tps = r.get("chat", {}).get("output_tok_per_s")
-        r["speedup_vs_fp32"] = tps / base_fp32 if tps and base_fp32 else None
+        r["speedup_vs_fp32"] = paired_ratio(r, base_fp32)
         etps = r.get("eval", {}).get("output_tok_per_s")
         r["speedup_vs_bf16"] = etps / base_bf16 if etps and base_bf16 else None
         if "eval" in r:
             for base in ("bf16", "fp32"):
                 b = by.get(base, {}).get("eval")
                 if b and base != r["name"]:
-                    c = compare_jobs(eng, b["job_id"], r["eval"]["job_id"], max_drop=args.gate).as_dict()
+                    c = compare_jobs(store, b["job_id"], r["eval"]["job_id"], max_drop=args.gate).as_dict()
                     c.pop("worst", None)
                     r.setdefault("quality", {})[base] = c
-            own = compare_jobs(eng, r["eval"]["job_id"], r["eval"]["job_id"])
+            own = compare_jobs(store, r["eval"]["job_id"], r["eval"]["job_id"])
             r["eval_accuracy"] = own.base_accuracy
         bchat = by.get("bf16", {}).get("chat")
         if bchat and r.get("chat") and r["name"] != "bf16":  # agreement with bf16 on the job's own prompts
-            c = compare_jobs(eng, bchat["job_id"], r["chat"]["job_id"], max_drop=args.gate).as_dict()
+            c = compare_jobs(store, bchat["job_id"], r["chat"]["job_id"], max_drop=args.gate).as_dict()
             c.pop("worst", None)
             r.setdefault("quality", {})["bf16_chat"] = c
-    if spec_res and base_fp32 and spec_res.get("chat"):
-        spec_res["speedup_vs_fp32"] = spec_res["chat"]["output_tok_per_s"] / base_fp32
+    noise = noise_floor(store, by.get("bf16"), args.gate)
+    if spec_res and spec_res.get("chat"):
+        spec_res["speedup_vs_fp32"] = paired_ratio(spec_res, base_fp32)
         sd = spec_res.get("spec_decode") or {}
         if sd.get("spec_decode_num_draft_tokens"):
             spec_res["acceptance_rate"] = sd["spec_decode_num_accepted_tokens"] / sd["spec_decode_num_draft_tokens"]
@@ -293,14 +339,52 @@ def main() -> None:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = {"stamp": stamp, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                        "auto_dtype": auto_dtype},
-           "base": base_name, "engine": ENGINE, "chat_rows": args.chat_rows, "max_tokens": args.max_tokens, "results": results,
-           "speculative": spec_res, "gate": args.gate, "calibration_rows": args.calibration_rows,
+           "base": base_name, "engine": ENGINE, "chat_rows": args.chat_rows, "max_tokens": args.max_tokens,
+           "speed_rounds": args.speed_rounds, "warm_rows": args.warm_rows, "results": results,
+           "speculative": spec_res, "noise_floor": noise, "gate": args.gate, "calibration_rows": args.calibration_rows,
            "quantized": [{"scheme": k[0], "method": k[1], **v} for k, v in quantized.items()]}
     out["targets"] = targets(out)
     res_dir = ROOT / "bench" / "results"
     res_dir.mkdir(parents=True, exist_ok=True)
     (res_dir / f"quant-{stamp}.json").write_text(json.dumps(out, indent=2, default=str))
     print(markdown(out))
+
+
+def noise_floor(store, bf16: dict[str, Any] | None, gate: float) -> dict[str, Any] | None:
+    """bf16 against its own rerun (same model, same settings, another engine load): the eval
+    set's accuracy drop and agreement, and the chat agreement between its first two timed
+    rounds.  Greedy bf16 on a CPU is not bit-reproducible across loads (batches form
+    differently), so no quantized checkpoint can be judged finer than this."""
+    from tokenmill.jobs.modeltools.compare import compare_jobs
+
+    if not bf16:
+        return None
+    out: dict[str, Any] = {}
+    if bf16.get("eval") and bf16.get("eval_rerun"):
+        out["eval"] = compare_jobs(store, bf16["eval"]["job_id"], bf16["eval_rerun"]["job_id"], max_drop=gate).as_dict()
+    chats = [x["job_id"] for x in (bf16.get("speed") or {}).get("rounds", []) if x.get("job_id")][:2]
+    if len(chats) == 2:
+        out["chat"] = compare_jobs(store, chats[0], chats[1], max_drop=gate).as_dict()
+    for c in out.values():
+        c.pop("worst", None)
+    return out or None
+
+
+def _speed_figures(job: dict[str, Any]) -> dict[str, Any]:
+    return {k: job.get(k) for k in ("job_id", "output_tok_per_s", "total_tok_per_s", "generation_wall_s")}
+
+
+def paired_ratio(r: dict[str, Any] | None, base: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Output tok/s of `r` over `base`, round by round (the two ran in the same round, close in
+    time): the median of those ratios, and each.  None when they share no timed round."""
+    if not r or not base or r is base:
+        return None
+    b = {x["round"]: x["output_tok_per_s"] for x in (base.get("speed") or {}).get("rounds", []) if x.get("output_tok_per_s")}
+    per = [x["output_tok_per_s"] / b[x["round"]] for x in (r.get("speed") or {}).get("rounds", [])
+           if x.get("output_tok_per_s") and x["round"] in b]
+    if not per:
+        return None
+    return {"median": statistics.median(per), "min": min(per), "max": max(per), "per_round": per}
 
 
 def layer_error_summary(errs: list[dict[str, Any]], worst: int = 5) -> dict[str, Any]:
@@ -320,20 +404,46 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, (rtn, max_drop, gate) in TARGETS.items():
         r = by.get(name) or {}
-        drop = ((r.get("quality") or {}).get("bf16") or {}).get("accuracy_drop")
+        q = (r.get("quality") or {}).get("bf16") or {}
+        drop, ci = q.get("accuracy_drop"), q.get("accuracy_drop_ci95")
         if max_drop is not None:
-            rows.append({"target": f"{name}: accuracy within {max_drop * 100:g} points of bf16", "measured": drop,
+            rows.append({"target": f"{name}: accuracy within {max_drop * 100:g} points of bf16", "measured": drop, "ci95": ci,
                          "verdict": None if drop is None else ("PASS" if drop <= max_drop + 1e-9 else "MISS")})
         if gate is not None:  # `compare --max-drop gate` fails when the drop exceeds it
             rows.append({"target": f"{name}: passes a {gate * 100:g}-point gate (compare --max-drop {gate:g})",
-                         "measured": drop, "verdict": None if drop is None else ("MISS" if drop > gate + 1e-9 else "PASS")})
-        tps = (r.get("chat") or {}).get("output_tok_per_s")
-        base = ((by.get(rtn) or {}).get("chat") or {}).get("output_tok_per_s")
-        ratio = tps / base if tps and base else None
+                         "measured": drop, "ci95": ci, "verdict": None if drop is None else ("MISS" if drop > gate + 1e-9 else "PASS")})
+        pr = paired_ratio(r, by.get(rtn))
+        ratio = pr["median"] if pr else None
         plain = "plain llama-quantize" if rtn.startswith("gguf-") else "RTN"
         rows.append({"target": f"{name}: output tok/s within {(1 - SPEED_TARGET) * 100:g}% of {rtn} ({plain})",
-                     "measured": ratio, "verdict": None if ratio is None else ("PASS" if ratio >= SPEED_TARGET else "MISS")})
+                     "measured": ratio, "per_round": pr and pr["per_round"],
+                     "verdict": None if ratio is None else ("PASS" if ratio >= SPEED_TARGET else "MISS")})
     return rows
+
+
+def _fmt_speed(r: dict[str, Any], key: str = "output_tok_per_s") -> str:
+    """Median tok/s over the timed rounds, with the lowest and highest: `65.0 (63.1–66.2)`."""
+    sp = r.get("speed") or {}
+    vals = [x[key] for x in sp.get("rounds", []) if x.get(key)]
+    if not vals:
+        v = (r.get("chat") or {}).get(key)
+        return "-" if v is None else f"{v:.1f}"
+    return f"{statistics.median(vals):.1f}" + (f" ({min(vals):.1f}–{max(vals):.1f})" if len(vals) > 1 else "")
+
+
+def _fmt_ratio(pr: dict[str, Any] | None) -> str:
+    if not pr:
+        return "-"
+    return f"{pr['median']:.2f}×" + (f" ({pr['min']:.2f}–{pr['max']:.2f})" if len(pr["per_round"]) > 1 else "")
+
+
+def _fmt_drop(q: dict[str, Any]) -> str:
+    """An accuracy drop with the answers lost and gained and its 95% interval."""
+    if q.get("accuracy_drop") is None:
+        return "-"
+    ci = q.get("accuracy_drop_ci95")
+    tail = f" (−{q['lost']} +{q['gained']}; 95% {ci[0] * 100:+.1f} to {ci[1] * 100:+.1f})" if ci else ""
+    return f"{q['accuracy_drop'] * 100:+.1f}{tail}"
 
 
 def markdown(out: dict[str, Any]) -> str:
@@ -350,13 +460,12 @@ def markdown(out: dict[str, Any]) -> str:
         if r.get("error"):
             lines.append(f"| {r['name']} | failed: `{r['error']}` |" + " |" * 12)
             continue
-        c = r.get("chat", {})
         q = (r.get("quality") or {}).get("bf16") or {}
         ei = r.get("engine_info") or {}
         lines.append(
-            f"| {r['name']} | {f(c.get('output_tok_per_s'))} | {f(c.get('total_tok_per_s'))} | "
+            f"| {r['name']} | {_fmt_speed(r)} | {_fmt_speed(r, 'total_tok_per_s')} | "
             f"{f(r.get('eval', {}).get('output_tok_per_s'))} | "
-            f"{f(r.get('speedup_vs_fp32'), '{:.2f}×')} | {f(r.get('speedup_vs_bf16'), '{:.2f}×')} | "
+            f"{_fmt_ratio(r.get('speedup_vs_fp32'))} | {f(r.get('speedup_vs_bf16'), '{:.2f}×')} | "
             f"{r['weights_bytes_planned'] / mib:.0f} MiB | {r['weights_ratio_vs_fp32']:.2f}× | "
             f"{r['kv_bytes_per_token_planned']:,} | {r['kv_ratio_vs_fp32']:.1f}× | {f(ei.get('kv_cache_tokens'), '{:,}')} | "
             f"{f(r.get('eval_accuracy'), '{:.1%}')} | {f(q.get('exact_match_rate'), '{:.1%}')} | "
@@ -364,6 +473,14 @@ def markdown(out: dict[str, Any]) -> str:
         )
     lines.append("")
     lines.append(rtn_vs_calibrated(out))
+    nf = out.get("noise_floor") or {}
+    if nf:
+        e, c = nf.get("eval") or {}, nf.get("chat") or {}
+        lines.append(
+            "\nNoise floor, bf16 against its own rerun (another engine load): "
+            + (f"eval accuracy drop {_fmt_drop(e)}, exact {e['exact_match_rate']:.1%} / similarity "
+               f"{e['word_similarity']:.3f}" if e else "eval not rerun")
+            + (f"; chat exact {c['exact_match_rate']:.1%} / similarity {c['word_similarity']:.3f}" if c else ""))
     lines.append("")
     lines.append(targets_and_layers(out))
     s = out.get("speculative")
@@ -371,10 +488,9 @@ def markdown(out: dict[str, Any]) -> str:
         if s.get("error"):
             lines.append(f"\nSpeculative decoding (n-gram): failed: `{s['error']}`")
         else:
-            c = s.get("chat", {})
             lines.append(
-                f"\nSpeculative decoding (n-gram, {SPEC}): output {f(c.get('output_tok_per_s'))} tok/s "
-                f"({f(s.get('speedup_vs_fp32'), '{:.2f}×')} of {out.get('base', 'fp32')} without it), acceptance rate "
+                f"\nSpeculative decoding (n-gram, {SPEC}): output {_fmt_speed(s)} tok/s "
+                f"({_fmt_ratio(s.get('speedup_vs_fp32'))} of {out.get('base', 'fp32')} without it), acceptance rate "
                 f"{f(s.get('acceptance_rate'), '{:.1%}')} (metrics: {s.get('spec_decode')})"
             )
     return "\n".join(lines)
@@ -387,8 +503,8 @@ def rtn_vs_calibrated(out: dict[str, Any]) -> str:
 
     gate = out.get("gate", 0.05)
     lines = [
-        f"| scheme | method | checkpoint on disk | calibration run (wall, peak RSS) | output tok/s (chat) | eval accuracy | "
-        f"accuracy drop vs bf16 | exact / similarity vs bf16 (eval) | exact / similarity vs bf16 (chat) | gate ≤{gate:.0%} |",
+        f"| scheme | method | checkpoint on disk | calibration run (wall, peak RSS) | output tok/s (chat, median of rounds) | eval accuracy | "
+        f"accuracy drop vs bf16, points (answers lost, gained; 95% interval) | exact / similarity vs bf16 (eval) | exact / similarity vs bf16 (chat) | gate ≤{gate:.0%} |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["results"]:
@@ -406,8 +522,8 @@ def rtn_vs_calibrated(out: dict[str, Any]) -> str:
                if run else "-")
         lines.append(
             f"| {scheme} | {method} | {f(q.get('weights_bytes'), '{:,} B')} | {cal} | "
-            f"{f(r.get('chat', {}).get('output_tok_per_s'))} | {f(r.get('eval_accuracy'), '{:.1%}')} | "
-            f"{f(qe.get('accuracy_drop'), '{:+.1%}')} | {f(qe.get('exact_match_rate'), '{:.1%}')} / {f(qe.get('word_similarity'), '{:.3f}')} | "
+            f"{_fmt_speed(r)} | {f(r.get('eval_accuracy'), '{:.1%}')} | "
+            f"{_fmt_drop(qe)} | {f(qe.get('exact_match_rate'), '{:.1%}')} / {f(qe.get('word_similarity'), '{:.3f}')} | "
             f"{f(qc.get('exact_match_rate'), '{:.1%}')} / {f(qc.get('word_similarity'), '{:.3f}')} | "
             f"{'-' if not qe else ('PASS' if qe.get('passed') else 'FAIL')} |")
     return "\n".join(lines)
@@ -423,7 +539,13 @@ def targets_and_layers(out: dict[str, Any]) -> str:
              "| target | measured | verdict |", "|---|---|---|"]
     for t in out.get("targets") or targets(out):
         m = t["measured"]
-        shown = "-" if m is None else (f"{m:.2f}×" if "tok/s" in t["target"] else f"{m:+.1%} drop")
+        if m is None:
+            shown = "-"
+        elif "tok/s" in t["target"]:
+            shown = f"{m:.2f}× (rounds: {', '.join(f'{x:.2f}' for x in t.get('per_round') or [])})"
+        else:
+            shown = f"{m:+.1%} drop" + (f" (95% {t['ci95'][0] * 100:+.1f} to {t['ci95'][1] * 100:+.1f} points)"
+                                        if t.get("ci95") else "")
         failed = (by.get(t["target"].split(":")[0]) or {}).get("error")
         lines.append(f"| {t['target']} | {shown} | {t['verdict'] or ('failed (above)' if failed else 'not run')} |")
     summaries = [(r["name"], (r.get("quantized") or {}).get("layer_error_summary")) for r in out["results"]]

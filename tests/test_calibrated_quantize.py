@@ -226,18 +226,25 @@ def test_bench_quant_tables_put_rtn_and_calibrated_side_by_side():
 
     bf16 = row("bf16", 0.617, 400.0)
     rtn = row("w8a8-int8", 0.5, 500.0, {"weights_bytes": 163226688},
-              quality={"bf16": {"accuracy_drop": 0.117, "exact_match_rate": 0.4, "word_similarity": 0.7, "passed": False},
+              quality={"bf16": {"accuracy_drop": 0.117, "lost": 8, "gained": 1, "accuracy_drop_ci95": (0.021, 0.213),
+                                "exact_match_rate": 0.4, "word_similarity": 0.7, "passed": False},
                        "bf16_chat": {"exact_match_rate": 0.2, "word_similarity": 0.5}})
     cal = row("w8a8-int8 smoothquant+gptq", 0.6, 495.0,
               {"weights_bytes": 163226688, "calibration_run": {"wall_s": 90.0, "peak_rss_bytes": 1 << 30, "samples": 256}},
               quality={"bf16": {"accuracy_drop": 0.017, "exact_match_rate": 0.7, "word_similarity": 0.9, "passed": True}})
     failed = {"name": "w4a16 gptq", "engine": {"dtype": "auto"}, "error": "QuantizeFailed: llmcompressor gptq failed"}
-    text = markdown({"results": [bf16, rtn, cal, failed], "gate": 0.03, "base": "bf16"})
+    noise = {"eval": {"accuracy_drop": -0.0167, "lost": 1, "gained": 2, "accuracy_drop_ci95": (-0.07, 0.04),
+                      "exact_match_rate": 0.8, "word_similarity": 0.93},
+             "chat": {"exact_match_rate": 0.5, "word_similarity": 0.8}}
+    text = markdown({"results": [bf16, rtn, cal, failed], "gate": 0.03, "base": "bf16", "noise_floor": noise})
+    assert ("bf16 against its own rerun (another engine load): eval accuracy drop -1.7 (−1 +2; 95% -7.0 to +4.0), "
+            "exact 80.0% / similarity 0.930; chat exact 50.0% / similarity 0.800") in text
     lines = {ln.split("|")[1].strip() + " " + ln.split("|")[2].strip(): ln for ln in text.splitlines()
              if ln.startswith("| w")}
     assert "| gate ≤3% |" in text
-    assert "| 163,226,688 B | - | 500.0 | 50.0% | +11.7% | 40.0% / 0.700 | 20.0% / 0.500 | FAIL |" in lines["w8a8-int8 rtn"]
-    assert "| 90.0 s, 1024 MiB (256 prompts) | 495.0 | 60.0% | +1.7% |" in lines["w8a8-int8 smoothquant+gptq"]
+    assert ("| 163,226,688 B | - | 500.0 | 50.0% | +11.7 (−8 +1; 95% +2.1 to +21.3) | 40.0% / 0.700 | 20.0% / 0.500 | FAIL |"
+            in lines["w8a8-int8 rtn"])
+    assert "| 90.0 s, 1024 MiB (256 prompts) | 495.0 | 60.0% | +1.7 |" in lines["w8a8-int8 smoothquant+gptq"]
     assert lines["w8a8-int8 smoothquant+gptq"].endswith("| - / - | PASS |")
     assert "failed: `QuantizeFailed: llmcompressor gptq failed`" in lines["w4a16 gptq"]
 
@@ -245,8 +252,10 @@ def test_bench_quant_tables_put_rtn_and_calibrated_side_by_side():
 def test_bench_quant_prints_the_issues_targets_and_the_per_layer_error():
     from bench.quant import layer_error_summary, markdown, targets
 
-    def row(name, acc, drop, tps, **kw):
-        return {"name": name, "engine": {"dtype": "auto"}, "chat": {"output_tok_per_s": tps}, "eval_accuracy": acc,
+    def row(name, acc, drop, rounds, **kw):  # output tok/s of the timed rounds 1, 2, 3
+        speed = {"rounds": [{"round": k, "output_tok_per_s": v} for k, v in enumerate(rounds or [], 1)]}
+        return {"name": name, "engine": {"dtype": "auto"}, "chat": {"output_tok_per_s": rounds and rounds[0]},
+                "speed": speed, "eval_accuracy": acc,
                 "weights_bytes_planned": 1 << 27, "weights_ratio_vs_fp32": 3.0, "kv_bytes_per_token_planned": 23040,
                 "kv_ratio_vs_fp32": 2.0, "quality": {"bf16": {"accuracy_drop": drop, "passed": drop <= 0.03}}, **kw}
 
@@ -257,10 +266,12 @@ def test_bench_quant_prints_the_issues_targets_and_the_per_layer_error():
     assert s["worst"][0] == {"layer": "model.layers.1.mlp.down_proj", "error": 5.0} and s["total"] == 9.0
     out = {"gate": 0.03, "base": "bf16", "results": [
         row("bf16", 0.617, 0.0, None),
-        row("w8a8-int8", 0.5, 0.117, 500.0),
-        row("w8a8-int8 smoothquant+gptq", 0.583, 0.0334, 490.0, quantized={"layer_error_summary": s}),
-        row("gguf-q4_k_m", 0.55, 0.067, 100.0),
-        row("gguf-q4_k_m imatrix", 0.567, 0.05, 93.0),
+        row("w8a8-int8", 0.5, 0.117, [500.0, 400.0, 510.0]),
+        # paired round by round: 0.98, 0.99, 0.98 (against the medians alone, 490 ÷ 500 would be the same
+        # verdict; against round 1 of one and the median of the other it would not)
+        row("w8a8-int8 smoothquant+gptq", 0.583, 0.0334, [490.0, 396.0, 500.0], quantized={"layer_error_summary": s}),
+        row("gguf-q4_k_m", 0.55, 0.067, [100.0, 100.0, 100.0]),
+        row("gguf-q4_k_m imatrix", 0.567, 0.05, [93.0, 99.0, 90.0]),  # 0.93, 0.99, 0.90
         {"name": "w4a16 awq", "engine": {"dtype": "auto"}, "error": "QuantizeFailed: llmcompressor awq failed (exit 1): X"},
     ]}
     got = {t["target"]: t["verdict"] for t in targets(out)}
@@ -268,9 +279,12 @@ def test_bench_quant_prints_the_issues_targets_and_the_per_layer_error():
     assert got["w8a8-int8 smoothquant+gptq: passes a 3-point gate (compare --max-drop 0.03)"] == "MISS"  # 3.34 points
     assert got["w8a8-int8 smoothquant+gptq: output tok/s within 5% of w8a8-int8 (RTN)"] == "PASS"  # 0.98×
     assert got["gguf-q4_k_m imatrix: output tok/s within 5% of gguf-q4_k_m (plain llama-quantize)"] == "MISS"  # 0.93×
+    ratio = {t["target"]: t for t in targets(out)}["gguf-q4_k_m imatrix: output tok/s within 5% of gguf-q4_k_m (plain llama-quantize)"]
+    assert ratio["measured"] == pytest.approx(0.93) and ratio["per_round"] == pytest.approx([0.93, 0.99, 0.90])
     assert got["w4a16 gptq: accuracy within 4 points of bf16"] is None  # not run
     text = markdown(out)
     assert "| w4a16 awq: accuracy within 4 points of bf16 | - | failed (above) |" in text
     assert "| w4a16 gptq: accuracy within 4 points of bf16 | - | not run |" in text
-    assert "| gguf-q4_k_m | imatrix | - | - | 93.0 | 56.7% | +5.0% |" in text  # the GGUF pair in the RTN-vs-calibrated table
+    assert "| gguf-q4_k_m | imatrix | - | - | 93.0 (90.0–99.0) | 56.7% | +5.0 |" in text  # the GGUF pair, median (range)
+    assert "0.93× (rounds: 0.93, 0.99, 0.90) | MISS |" in text
     assert "| w8a8-int8 smoothquant+gptq | 1 / 1.5 | 3.5 / 5 | 9 | model.layers.1.mlp.down_proj (5) |" in text

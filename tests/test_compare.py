@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy import update
 
 from tokenmill.jobs.cli import EXIT_QUALITY
-from tokenmill.jobs.modeltools.compare import CompareError, compare_rows, is_correct, word_similarity
+from tokenmill.jobs.modeltools.compare import CompareError, compare_rows, format_comparison, is_correct, word_similarity
 from tests.conftest import TEST_ENGINE
 from tests.helpers import cli, job_spec
 
@@ -48,6 +48,21 @@ def test_accuracy_drop_over_the_limit_fails_and_within_passes():
     assert c.exact_match_rate == 0.75 and c.gate_metric == "accuracy_drop" and not c.passed
     assert c.worst[0]["id"] == "r1"  # the answer the candidate lost comes first
     assert compare_rows(base, cand, max_drop=0.25).passed
+    assert (c.lost, c.gained) == (1, 0)
+    lo, hi = c.accuracy_drop_ci95  # (1/4 ± 1.96·sqrt((1/4 − 1/16)/4))
+    assert lo == pytest.approx(0.25 - 0.4244, abs=1e-3) and hi == pytest.approx(0.25 + 0.4244, abs=1e-3)
+
+
+def test_a_loss_offset_by_a_gain_is_no_drop_and_its_interval_spans_zero():
+    refs = ["Paris", "Rome", "Tokyo", "Oslo"]
+    base = rows(["Paris.", "Rome.", "Tokyo.", "Bergen."], refs)
+    cand = rows(["Paris.", "Milan.", "Tokyo.", "Oslo."], refs)
+    c = compare_rows(base, cand, max_drop=0.0)
+    assert (c.lost, c.gained, c.accuracy_drop) == (1, 1, 0.0) and c.passed
+    lo, hi = c.accuracy_drop_ci95
+    assert lo < 0 < hi and hi == pytest.approx(-lo)
+    assert "lost 1, gained 1" in format_comparison(c)
+    assert compare_rows(rows(["a"]), rows(["b"])).accuracy_drop_ci95 is None  # no references, no interval
 
 
 def test_missing_candidate_rows_count_against_the_candidate():

@@ -9,11 +9,20 @@ output contains the reference as a whole word/number (case-insensitive; `a|b`
 lists accepted alternatives), and the gate compares the accuracy drop with the
 allowed one.  Without references the gate uses the disagreement
 `1 − mean similarity` instead.
+
+The accuracy drop is a paired difference over the same questions: the rows the
+candidate lost (base right, candidate wrong) minus those it gained, over the rows
+with a reference.  Next to it stands its 95% interval (the Wald interval for a
+paired difference of proportions, the one McNemar's test goes with), so a gate
+verdict on a small evaluation set shows whether it could be noise: on 60
+questions one answer is 1.7 points, and a drop whose interval spans zero is not
+a measured loss.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +74,9 @@ class Comparison:
     base_accuracy: float | None
     candidate_accuracy: float | None
     accuracy_drop: float | None
+    lost: int | None
+    gained: int | None
+    accuracy_drop_ci95: tuple[float, float] | None
     gate_metric: str
     gate_value: float
     max_drop: float
@@ -72,7 +84,15 @@ class Comparison:
     worst: list[dict[str, Any]]
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        r = lambda v: round(v, 4) if isinstance(v, float) else v  # noqa: E731
+        return {k: (tuple(map(r, v)) if isinstance(v, tuple) else r(v)) for k, v in self.__dict__.items()}
+
+
+def paired_drop_ci95(lost: int, gained: int, n: int) -> tuple[float, float]:
+    """95% Wald interval of a paired accuracy drop (lost − gained) / n over n questions."""
+    d = (lost - gained) / n
+    half = 1.96 * math.sqrt(max((lost + gained) / n - d * d, 0.0) / n)
+    return d - half, d + half
 
 
 def compare_rows(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]], *, base_id: str = "base",
@@ -88,7 +108,7 @@ def compare_rows(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]
         raise CompareError(f"jobs {base_id!r} and {cand_id!r} have no output ids in common")
     keys = sorted(base)
     exact = sims = 0.0
-    n_ref = ok_b = ok_c = 0
+    n_ref = ok_b = ok_c = lost = gained = 0
     rows = []
     for i in keys:
         b = base[i]
@@ -105,6 +125,8 @@ def compare_rows(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]
             cb, cc = is_correct(bt, ref), is_correct(ct, ref)
             ok_b += cb
             ok_c += cc
+            lost += cb and not cc
+            gained += cc and not cb
         rows.append({"id": i, "similarity": round(sim, 3), "reference": ref, "base_correct": cb,
                      "candidate_correct": cc, "base": bt, "candidate": ct})
     n = len(keys)
@@ -121,6 +143,8 @@ def compare_rows(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]
         base=base_id, candidate=cand_id, matched=len(ids), only_base=len(set(base) - set(cand)),
         only_candidate=len(set(cand) - set(base)), exact_match_rate=exact / n, word_similarity=sims / n,
         with_reference=n_ref, base_accuracy=acc_b, candidate_accuracy=acc_c, accuracy_drop=drop,
+        lost=lost if n_ref else None, gained=gained if n_ref else None,
+        accuracy_drop_ci95=paired_drop_ci95(lost, gained, n_ref) if n_ref else None,
         gate_metric=metric, gate_value=value, max_drop=max_drop, passed=value <= max_drop + 1e-12,
         worst=rows[:show],
     )
@@ -157,7 +181,8 @@ def format_comparison(c: Comparison) -> str:
     if c.with_reference:
         lines.append(
             f"  accuracy vs reference ({c.with_reference} rows): base {pct(c.base_accuracy)}, "
-            f"candidate {pct(c.candidate_accuracy)}, drop {c.accuracy_drop:+.1%}"
+            f"candidate {pct(c.candidate_accuracy)}, drop {c.accuracy_drop:+.1%} "
+            f"(lost {c.lost}, gained {c.gained}; 95% interval {c.accuracy_drop_ci95[0]:+.1%} to {c.accuracy_drop_ci95[1]:+.1%})"
         )
     verdict = "PASS" if c.passed else "FAIL"
     lines.append(f"  gate: {c.gate_metric} {c.gate_value:.1%} (allowed {c.max_drop:.1%}): {verdict}")

@@ -70,7 +70,7 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
     llama-quantize; `imatrix`: calibrated on `calibration`); QuantizeError (one line) for a
     bad request, before anything is written, QuantizeFailed when llama.cpp fails."""
     from tokenmill.jobs.modeltools import calibration as C
-    from tokenmill.jobs.modeltools.quantize import (QuantizeError, QuantizeFailed, QuantizeResult, _versions,
+    from tokenmill.jobs.modeltools.quantize import (QuantizeError, QuantizeFailed, QuantizeResult, library_versions,
                                                     check_method, checkpoint_hash)
     from tokenmill.schemas.models import BUILTIN_MODELS, ModelNotFound, quantization_record, quantization_record_path, resolve_model
     from tokenmill.transforms.engines.llamacpp_session import binary, build_info, gguf_file, log_tail, worker_cores
@@ -156,7 +156,7 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
             "tokenizer": tokenizer, "recipe": recipe,
             "calibration": cal.describe() if cal else None,
             "calibration_rows": len(cal.token_ids) if cal else 0,
-            "libraries": {"llama.cpp": llama_cpp_version(build["version"]), **_versions("tokenmill")},
+            "libraries": {"llama.cpp": llama_cpp_version(build["version"]), **library_versions("tokenmill")},
             "llama_cpp": build,
             "checkpoint": checkpoint_hash(work / "model.gguf"),
             "calibration_run": run_info,

@@ -264,7 +264,8 @@ def _weights_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def _versions(*names: str) -> dict[str, str]:
+def library_versions(*names: str) -> dict[str, str]:
+    """Installed versions of the named distributions (those not installed are left out)."""
     from importlib import metadata
 
     out = {}
@@ -404,7 +405,7 @@ def check_checkpoint(folder: Path, scheme: str, g: int | None, layers: int) -> i
         parsed = QuantizationConfig.model_validate(qc)
     except Exception as err:
         raise QuantizeFailed(f"the written checkpoint's quantization_config cannot be read by compressed-tensors "
-                             f"{_versions('compressed-tensors').get('compressed-tensors')}: {first_line(err)}") from None
+                             f"{library_versions('compressed-tensors').get('compressed-tensors')}: {first_line(err)}") from None
     if qc.get("format") != FORMATS[scheme]:
         raise QuantizeFailed(f"the written checkpoint has format {qc.get('format')!r}, expected {FORMATS[scheme]!r} for {scheme}")
     w = next(iter(parsed.config_groups.values())).weights
@@ -498,7 +499,7 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
             errs = run.get("gptq_error") or []
         else:
             n, recipe = _rtn(src, cfg, scheme, g, tmp)
-            libs = _versions("compressed-tensors", "transformers", "torch")
+            libs = library_versions("compressed-tensors", "transformers", "torch")
             run_info, errs = None, []
         for extra in ("chat_template.jinja", "generation_config.json"):
             if (src / extra).is_file() and not (tmp / extra).exists():
@@ -508,7 +509,7 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
             "recipe": recipe,
             "calibration": cal.describe() if cal else ({"source": calibration, "rows": rows, "used": False} if calibration else None),
             "calibration_rows": rows,
-            "libraries": {**libs, **_versions("tokenmill")},
+            "libraries": {**libs, **library_versions("tokenmill")},
             "checkpoint": checkpoint_hash(tmp),
             "calibration_run": run_info,
             "layer_error": errs,
