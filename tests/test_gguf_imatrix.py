@@ -150,3 +150,23 @@ def test_an_imatrix_q4_k_m_is_recorded_listed_and_served(tmp_path, model_path, s
               "--calibration", short, "--samples", "8", "--out", out, "--force")
     assert_one_line_error(res, 2, "too few for llama-imatrix")
     assert out.read_bytes() == before and [p.name for p in models.iterdir() if ".partial-" in p.name] == []
+
+
+def test_a_tools_peak_memory_is_its_own_not_its_parents(tmp_path):
+    """On Linux a child's ru_maxrss keeps the parent's RSS from before exec: a tool started
+    from a process holding 512 MiB reported 512 MiB.  The peak recorded is the tool's own."""
+    import sys
+
+    from tokenmill.jobs.modeltools import llmc_calibrate
+
+    ballast = bytearray(512 << 20)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # touched, so resident
+    grow = "b = bytearray(96 << 20); b[::4096] = b'x' * len(b[::4096]); import time; time.sleep(0.5)"
+    code, peak = G._run_bound([sys.executable, "-c", grow], [], tmp_path, tmp_path / "log")
+    assert code == 0 and 96 << 20 < peak < 256 << 20, peak
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", f"import runpy; m = runpy.run_path({llmc_calibrate.__file__!r}); "
+                          "print(m['_peak_rss_bytes']())"], capture_output=True, text=True, check=True).stdout
+    assert int(out) < 256 << 20, out
+    del ballast

@@ -277,17 +277,36 @@ def _imatrix(src: Path, imatrix_tool: Path, quantize_tool: Path, cal, tok_dir: P
 
 def _run_bound(argv: list[str], cores: list[int], cwd: Path, log: Path) -> tuple[int, int]:
     """Run a llama.cpp program bound to `cores` (dying with this process), its output to
-    `log`; (exit code, its peak RSS in bytes, from its own rusage)."""
+    `log`; (exit code, its peak RSS in bytes).  The peak is the program's own high-water
+    mark (VmHWM), read every 0.1 s while it runs: the rusage of a child (wait4's ru_maxrss)
+    keeps the parent's RSS from before exec on Linux, so a tool started from a 1.7 GiB
+    process would report 1.7 GiB."""
     from tokenmill.transforms.engines.llamacpp_session import launch_argv, server_env
 
+    peak = 0
     with open(log, "wb") as fh:
         proc = subprocess.Popen(launch_argv(argv, cores), stdin=subprocess.DEVNULL, stdout=fh,
                                 stderr=subprocess.STDOUT, cwd=str(cwd), env=server_env())
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            while True:
+                peak = max(peak, _vm_hwm(proc.pid))
+                try:
+                    return proc.wait(timeout=0.1), peak
+                except subprocess.TimeoutExpired:
+                    continue
         except BaseException:
             proc.kill()
             proc.wait()
             raise
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss * 1024
+
+
+def _vm_hwm(pid: int) -> int:
+    """A running process's peak RSS so far in bytes (VmHWM); 0 once it has exited."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
