@@ -288,3 +288,14 @@ def test_bench_quant_prints_the_issues_targets_and_the_per_layer_error():
     assert "| gguf-q4_k_m | imatrix | - | - | 93.0 (90.0–99.0) | 56.7% | +5.0 |" in text  # the GGUF pair, median (range)
     assert "0.93× (rounds: 0.93, 0.99, 0.90) | MISS |" in text
     assert "| w8a8-int8 smoothquant+gptq | 1 / 1.5 | 3.5 / 5 | 9 | model.layers.1.mlp.down_proj (5) |" in text
+
+
+def test_gptq_on_fewer_tokens_than_a_layers_inputs_gets_a_note():
+    from tokenmill.jobs.modeltools.quantize import hessian_rank_note, linear_layers
+
+    layers = linear_layers({"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+                            "intermediate_size": 1536, "num_hidden_layers": 2})
+    note = hessian_rank_note("smoothquant+gptq", 1455, layers)
+    assert note.startswith("calibration has 1,455 tokens, fewer than the 1,536 input columns of model.layers.0.mlp.down_proj")
+    assert hessian_rank_note("gptq", 1536, layers) is None  # as many tokens as columns
+    assert hessian_rank_note("awq", 10, layers) is None  # AWQ builds no Hessian
