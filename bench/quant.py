@@ -248,9 +248,9 @@ def main() -> None:
             quantized[(scheme, method)]["imatrix_computed_on"] = rec["recipe"]["imatrix_computed_on"]
         print(f"quantized {name}: {quantized[(scheme, method)]}", flush=True)
 
-    # the warm-up on a freshly loaded engine is the chat workload itself, untimed: a first pass over
-    # its batch shapes costs more on vLLM-CPU (8 rows of it left round 2 at about half round 1's
-    # tok/s in quant-20261201T124825Z.json, where round 1 followed the 60-row eval job)
+    # the warm-up on a freshly loaded engine is the chat workload itself, untimed (with 8 rows of it,
+    # rounds 2-3 ran at about half round 1's tok/s in quant-20261201T124825Z.json, where round 1
+    # followed the 60-row eval job)
     warm = chat
     results = []
     for name in wanted:
