@@ -270,33 +270,30 @@ def main() -> None:
             r["quantized"] = quantized[(scheme, method)]
         results.append(r)
     spec_res = None
-    spec_engine = {"dtype": "auto", "speculative_config": SPEC}
     if not args.no_spec:
         print("config auto dtype + ngram speculative decoding", flush=True)
-        spec_res = run_one(SPEC_NAME, spec_engine, str(src), {"warm": warm, "chat": chat}, db, args.max_tokens)
+        spec_res = run_one(SPEC_NAME, {"dtype": "auto", "speculative_config": SPEC}, str(src), {"warm": warm, "chat": chat},
+                           db, args.max_tokens)
     # speed: round 1 is the quality pass's chat job (after the eval job and the warm-up on the same
     # engine load); each further round loads every configuration again, warms it, times the chat
     # workload, in alternating order (forward, reversed, forward, ...)
-    timed = [(r, CONFIGS[r["name"]][0], ckpt[CONFIGS[r["name"]][1:]] if CONFIGS[r["name"]][1] else str(src))
-             for r in results if r.get("chat") and not r.get("error")]
-    if spec_res and spec_res.get("chat"):
-        timed.append((spec_res, spec_engine, str(src)))
-    for pos, (r, _, _) in enumerate(timed):
+    timed = [r for r in results + [spec_res] if r and r.get("chat") and not r.get("error")]
+    for pos, r in enumerate(timed):
         r["speed"] = {"rounds": [dict(_speed_figures(r["chat"]), round=1, position=pos)]}
     for k in range(2, args.speed_rounds + 1):
         order = timed if k % 2 else timed[::-1]
-        print(f"speed round {k} of {args.speed_rounds}: {[r['name'] for r, _, _ in order]}", flush=True)
-        for pos, (r, eng, model) in enumerate(order):
+        print(f"speed round {k} of {args.speed_rounds}: {[r['name'] for r in order]}", flush=True)
+        for pos, r in enumerate(order):  # the engine settings and model each result ran with
             # bf16 reruns the eval set in round 2 (before the warm-up, as in round 1): bf16 against
             # itself is the noise floor of every quality column
             again = k == 2 and r["name"] == "bf16" and r.get("eval")
             ins = {"eval": inputs["eval"], "warm": warm, "chat": chat} if again else {"warm": warm, "chat": chat}
-            rr = run_one(r["name"], eng, model, ins, db, args.max_tokens, suffix=f"-r{k}")
+            rr = run_one(r["name"], r["engine"], r["model"], ins, db, args.max_tokens, suffix=f"-r{k}")
             fig = _speed_figures(rr["chat"]) if rr.get("chat") else {"error": rr.get("error")}
             r["speed"]["rounds"].append(dict(fig, round=k, position=pos))
             if again and rr.get("eval"):
                 r["eval_rerun"] = rr["eval"]
-    for r, _, _ in timed:
+    for r in timed:
         done = [x for x in r["speed"]["rounds"] if x.get("output_tok_per_s")]
         for key in ("output_tok_per_s", "total_tok_per_s"):
             r["speed"][key] = statistics.median(x[key] for x in done) if done else None
@@ -365,8 +362,9 @@ def main() -> None:
 def noise_floor(store, bf16: dict[str, Any] | None, gate: float) -> dict[str, Any] | None:
     """bf16 against its own rerun (same model, same settings, another engine load): the eval
     set's accuracy drop and agreement, and the chat agreement between its first two timed
-    rounds.  Greedy bf16 on a CPU is not bit-reproducible across loads (batches form
-    differently), so no quantized checkpoint can be judged finer than this."""
+    rounds.  Greedy bf16 was not always bit-reproducible across engine loads here (81.7 %
+    exact in quant-20261201T124825Z.json, 100 % in the next run), and no quantized checkpoint
+    can be judged finer than bf16 against itself."""
     from tokenmill.jobs.modeltools.compare import compare_jobs
 
     if not bf16:
@@ -449,12 +447,17 @@ def _fmt_ratio(pr: dict[str, Any] | None) -> str:
     return f"{pr['median']:.2f}×" + (f" ({pr['min']:.2f}–{pr['max']:.2f})" if len(pr["per_round"]) > 1 else "")
 
 
+def _fmt_ci(ci: tuple[float, float]) -> str:
+    """A drop's 95% interval in points: `95% -5.6 to +9.0`."""
+    return f"95% {ci[0] * 100:+.1f} to {ci[1] * 100:+.1f}"
+
+
 def _fmt_drop(q: dict[str, Any]) -> str:
     """An accuracy drop with the answers lost and gained and its 95% interval."""
     if q.get("accuracy_drop") is None:
         return "-"
     ci = q.get("accuracy_drop_ci95")
-    tail = f" (−{q['lost']} +{q['gained']}; 95% {ci[0] * 100:+.1f} to {ci[1] * 100:+.1f})" if ci else ""
+    tail = f" (−{q['lost']} +{q['gained']}; {_fmt_ci(ci)})" if ci else ""
     return f"{q['accuracy_drop'] * 100:+.1f}{tail}"
 
 
@@ -557,8 +560,7 @@ def targets_and_layers(out: dict[str, Any]) -> str:
         elif "tok/s" in t["target"]:
             shown = f"{m:.2f}× (rounds: {', '.join(f'{x:.2f}' for x in t.get('per_round') or [])})"
         else:
-            shown = f"{m:+.1%} drop" + (f" (95% {t['ci95'][0] * 100:+.1f} to {t['ci95'][1] * 100:+.1f} points)"
-                                        if t.get("ci95") else "")
+            shown = f"{m:+.1%} drop" + (f" ({_fmt_ci(t['ci95'])} points)" if t.get("ci95") else "")
         failed = (by.get(t["target"].split(":")[0]) or {}).get("error")
         lines.append(f"| {t['target']} | {shown} | {t['verdict'] or ('failed (above)' if failed else 'not run')} |")
     summaries = [(r["name"], (r.get("quantized") or {}).get("layer_error_summary")) for r in out["results"]]
