@@ -5,6 +5,7 @@ real-engine tune over two dtypes × two max_num_seqs on a tiny sample."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -51,6 +52,73 @@ def test_halving_keeps_the_cheaper_half_that_passes_and_interleaves_the_runs():
     assert log.verdict.winner == "a" and log.verdict.beats_reference and log.verdict.size == 8
     assert log.outcome["a"] == "winner" and log.outcome["b"] == "passed; costlier"
     assert log.outcome["ref"] == "reference"
+
+
+def _result(keys, sizes, costs, fails_gate=()):
+    """A TuneResult of a search over known figures, as `tune` builds it."""
+    measure, gate = known(costs, fails_gate=fails_gate)
+    ref = T.Candidate(T.REFERENCE, {}, "spec as given", {"engine": {"max_num_seqs": 1}})
+    cands = [T.Candidate(k, {"engine.max_num_seqs": i + 2}, f"max_num_seqs={i + 2}",
+                         {"engine": {"max_num_seqs": i + 2}}) for i, k in enumerate(keys)]
+    log = T.search([T.REFERENCE, *keys], sizes, repeats=2, measure=measure, gate=gate)
+    by_key = {c.key: c for c in [ref, *cands]}
+    res = T.TuneResult(tune_id="t", gate=T.parse_gate(None), reference=ref, candidates=cands, log=log, sample_rows=8,
+                       repeats=2, table=T.build_table(ref, cands, log), recommendation="",
+                       winner_spec=by_key[log.verdict.winner].spec_data)
+    res.recommendation = T.recommendation(res)
+    return res
+
+
+def test_the_promise_check_fails_a_tuner_that_picks_wrong(monkeypatch):
+    """`assert_the_tuner_kept_its_promise` (what the real-engine tune is held to) passes the
+    tuner's own picks and fails each wrong one: a costlier winner, a gate-failing winner, the
+    costlier half kept, a win inside the reference's noise, a recommendation naming another."""
+    # d is the cheapest everywhere but fails the gate; c is dropped at 4 rows as the costlier half
+    costs = {("ref", 4): [10, 10.2], ("a", 4): [5, 5.1], ("b", 4): [6, 6.1], ("c", 4): [8, 8.1], ("d", 4): [4, 4.1],
+             ("ref", 8): [10, 10.1], ("a", 8): [5.2, 5.3], ("b", 8): [6.2, 6.3], ("c", 8): [3, 3.1], ("d", 8): [2, 2.1]}
+    args = (["a", "b", "c", "d"], [4, 8], costs, {"d"})
+    honest = _result(*args)
+    assert honest.log.verdict.winner == "a"
+    assert_the_tuner_kept_its_promise(honest)
+
+    real_pick, real_halve = T.pick, T.halve
+    costlier = lambda ref, entries, size: real_pick(  # noqa: E731 - the costliest passing candidate
+        ref, {k: T.Entry(runs=[{"cost": -c} for c in e.values()], passed=e.passed) for k, e in entries.items()}, size)
+    ungated = lambda ref, entries, size: real_pick(  # noqa: E731 - the gate ignored
+        ref, {k: dataclasses.replace(e, passed=True) for k, e in entries.items()}, size)
+    ungated_halve = lambda entries: real_halve(  # noqa: E731
+        {k: dataclasses.replace(e, passed=True) for k, e in entries.items()})
+    costlier_half = lambda entries: real_halve(  # noqa: E731
+        {k: T.Entry(runs=[{"cost": -c} for c in e.values()], passed=e.passed) for k, e in entries.items()})
+    # one rung, d the cheapest but failing the gate: only a pick that ignores the gate takes it
+    one = (["a", "d"], [8], {k: v for k, v in costs.items() if k[1] == 8 and k[0] in ("ref", "a", "d")}, {"d"})
+    assert_the_tuner_kept_its_promise(_result(*one))
+    for name, fn, on in [("pick", costlier, args), ("pick", ungated, one), ("halve", ungated_halve, args),
+                         ("halve", costlier_half, args)]:
+        with monkeypatch.context() as mp:
+            mp.setattr(T, name, fn)
+            wrong = _result(*on)
+        assert wrong.table != _result(*on).table  # the wrong rule changed what the tune did
+        with pytest.raises(AssertionError):
+            assert_the_tuner_kept_its_promise(wrong)
+
+    # inside the reference's noise the spec as given stays; a tuner that took the cheaper mean fails
+    tie = {("ref", 8): [10.0, 10.2], ("a", 8): [9.5, 10.1], ("b", 8): [9.9, 10.4]}
+    kept = _result(["a", "b"], [8], tie)
+    assert kept.log.verdict.winner == "ref"
+    assert_the_tuner_kept_its_promise(kept)
+    with monkeypatch.context() as mp:
+        mp.setattr(T, "beats", lambda a, b: T.mean(a) < T.mean(b))
+        noisy = _result(["a", "b"], [8], tie)
+    assert noisy.log.verdict.winner == "a"
+    with pytest.raises(AssertionError):
+        assert_the_tuner_kept_its_promise(noisy)
+
+    # the recommendation and the winning spec must name the winner
+    with pytest.raises(AssertionError):
+        assert_the_tuner_kept_its_promise(dataclasses.replace(honest, recommendation=kept.recommendation))
+    with pytest.raises(AssertionError):
+        assert_the_tuner_kept_its_promise(dataclasses.replace(honest, winner_spec={"engine": {"max_num_seqs": 3}}))
 
 
 def test_a_candidate_tied_with_the_last_one_kept_is_kept_too():
@@ -123,6 +191,72 @@ def test_budget_estimates_a_rung_from_the_runs_so_far():
     b.add(10, wall_s=14.0, gen_s=4.0)
     assert b.estimate(20) == pytest.approx(10.0 + 0.3 * 20)
     assert b.rung_fits(20, 4) and not b.rung_fits(20, 5) and b.job_fits()
+
+
+# ---------------------------------------------------------------- what the tuner promises, checked
+
+
+def _spread(xs):
+    return min(xs), max(xs)
+
+
+def assert_the_tuner_kept_its_promise(res) -> None:
+    """The tuner's promise (docs/TUNE.md, jobs/modeltools/tune.py), recomputed here from
+    what it measured rather than taken from its verdict: at every rung but the last, the
+    cheaper half (by mean cost, rounded up) of the candidates that passed the gate goes
+    on, with any passing candidate whose cost runs overlap the last one kept; at the last
+    rung the cheapest candidate that passed the gate wins when every one of its cost runs
+    is below every one of the reference's, else the spec as given stays (a tie keeps the
+    spec); the recommendation and the winning spec name the winner."""
+    table = {r["candidate"]: r for r in res.table}
+    log, ref = res.log, table[T.REFERENCE]
+
+    def costs(key, size):
+        return [r["cost"] for r in log.entries[key][size].runs]
+
+    def failed_at(key, size):
+        return table[key]["outcome"].startswith("failed: ") and table[key]["dropped_at"] == size
+
+    def ran_at(size):
+        return {k for k, by in log.entries.items() if k != T.REFERENCE and by.get(size) is not None and
+                (by[size].runs or failed_at(k, size))}
+
+    rungs = [s for s in log.sizes if log.entries[T.REFERENCE].get(s) is not None]  # the rungs that finished
+    assert rungs and ref["rows"] == rungs[-1]
+    for size, nxt in zip(rungs, rungs[1:]):  # successive halving keeps the cheaper half
+        here = {k for k in ran_at(size) if not failed_at(k, size)}
+        passed = sorted((k for k in here if log.entries[k][size].passed), key=lambda k: T.mean(costs(k, size)))
+        n = math.ceil(len(passed) / 2)
+        kept = passed[:n]
+        if kept:
+            lo, hi = _spread(costs(kept[-1], size))
+            kept += [k for k in passed[n:] if not (max(costs(k, size)) < lo or hi < min(costs(k, size)))]
+        assert ran_at(nxt) == set(kept), (size, passed, ran_at(nxt))
+        for k in here - set(kept):
+            assert table[k]["dropped_at"] == size, k
+            assert table[k]["outcome"] == ("costlier half" if k in passed else "failed the gate"), table[k]
+    # the winner, from the table: each candidate's figures at the largest sample it ran on
+    final = [r for k, r in table.items() if k != T.REFERENCE and r.get("rows") == rungs[-1]
+             and not failed_at(k, rungs[-1])]
+    passing = [r for r in final if r["gate"] == "pass"]
+    want = T.REFERENCE
+    if passing:
+        best = min(passing, key=lambda r: T.mean(r["cost_runs"]))
+        if max(best["cost_runs"]) < min(ref["cost_runs"]):  # cheaper beyond the noise
+            want = best["candidate"]
+    assert log.verdict.winner == want, (log.verdict, {k: (r.get("gate"), r.get("cost_runs")) for k, r in table.items()})
+    assert [k for k, r in table.items() if r["outcome"].split(" (")[0] == "winner"] == [want]
+    w = table[want]
+    if want == T.REFERENCE:
+        assert res.recommendation.startswith("Keep the spec as given"), res.recommendation
+    else:
+        assert w["gate"] == "pass" and w["cost"] < ref["cost"]
+        assert res.recommendation.startswith(f"Use {w['label']}: "), res.recommendation
+    for path, value in w["changes"].items():  # the winning spec is the winner's
+        node = res.winner_spec
+        for part in path.split("."):
+            node = node[part]
+        assert node == value, (path, node, value)
 
 
 # ---------------------------------------------------------------- gate, space, sample
@@ -307,6 +441,8 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     assert T._vs_ref(tie).endswith("× (tie)") and not T._vs_ref(win).endswith("(tie)")
     assert pq.read_metadata(out / "samples" / "sample.parquet").num_rows == 16
 
+    assert_the_tuner_kept_its_promise(res)
+
     # the same arguments again: everything is read back
     again = T.tune(spec, **kw)
     assert again.log.verdict.winner == res.log.verdict.winner
@@ -395,8 +531,8 @@ def test_real_tune_over_two_dtypes_and_two_max_num_seqs(tmp_path, sqlite_url, mo
         assert r["rows"] in (4, 8) and r["runs"] == 2 and r["cost"] > 0 and r["output_tok_per_s"] > 0
         assert r["candidate"] == "ref" or (r["gate"] in ("pass", "fail") and r["gate_metric"] == "eval_accuracy_drop")
     assert table["spec as given"]["rows"] == 8
-    assert res.log.verdict.winner in {"ref", *(c.key for c in res.candidates)}
-    assert res.recommendation.startswith(("Use ", "Keep the spec as given"))
+    # the winner is the one the tuner's rules give on the figures it measured (not just any)
+    assert_the_tuner_kept_its_promise(res)
     from tokenmill.schemas.config import load_spec_file
 
     assert load_spec_file(res.files["spec"]).input == str(inp)
