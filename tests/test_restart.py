@@ -1,6 +1,7 @@
 """A real `tokenmill run` killed with kill -9 (its whole process tree, engine core
 included) mid-run resumes with `--job-id`: answered rows are skipped, the rest
-are answered, every id ends up exactly once.  Real engine, real subprocesses."""
+are answered (the engine is sent each unanswered row once and no answered one),
+every id ends up exactly once.  Real engine, real subprocesses."""
 
 from __future__ import annotations
 
@@ -83,14 +84,35 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
     rows = pq.read_table(out / "outputs.parquet").to_pylist()
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids)) == ROWS and set(ids) == {f"q{i:04d}" for i in range(ROWS)}
-    # rows answered before the kill were skipped, not answered again (their batch ids are the first run's)
+    # The outputs table cannot show a row answered twice (its primary key keeps the first
+    # answer), so count what each run sent to the engine: every finished batch's `requests`
+    # (len of the prompts it fed the engine), keyed by batch id, which names its run.
     final = {r["id"]: r["batch_id"] for r in S.request_rows(eng, JOB, ("id", "batch_id"))}
     assert all(final[i] == b for i, b in first_run.items())
-    assert sum(b not in set(first_run.values()) for b in final.values()) == ROWS - before
+    _check_the_resume_sent_only_the_unanswered_rows(eng, before)
     assert all(r["output_tokens"] > 0 for r in rows)
     job = S.get_job(eng, JOB)
     assert (job["status"], job["total"], job["succeeded"], job["failed"]) == ("succeeded", ROWS, ROWS, 0)
     _check_accounting_of_the_two_runs(eng, job["metrics"])
+
+
+def _check_the_resume_sent_only_the_unanswered_rows(eng, before: int) -> None:
+    """The requests the engine received in each run, from the batches table (one row per
+    finished batch, its primary key the batch id, which starts with its run's id, so a
+    regenerated row is counted again, unlike in the outputs table).  A batch in flight at the
+    kill committed nothing: its rows are not among the `before` answered ones and the resume
+    may send them again; a row answered before the kill must not be."""
+    from tokenmill.jobs.metrics.accounting import run_of
+
+    first, second = (r["run_id"] for r in S.job_runs(eng, JOB))
+    sent: dict[str, int] = {}
+    for b in S.job_batches(eng, JOB):
+        sent[run_of(b["batch_id"])] = sent.get(run_of(b["batch_id"]), 0) + b["requests"]
+    assert set(sent) == {first, second}, sent
+    assert sent[first] == before  # the killed run's finished batches hold exactly what it answered
+    # the resume sent the engine each unanswered row once and no answered one
+    assert sent[second] == ROWS - before, (sent, before)
+    assert sum(sent.values()) == ROWS
 
 
 def _check_accounting_of_the_two_runs(eng, m):
