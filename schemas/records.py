@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 import pyarrow as pa
 
@@ -54,6 +54,18 @@ CONNECTION_DROPPED = "connection_dropped"
 BAD_RESPONSE = "bad_response"
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+
+# Where an output row's token counts came from (`OutputRow.token_count_source`), named
+# "<prompt count>+<output count>" where the two differ; stable (columns in files and metrics).
+TOKENS_BY_ENGINE = "engine"
+"""Both counts are the engine's own: vLLM's request output (prompt and generated token
+ids), or an HTTP server's `usage` (prompt_tokens, completion_tokens; llama-server's too)."""
+TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS = "local_tokenizer+stream_chunks"
+"""The HTTP server sent no `usage`: prompt_tokens is the length of the token ids the
+Tokenize step made with the job's own tokenizer and chat template (the server's may
+differ), output_tokens the number of streamed chunks that carried text (a server that
+puts several tokens in a chunk makes it an undercount).  Both are estimates."""
+TOKEN_COUNT_SOURCES = (TOKENS_BY_ENGINE, TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS)
 
 
 @dataclass(slots=True)
@@ -179,6 +191,9 @@ class OutputRow(StoredRow):
     prompt_tokens: int | None = column("int")
     output_tokens: int | None = column("int")
     cached_tokens: int | None = column("int")
+    token_count_source: str | None = column("str:64")
+    """Where prompt_tokens and output_tokens came from: one of TOKEN_COUNT_SOURCES; null in
+    rows stored before revision 0006 (not recorded)."""
     ttft_s: float | None = column("float")
     tpot_s: float | None = column("float")
     e2e_s: float | None = column("float")
@@ -230,6 +245,23 @@ REQUEST_COLUMNS = tuple(
     f.name for f in dataclasses.fields(OutputRow)
     if f.name not in ("job_id", "model", "text", "reference", "input_file", "input_row")
 )
+
+#: The per-request figures that metrics sum, count and take percentiles of, read as one
+#: float per row (`metric_values`): the numbers, and `token_count_source` as its index in
+#: TOKEN_COUNT_SOURCES.
+METRIC_COLUMNS = ("prompt_tokens", "output_tokens", "cached_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s",
+                  "token_count_source")
+_CODES = {"token_count_source": {s: float(i) for i, s in enumerate(TOKEN_COUNT_SOURCES)}}
+
+
+def metric_values(column: str, values: Iterable[Any]) -> Iterator[float]:
+    """Rows' values of a METRIC_COLUMNS column as floats: None → NaN, and a coded
+    column's value as its index (-1 for a value this version does not know)."""
+    nan = float("nan")
+    codes = _CODES.get(column)
+    if codes is None:
+        return (nan if v is None else v for v in values)
+    return (nan if v is None else codes.get(v, -1.0) for v in values)
 
 
 @cache

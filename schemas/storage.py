@@ -26,7 +26,8 @@ from tokenmill.schemas import tables as T
 from tokenmill.schemas.db import db_engine
 from tokenmill.schemas.secrets import mask_url
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.records import REQUEST_COLUMNS, BatchStats, DeadLetterRow, OutputRow, StoredRow
+from tokenmill.schemas.records import (METRIC_COLUMNS, REQUEST_COLUMNS, BatchStats, DeadLetterRow, OutputRow,
+                                      StoredRow, metric_values)
 
 #: Rows per chunk when streaming a job's rows out (exports).
 CHUNK_ROWS = 5000
@@ -541,24 +542,20 @@ def request_rows(eng: Engine, job_id: str, columns: tuple[str, ...] = REQUEST_CO
         return [dict(r) for r in conn.execute(q).mappings()]
 
 
-#: The per-request figures that metrics sum and take percentiles of.
-METRIC_COLUMNS = ("prompt_tokens", "output_tokens", "cached_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s")
-
-
 def request_columns(eng: Engine, job_id: str, columns: tuple[str, ...] = METRIC_COLUMNS) -> dict[str, Any]:
-    """The job's per-request figures as one float64 numpy array per column (None → NaN),
-    streamed in chunks: 8 bytes a value in the reader, not a Python object per row."""
+    """The job's per-request figures as one float64 numpy array per column (records'
+    `metric_values`: None → NaN, a coded column as its code), streamed in chunks: 8 bytes
+    a value in the reader, not a Python object per row."""
     from array import array
 
     import numpy as np
 
     out = {k: array("d") for k in columns}
-    nan = float("nan")
     with eng.connect() as conn:
         q = select(*[T.outputs.c[k] for k in columns]).where(T.outputs.c.job_id == job_id)
         for part in conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(q).partitions():
             for k, vals in zip(columns, zip(*part)):
-                out[k].extend(nan if v is None else v for v in vals)
+                out[k].extend(metric_values(k, vals))
     return {k: np.frombuffer(v, dtype=float) if len(v) else np.zeros(0) for k, v in out.items()}
 
 

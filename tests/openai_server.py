@@ -11,6 +11,7 @@ answered; without N every attempt fails):
     drop      the connection closed mid-stream
     badjson   a chunk of broken JSON   trunc  the stream ends without [DONE]
     slow      a 0.05 s pause between chunks (no failure)
+    nousage   no usage chunk, whatever stream_options asks (no failure)
 
 `attempts` counts the requests each prompt got; `auth` the Authorization headers seen.
 """
@@ -27,7 +28,7 @@ from collections import Counter
 
 from aiohttp import web
 
-MARKER = re.compile(r"\[\[(429|500|hang|drop|badjson|trunc|slow)(?:\*(\d+))?\]\]")
+MARKER = re.compile(r"\[\[(429|500|hang|drop|badjson|trunc|slow|nousage)(?:\*(\d+))?\]\]")
 
 
 def answer_for(text: str) -> list[str]:
@@ -159,7 +160,7 @@ class FaultServer:
         if fault == "trunc":
             await resp.write_eof()
             return resp
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if (body.get("stream_options") or {}).get("include_usage") and fault != "nousage":
             await send({"id": "x", "choices": [], "usage": {
                 "prompt_tokens": len(text.split()), "completion_tokens": len(pieces),
                 "total_tokens": len(text.split()) + len(pieces)}})

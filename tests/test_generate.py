@@ -42,6 +42,8 @@ def test_next_batch_is_admitted_while_the_current_tail_decodes():
     runner = BatchRunner(cfg(max_inflight_batches=2), lambda: s, lambda: s)
     rows, dead, stats = run(runner, batches)
     assert len(rows) == 8 and not dead
+    # an engine that says nothing of its counts (vLLM's session, this fake) gives its own: "engine"
+    assert {r["token_count_source"] for r in rows} == {R.TOKENS_BY_ENGINE}
     # the straggler did not hold back batch 2: the engine saw more requests than batch 1 had
     assert s.max_inflight > len(batches[0].prompts)
     assert s.steps < 20 + 3  # batch 2 overlapped with the straggler's decode

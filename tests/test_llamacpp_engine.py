@@ -230,6 +230,8 @@ def test_a_job_on_llama_server_answers_every_row_once_greedy_equal_to_the_server
             if text != g["text"]:
                 differ.append((r["id"], text, g["text"]))
             assert g["output_tokens"] == usage["completion_tokens"] and g["prompt_tokens"] == usage["prompt_tokens"]
+            # ...and they are the server's own: its stream ended with `usage` (not counted locally)
+            assert g["token_count_source"] == "engine", r["id"]
         assert differ == [], differ
     finally:
         proc.kill()
@@ -401,6 +403,7 @@ def test_the_openai_engine_against_a_llama_server_it_does_not_own(gguf, tmp_path
         assert res.status == "succeeded" and (res.succeeded, res.failed) == (2, 0), res
         out = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()}
         assert all(r["text"] and 0 < r["output_tokens"] <= 8 for r in out.values()), out
+        assert {r["token_count_source"] for r in out.values()} == {"engine"}  # llama-server's stream has usage
         assert srv.running()  # the openai engine does not own the server: still up after the job
     finally:
         srv.stop()

@@ -164,6 +164,7 @@ class BatchRunner:
             job_id=self.cfg.job_id, id=p.id, input_file=p.input_file, input_row=p.input_row,
             model=self.cfg.model_name, text=f.text, finish_reason=f.finish_reason,
             prompt_tokens=f.prompt_tokens, output_tokens=f.output_tokens, cached_tokens=f.cached_tokens,
+            token_count_source=f.token_count_source,
             ttft_s=f.ttft_s, tpot_s=f.tpot_s, e2e_s=f.e2e_s, queue_s=f.queue_s, reference=p.reference,
             batch_id=batch_id, worker=self.worker, finished_at=f.finished_at,
         ).as_dict()

@@ -4,7 +4,10 @@ TGI, TensorRT-LLM's `trtllm-serve`, llama.cpp's `llama-server`) behind `EngineSe
 Each request is one streamed HTTP call, run on one of `max_in_flight` threads:
 chat prompts go to `{base_url}/chat/completions`, raw prompts to
 `{base_url}/completions`, with `stream_options: {include_usage: true}` so the
-server's own token counts come with the last chunk.  TTFT, TPOT and E2E are
+server's own token counts come with the last chunk.  A server that sends no `usage`
+leaves estimates: the prompt's length from the job's own tokenizer (the Tokenize
+step) and the number of streamed text chunks, and the row's `token_count_source`
+says so ("local_tokenizer+stream_chunks", not "engine").  TTFT, TPOT and E2E are
 measured here, on the client's clock (a monotonic clock in the worker), from the
 answered attempt: they include the network and the server's queue.
 
@@ -345,6 +348,7 @@ class OpenAISession:
             raise _Retry(R.BAD_RESPONSE, "the stream ended without [DONE] (truncated)")
         end = time.perf_counter()
         try:
+            # without `usage`: the local tokenizer's prompt length and the text chunks, said per row
             prompt_tokens = int(usage["prompt_tokens"]) if usage else prompt_len
             output_tokens = int(usage["completion_tokens"]) if usage else chunks
             cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
@@ -357,4 +361,5 @@ class OpenAISession:
             request_id=request_id, text="".join(pieces), finish_reason=finish,
             prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached_tokens=cached,
             ttft_s=ttft, tpot_s=tpot, e2e_s=end - t0, queue_s=None, finished_at=time.time(),
+            token_count_source=R.TOKENS_BY_ENGINE if usage else R.TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS,
         )

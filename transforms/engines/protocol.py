@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tokenmill.schemas import records as R
+
 
 class EngineStartError(RuntimeError):
     """The engine cannot start with this config (said before any batch is sent)."""
@@ -40,6 +42,9 @@ class Finished:
     retries: dict[str, int] | None = None
     """Attempts retried before this one ended, by the failed attempt's reason code (an HTTP
     engine's); None where the engine does not retry."""
+    token_count_source: str = R.TOKENS_BY_ENGINE
+    """Where `prompt_tokens` and `output_tokens` came from (records.TOKEN_COUNT_SOURCES): the
+    engine's own counts unless the engine says otherwise (an HTTP server without `usage`)."""
 
 
 class EngineSession(Protocol):
