@@ -198,7 +198,9 @@ def main() -> None:
     from tokenmill.jobs.modeltools.quantize import quantize
     from tokenmill.schemas.models import quantization_record, resolve_model
     from tokenmill.transforms.engines.checks import _cpu_has_avx512
+    from tokenmill.schemas.config import EngineConfig
     from tokenmill.transforms.engines.cpu import cpu_dtype
+    from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
@@ -208,7 +210,8 @@ def main() -> None:
     inputs = {"eval": ROOT / "data" / "eval_set.parquet", "chat": chat}
     src = resolve_model(args.model)
     cfg, _ = K.load_config(str(src))
-    auto_dtype = cpu_dtype()
+    auto_dtype = cpu_dtype(str(src), engine_kwargs(EngineConfig(model=str(src)), str(src), on_gpu=False,
+                                                   resolve_auto=False))
 
     if args.calibrate_on == "eval":  # the eval job's own prompts: what its accuracy is measured on
         calib = inputs["eval"]
@@ -259,8 +262,8 @@ def main() -> None:
         if scheme and (scheme, method) not in ckpt:
             results.append({"name": name, "engine": eng, "error": quantized[(scheme, method)]["error"]})
             continue
-        # On a CPU without bf16 units (AVX2) bf16 is slower than fp32 (~70× in cpu_dtype.json's
-        # measurement, 2.6× below w8a8 on the eval set in the smoke run for issue 14): there
+        # On a CPU without bf16 units (AVX2) bf16 is slower than fp32 (~20× in the engine on an
+        # AVX2 CPU, 2.6× below w8a8 on the eval set in the smoke run for issue 14): there
         # --no-bf16-chat runs bf16 on the eval set only (its quality is the baseline)
         ins = {"eval": inputs["eval"]} if name == "bf16" and auto_dtype != "bfloat16" and not args.bf16_chat else inputs
         if "chat" in ins:  # eval, the warm-up, the timed chat job

@@ -228,7 +228,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3}
     ({"extra": {"swap_space": 2, "max_num_seqs": 8}}, True, {**BASE_KWARGS, "swap_space": 2, "max_num_seqs": 8}),
 ])
 def test_engine_kwargs_are_the_config_fields_as_the_hand_written_mapper_gave_them(monkeypatch, fields, on_gpu, expected):
-    monkeypatch.setattr(V, "cpu_dtype", lambda: "float32")
+    monkeypatch.setattr(V, "cpu_dtype", lambda model_path, kwargs: "float32")
     assert V.engine_kwargs(EngineConfig(**fields), "/models/m", on_gpu=on_gpu) == expected
 
 

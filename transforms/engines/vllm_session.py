@@ -15,7 +15,8 @@ from typing import Any
 from tokenmill.schemas.config import HTTP_ENGINE_KEYS, EngineConfig
 from tokenmill.transforms.engines.checks import check_engine_config
 from tokenmill.transforms.engines import kv
-from tokenmill.transforms.engines.cpu import apply_cpu_env, cpu_dtype, cpu_kv_cache, single_process_omp_env
+from tokenmill.transforms.engines.cpu import (apply_cpu_env, cpu_dtype, cpu_dtype_measurement, cpu_kv_cache,
+                                              single_process_omp_env)
 from tokenmill.transforms.engines.device import has_nvidia_gpu
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 from tokenmill.schemas.errors import first_line
@@ -28,16 +29,17 @@ log = logging.getLogger(__name__)
 NOT_ENGINE_ARGS = {"model", "extra", *HTTP_ENGINE_KEYS}
 
 
-def engine_kwargs(cfg: EngineConfig, model_path: str, *, on_gpu: bool) -> dict[str, Any]:
+def engine_kwargs(cfg: EngineConfig, model_path: str, *, on_gpu: bool, resolve_auto: bool = True) -> dict[str, Any]:
     """The `vllm.LLM` arguments for this config: its fields (named as vLLM's `EngineArgs`,
     unset ones left to vLLM), the model path, the tokenizer defaulting to it, stats on,
-    on CPU the measured dtype for `auto`, and then `cfg.extra`."""
+    `cfg.extra`, and on CPU the measured dtype for `auto` (`cpu.cpu_dtype`, measured with
+    these arguments; `resolve_auto=False` leaves `auto`)."""
     kw: dict[str, Any] = {"model": model_path, "tokenizer": model_path}
     kw.update(cfg.model_dump(exclude=NOT_ENGINE_ARGS, exclude_none=True))
     kw["disable_log_stats"] = False  # per-request metrics (TTFT, queue time) need stats on
-    if not on_gpu and cfg.dtype == "auto":
-        kw["dtype"] = cpu_dtype()
     kw.update(cfg.extra)
+    if resolve_auto and not on_gpu and kw.get("dtype", "auto") == "auto":
+        kw["dtype"] = cpu_dtype(model_path, kw)
     return kw
 
 
@@ -63,6 +65,29 @@ def _owned_executor(kwargs: dict[str, Any], omp_env: dict[str, str] | None, *, o
     from tokenmill.transforms.engines.executors import OwnedMultiprocExecutor, OwnedUniProcExecutor
 
     return OwnedUniProcExecutor if omp_env else OwnedMultiprocExecutor
+
+
+def auto_dtype_measurement(cfg: EngineConfig, model_path: str, *, on_measure=None) -> dict[str, Any] | None:
+    """With `dtype: auto` on a CPU, the measurement the engine's dtype will come from (made now
+    when this CPU and model have none yet: `cpu.cpu_dtype_measurement`); None for another
+    engine kind, a given dtype or a GPU (where `auto` stays vLLM's own choice)."""
+    if cfg.over_http or has_nvidia_gpu():
+        return None
+    kw = engine_kwargs(cfg, model_path, on_gpu=False, resolve_auto=False)
+    if kw.get("dtype", "auto") != "auto":
+        return None
+    apply_cpu_env()
+    return cpu_dtype_measurement(model_path, kw, on_measure=on_measure)
+
+
+def dtype_auto_summary(m: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a job records of the measurement behind `dtype: auto` (None when the dtype was given)."""
+    if not m:
+        return None
+    return {"choice": m["choice"], "reason": m["reason"], "output_tok_per_s": m["output_tok_per_s"],
+            "ratio": m["ratio"], "agreement_with_float32": m["quality"]["agreement_with_float32"],
+            "measured_at": m.get("measured_at"), "cpu": (m.get("key") or {}).get("cpu"),
+            "from_cache": bool(m.get("cached"))}
 
 
 # ---------------------------------------------------------------- vLLM session
@@ -101,7 +126,12 @@ class VllmSession:
         t = time.perf_counter()  # load time counts importing vLLM (seconds on a cold worker)
         from vllm import LLM
 
-        self.kwargs = engine_kwargs(cfg, model_path, on_gpu=on_gpu)
+        self.kwargs = engine_kwargs(cfg, model_path, on_gpu=on_gpu, resolve_auto=False)
+        #: on CPU with `dtype: auto`, the measurement that chose the dtype (cpu.cpu_dtype_measurement)
+        self.dtype_auto: dict[str, Any] | None = None
+        if not on_gpu and self.kwargs.get("dtype", "auto") == "auto":
+            self.dtype_auto = cpu_dtype_measurement(model_path, self.kwargs)
+            self.kwargs["dtype"] = self.dtype_auto["choice"]
         self.kv_sizing: dict[str, Any] = {"source": "vllm"}
         omp_env: dict[str, str] | None = None
         if not on_gpu:
@@ -280,6 +310,7 @@ class VllmSession:
             "load_s": self.load_s,
             "kv_sizing": self.kv_sizing,
             "executor": self.executor,
+            "dtype_auto": dtype_auto_summary(self.dtype_auto),
             "engine_kwargs": {k: v for k, v in self.kwargs.items() if k not in ("model", "tokenizer")},
         }
 

@@ -1,0 +1,114 @@
+"""`dtype: auto` on a CPU: chosen by timing the candidates in the engine side by side, kept per
+CPU, torch, vLLM and model, falling back where a dtype degrades the greedy answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.schemas.config import EngineConfig
+from tokenmill.transforms.engines import cpu
+from tokenmill.transforms.engines import dtype_probe as P
+from tests.conftest import TEST_ENGINE
+
+GREEDY = {"float32": [[1, 2, 3]], "bfloat16": [[1, 2, 4]]}
+
+
+def _decide(ratios, agreement):
+    rates = {"float32": [100.0, 100.0], "bfloat16": [100.0 * ratios[0], 100.0 * ratios[1]]}
+    return P.decide("float32", "bfloat16", rates, ratios, agreement, GREEDY, GREEDY["float32"], workload={},
+                    wall_s=1.0)
+
+
+def test_the_faster_dtype_wins_when_both_rounds_agree_beyond_the_tie():
+    healthy = {"float32": 1.0, "bfloat16": 0.97}
+    assert _decide([1.8, 1.6], healthy)["choice"] == "bfloat16"
+    slow = _decide([0.05, 0.06], healthy)
+    assert slow["choice"] == "float32" and "float32 faster" in slow["reason"]
+    # AVX-512 without bf16 units, say: rounds either side of 1 are no speed difference, and the tie
+    # goes to bfloat16 (half the memory), saying so
+    tie = _decide([0.98, 1.02], healthy)
+    assert tie["choice"] == "bfloat16" and "no clear speed difference" in tie["reason"]
+    split = _decide([0.7, 1.2], healthy)
+    assert split["choice"] == "bfloat16" and "0.70-1.20" in split["reason"]
+
+
+def test_a_faster_dtype_that_degrades_the_answers_falls_back_to_float32():
+    res = _decide([2.0, 2.2], {"float32": 1.0, "bfloat16": 0.41})
+    assert res["choice"] == "float32"
+    assert "bfloat16 faster" in res["reason"] and "41%" in res["reason"] and "below 90%" in res["reason"]
+    assert res["quality"]["greedy_answers_identical_to_float32"] == {"float32": 1, "bfloat16": 0}
+
+
+def _fake_measure(calls):
+    def measure(kwargs, env=None, **kw):
+        calls.append(kwargs)
+        return _decide([1.5, 1.7], {"float32": 1.0, "bfloat16": 0.95})
+    return measure
+
+
+def test_the_choice_is_kept_per_cpu_and_model_and_measured_again_when_the_key_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
+    calls: list = []
+    monkeypatch.setattr(P, "measure", _fake_measure(calls))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    kw = {"model": str(model), "dtype": "auto", "max_num_seqs": 8}
+    told = []
+    first = cpu.cpu_dtype_measurement(str(model), kw, on_measure=lambda: told.append(1))
+    assert first["choice"] == "bfloat16" and not first["cached"] and len(calls) == 1 and told == [1]
+    assert first["key"]["model"].startswith("m:") and first["key"]["vllm"] and first["key"]["torch"]
+    again = cpu.cpu_dtype_measurement(str(model), kw, on_measure=lambda: told.append(2))
+    assert again["cached"] and len(calls) == 1 and told == [1]
+    # another model config: measured again, the first kept beside it
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
+    cpu.cpu_dtype_measurement(str(model), kw)
+    assert len(calls) == 2
+    # another CPU (a home directory carried to another machine): measured again
+    monkeypatch.setattr(cpu, "cpu_identity", lambda: {"cpu": "AMD EPYC 9B14", "flags_sha256": "0" * 16})
+    cpu.cpu_dtype_measurement(str(model), kw)
+    assert len(calls) == 3
+    stored = json.loads((tmp_path / "home" / "cpu_dtype.json").read_text())
+    assert len(stored["measurements"]) == 3
+
+
+def test_an_old_lone_matmul_measurement_is_not_used(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("TOKENMILL_HOME", str(home))
+    (home / "cpu_dtype.json").write_text(json.dumps({"choice": "float32", "matmuls_per_s": {"float32": 1710.0,
+                                                                                          "bfloat16": 1105.0}}))
+    calls: list = []
+    monkeypatch.setattr(P, "measure", _fake_measure(calls))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert cpu.cpu_dtype(str(model), {"dtype": "auto"}) == "bfloat16" and len(calls) == 1
+
+
+def test_the_cpu_identity_names_the_model_and_hashes_the_flags():
+    ident = cpu.cpu_identity()
+    assert ident["cpu"] and len(ident["flags_sha256"]) == 16
+
+
+@pytest.mark.engine
+def test_the_probe_times_both_dtypes_in_the_real_engine_and_float32_agrees_with_itself(model_path):
+    from tokenmill.transforms.engines.vllm_session import engine_kwargs
+
+    cfg = EngineConfig(**{**TEST_ENGINE, "dtype": "auto"})
+    kw = engine_kwargs(cfg, model_path, on_gpu=False, resolve_auto=False)
+    cpu.apply_cpu_env()
+    res = P.measure(kw, env=cpu.single_process_omp_env() or {}, prompts=8, output_tokens=4, warmup_prompts=2)
+    assert res["choice"] in P.CANDIDATES
+    rounds = res["rounds_output_tok_per_s"]
+    assert sorted(rounds) == ["bfloat16", "float32"] and all(len(v) == 2 and min(v) > 0 for v in rounds.values())
+    q = res["quality"]
+    # teacher-forced on its own greedy tokens, float32 must pick every one of them: the check's own check
+    assert q["agreement_with_float32"]["float32"] == 1.0 and q["greedy_answers_identical_to_float32"]["float32"] == 8
+    assert 0.0 <= q["agreement_with_float32"]["bfloat16"] <= 1.0
+    # the choice follows from the figures by the documented rule
+    again = P.decide("float32", "bfloat16", rounds, res["ratio"]["rounds"], q["agreement_with_float32"],
+                     {"float32": [], "bfloat16": []}, [], workload={}, wall_s=0.0)
+    assert again["choice"] == res["choice"]
