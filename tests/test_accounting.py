@@ -15,7 +15,7 @@ def _rows():
     # 4 answered requests: 10 prompt tokens each (4 of them cached), 5/10/15/20 output tokens
     return [
         {"prompt_tokens": 10, "output_tokens": 5 * (i + 1), "cached_tokens": 4, "ttft_s": 0.1 * (i + 1),
-         "tpot_s": 0.01, "e2e_s": 1.0 * (i + 1), "queue_s": 0.0}
+         "tpot_s": 0.01, "e2e_s": 1.0 * (i + 1), "queue_s": 0.0, "token_count_source": "engine"}
         for i in range(4)
     ]
 
@@ -97,6 +97,24 @@ def test_concurrency_memory_and_clocks_are_named():
     assert set(m["clocks"]) >= {"ttft_s", "tpot_s", "e2e_s", "generation_wall_s"}
     assert m["clocks"] is CLOCKS
     json.dumps(m)  # stored in a JSON column
+
+
+def test_rows_and_tokens_are_counted_by_where_their_token_counts_came_from():
+    assert _metrics()["tokens"]["by_count_source"] == {"engine": {"rows": 4, "prompt": 40, "output": 50}}
+    assert _metrics()["throughput"]["counts"].startswith("tokens from the engine's outputs over generation wall")
+    rows = _rows()
+    rows[1]["token_count_source"] = rows[2]["token_count_source"] = "local_tokenizer+stream_chunks"
+    rows[3]["token_count_source"] = None  # stored before the column existed
+    m = _metrics(rows=rows)
+    assert m["tokens"]["by_count_source"] == {
+        "engine": {"rows": 1, "prompt": 10, "output": 5},
+        "local_tokenizer+stream_chunks": {"rows": 2, "prompt": 20, "output": 25},
+        "not_recorded": {"rows": 1, "prompt": 10, "output": 20},
+    }
+    assert (m["tokens"]["prompt"], m["tokens"]["output"]) == (40, 50)  # the totals still sum every row
+    assert "for 1 of 4 rows" in m["throughput"]["counts"] and "estimates" in m["throughput"]["counts"]
+    assert "local_tokenizer+stream_chunks" in m["tokens"]["count_source_definition"]
+    assert _metrics(rows=[])["tokens"]["by_count_source"] == {}
 
 
 def test_no_answers_gives_no_rates_and_no_division_by_zero():

@@ -88,6 +88,20 @@ def test_chat_and_raw_prompts_are_streamed_and_measured_at_the_client(server):
     assert set(server.auth) == {f"Bearer {KEY}"}
 
 
+def test_without_usage_in_the_stream_each_row_says_its_counts_are_the_local_tokenizers_and_the_chunks(server):
+    chat = [{"role": "user", "content": "What is two plus two?"}]
+    rows, dead = run_rows(engine_cfg(server), [chat, "[[nousage]] Once upon a time",
+                                               [{"role": "user", "content": "[[nousage]] Hello there"}]])
+    assert not dead
+    # the server's usage: its prompt_tokens (words) and completion_tokens
+    assert (rows["r0"]["prompt_tokens"], rows["r0"]["output_tokens"]) == (5, 4)
+    assert rows["r0"]["token_count_source"] == R.TOKENS_BY_ENGINE == "engine"
+    for rid in ("r1", "r2"):  # no usage: Tokenize's 3 token ids and the 4 streamed text chunks
+        assert (rows[rid]["prompt_tokens"], rows[rid]["output_tokens"]) == (3, 4)
+        assert rows[rid]["token_count_source"] == R.TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS \
+            == "local_tokenizer+stream_chunks"
+
+
 def test_request_body_maps_the_sampling_keys():
     s = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": None, "stop": ["\n"], "min_tokens": None,
          "ignore_eos": False}
@@ -324,6 +338,52 @@ def test_end_to_end_every_id_once_with_reasons_and_no_key_anywhere(server, tmp_p
     assert KEY not in caplog.text and KEY not in captured.out + captured.err
     assert KEY not in "".join(p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*") if p.is_file()
                               and p.suffix != ".parquet")
+
+
+def test_a_job_counts_its_rows_by_where_their_token_counts_came_from(server, tmp_path, sqlite_url, model_path):
+    """A server that sends `usage` for some rows and none for others (every third): each row
+    exported and stored says which, and the job's figures count the rows each way."""
+    from tokenmill.schemas.records import PromptRecord
+    from tokenmill.transforms.tokenize import encode, load_tokenizer
+
+    prompts = {f"id{i}": ("[[nousage]] " if i % 3 == 0 else "") + f"row {i}: tell me something" for i in range(12)}
+    inp = write_parquet(tmp_path / "in.parquet", [{"id": k, "prompt": p} for k, p in prompts.items()])
+    spec = job_spec(inp, tmp_path / "out", job_id="oai-src", sampling={"max_tokens": 8},
+                    batching={"token_budget": 64},
+                    engine={"kind": "openai", "base_url": server.base_url, "model": "test-model",
+                            "tokenizer": "smollm2-135m", "api_key_env": KEY_VAR, "max_in_flight": 4})
+    res = run_job(spec, db_url=sqlite_url)
+    assert (res.status, res.succeeded) == ("succeeded", 12)
+    tok = load_tokenizer(model_path)
+    local = {f"id{i}" for i in range(0, 12, 3)}
+    want = {}  # id -> (source, prompt tokens)
+    for rid, p in prompts.items():
+        if rid in local:  # the job's own tokenizer (what Tokenize counted), not the server's 5 words
+            n = len(encode(tok, PromptRecord(id=rid, input_file=0, input_row=0, prompt=p)))
+            assert n != len(p.split())
+            want[rid] = ("local_tokenizer+stream_chunks", n)
+        else:
+            want[rid] = ("engine", len(p.split()))  # the fake server's usage counts words
+    out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
+    assert {r["id"]: (r["token_count_source"], r["prompt_tokens"]) for r in out} == want
+    assert all(r["output_tokens"] == 4 for r in out)  # usage's completion_tokens, or the 4 text chunks
+    eng = S.connect(sqlite_url)
+    with eng.connect() as conn:  # the database's outputs table holds the same
+        stored = dict(conn.execute(text("SELECT id, token_count_source FROM outputs WHERE job_id = 'oai-src'")).all())
+    assert stored == {k: v[0] for k, v in want.items()}
+    m = S.get_job(eng, "oai-src")["metrics"]
+    assert m["tokens"]["by_count_source"] == {
+        "engine": {"rows": 8, "prompt": sum(v[1] for k, v in want.items() if k not in local), "output": 32},
+        "local_tokenizer+stream_chunks": {"rows": 4, "prompt": sum(v[1] for k, v in want.items() if k in local),
+                                          "output": 16},
+    }
+    assert "for 8 of 12 rows" in m["throughput"]["counts"] and "estimates" in m["throughput"]["counts"]
+    st = cli("status", "oai-src", "--db", sqlite_url, "--json", catch_exceptions=False)
+    assert json.loads(st.output)["rows_by_token_count_source"] == {"engine": 8, "local_tokenizer+stream_chunks": 4}
+    st = cli("status", "oai-src", "--db", sqlite_url, catch_exceptions=False)
+    assert "rows_by_token_count_source: engine: 8, local_tokenizer+stream_chunks: 4" in st.output, st.output
+    rep = cli("report", "oai-src", "--db", sqlite_url, "--no-html", catch_exceptions=False)
+    assert "engine 8, local_tokenizer+stream_chunks 4" in rep.output, rep.output
 
 
 @pytest.mark.postgres

@@ -128,6 +128,30 @@ def test_old_database_upgrades_without_losing_rows(any_db_url):
     assert S.insert_rows(eng, DeadLetterRow, [_dead("old", 0, 3)]) == 0  # the new key holds the converted row
 
 
+def test_outputs_stored_before_token_count_source_upgrade_as_not_recorded(any_db_url):
+    """A database at revision 0005 (no outputs.token_count_source) with an answered row: after
+    the upgrade that row reads back with no source, counted "not_recorded", never "engine"."""
+    from alembic import command
+
+    from tokenmill.jobs.metrics.accounting import count_sources
+
+    eng = db_engine(any_db_url)
+    with eng.begin() as conn:
+        command.upgrade(S._alembic_config(conn), "0005")
+    with eng.begin() as conn:
+        assert "token_count_source" not in {c["name"] for c in inspect(conn).get_columns("outputs")}
+        conn.execute(text("INSERT INTO outputs (job_id, id, input_file, input_row, prompt_tokens, output_tokens) "
+                          "VALUES ('old', 'a', 0, 0, 10, 5)"))
+    _fresh(any_db_url)
+    eng = S.connect(any_db_url)  # migrates on first use
+    S.insert_rows(eng, OutputRow, [_output("old", 1, token_count_source="local_tokenizer+stream_chunks")])
+    got = {r["id"]: r["token_count_source"] for rows in S.stream_rows(eng, OutputRow, "old") for r in rows}
+    assert got == {"a": None, "r1": "local_tokenizer+stream_chunks"}
+    assert count_sources(S.request_columns(eng, "old")) == {
+        "local_tokenizer+stream_chunks": {"rows": 1, "prompt": 10, "output": 5},
+        "not_recorded": {"rows": 1, "prompt": 10, "output": 5}}
+
+
 def test_migrated_tables_match_the_declared_ones(any_db_url):
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
@@ -278,12 +302,17 @@ def test_request_columns_stream_per_request_figures_as_float_arrays(any_db_url):
     import math
 
     eng = S.connect(any_db_url)
-    rows = [_output("cols", i, ttft_s=None if i == 3 else 0.1 * i) for i in range(12_000)]  # > CHUNK_ROWS
+    sources = ["engine", "local_tokenizer+stream_chunks", None, "from_a_newer_tokenmill"]
+    rows = [_output("cols", i, ttft_s=None if i == 3 else 0.1 * i, token_count_source=sources[i % 4])
+            for i in range(12_000)]  # > CHUNK_ROWS
     S.insert_rows(eng, OutputRow, rows)
     cols = S.request_columns(eng, "cols")
     assert set(cols) == set(S.METRIC_COLUMNS) and all(len(v) == 12_000 for v in cols.values())
     assert cols["output_tokens"].sum() == 5 * 12_000
     assert sum(math.isnan(v) for v in cols["ttft_s"]) == 1
+    # the source as its index in records.TOKEN_COUNT_SOURCES; NaN: not recorded; -1: a value unknown here
+    codes = sorted(cols["token_count_source"][:4].tolist(), key=str)
+    assert codes[:3] == [-1.0, 0.0, 1.0] and math.isnan(codes[3])
     assert S.request_columns(eng, "none")["e2e_s"].size == 0
 
 

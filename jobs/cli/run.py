@@ -117,6 +117,8 @@ def headline_metrics(m: dict[str, Any]) -> dict[str, Any]:
         "model_load_s": th.get("model_load_s"),
         "prefix_cache_hit_rate": (m.get("prefix_cache") or {}).get("hit_rate"),
         "failures_by_reason": (m.get("failures") or {}).get("by_reason") or None,
+        "rows_by_token_count_source": {k: v["rows"] for k, v in
+                                       ((m.get("tokens") or {}).get("by_count_source") or {}).items()} or None,
         "cost_per_1m_total_tokens": cost.get("per_1m_total_tokens"),
         "cost_per_successful_request": cost.get("per_successful_request"),
         "cost_basis": "generation only" if cost else None,

@@ -24,6 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from tokenmill.schemas.config import HTTP_KINDS
+from tokenmill.schemas.records import METRIC_COLUMNS, TOKEN_COUNT_SOURCES, TOKENS_BY_ENGINE, metric_values
 
 
 #: Which clock each figure is measured on (shown beside the figures in reports).
@@ -95,8 +96,38 @@ def request_columns(rows: Sequence[dict[str, Any]] | Mapping[str, np.ndarray]) -
     `request_columns` streams out of the database, or the same built from row dicts."""
     if isinstance(rows, Mapping):
         return dict(rows)
-    names = ("prompt_tokens", "output_tokens", "cached_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s")
-    return {k: np.array([r.get(k) for r in rows], dtype=float) for k in names}
+    return {k: np.fromiter(metric_values(k, (r.get(k) for r in rows)), dtype=float, count=len(rows))
+            for k in METRIC_COLUMNS}
+
+
+COUNT_SOURCE_DEFINITION = (
+    "answered rows and their prompt/output tokens by outputs.token_count_source: engine = the engine's own counts "
+    "(vLLM's request output, the server's usage); local_tokenizer+stream_chunks = the server sent no usage: "
+    "prompt tokens counted by the job's tokenizer and chat template, output tokens = streamed text chunks "
+    "(estimates); not_recorded = rows stored before tokenmill recorded the source")
+
+
+def count_sources(cols: Mapping[str, np.ndarray]) -> dict[str, dict[str, int]]:
+    """Rows, prompt and output tokens by where the rows' token counts came from
+    (records.TOKEN_COUNT_SOURCES; "not_recorded": rows stored before the column existed,
+    "unknown": a value this version does not know)."""
+    prompt, outs = cols["prompt_tokens"], cols["output_tokens"]
+    codes = cols.get("token_count_source")
+    if codes is None:
+        codes = np.full(len(prompt), np.nan)
+    names = {float(i): s for i, s in enumerate(TOKEN_COUNT_SOURCES)}
+    out: dict[str, dict[str, int]] = {}
+    for code in np.unique(codes):  # NaN (not recorded): below
+        if np.isnan(code):
+            continue
+        sel = codes == code
+        out[names.get(float(code), "unknown")] = {"rows": int(sel.sum()), "prompt": int(np.nansum(prompt[sel])),
+                                                  "output": int(np.nansum(outs[sel]))}
+    sel = np.isnan(codes)
+    if sel.any():
+        out["not_recorded"] = {"rows": int(sel.sum()), "prompt": int(np.nansum(prompt[sel])),
+                               "output": int(np.nansum(outs[sel]))}
+    return out
 
 
 def job_metrics(
@@ -129,6 +160,8 @@ def job_metrics(
     `hardware`/`device_count`: the launcher's, for worker rows that measured nothing."""
     cols = request_columns(rows)
     n = len(cols["prompt_tokens"])
+    by_source = count_sources(cols)
+    by_engine = by_source.get(TOKENS_BY_ENGINE, {}).get("rows", 0)
     prompt = int(np.nansum(cols["prompt_tokens"]))
     output = int(np.nansum(cols["output_tokens"]))
     cached = int(np.nansum(cols["cached_tokens"]))
@@ -156,7 +189,9 @@ def job_metrics(
         },
         "lengths": {"prompt_tokens": dist(cols["prompt_tokens"]), "output_tokens": dist(outs)},
         "tokens": {"prompt": prompt, "output": output, "total": prompt + output,
-                   "cached": None if cache_unknown else cached},
+                   "cached": None if cache_unknown else cached,
+                   "by_count_source": by_source,
+                   "count_source_definition": COUNT_SOURCE_DEFINITION},
         "latency_s": {
             "ttft": dist(cols["ttft_s"]),
             "tpot": dist(cols["tpot_s"]),
@@ -172,8 +207,11 @@ def job_metrics(
             "total_tok_per_s": ((prompt + output) / gen_wall) if gen_wall > 0 else None,
             "requests_per_s": (n / gen_wall) if gen_wall > 0 else None,
             "mean_request_output_tok_per_s": float(per_req.mean()) if per_req.size else None,
-            "counts": "tokens from the engine's outputs over generation wall time (model load excluded), "
-                      "the generation wall summed over the job's runs",
+            "counts": ("tokens from the engine's outputs" if by_engine == n else
+                       f"tokens from the engine's outputs for {by_engine:,} of {n:,} rows, the others as "
+                       f"tokens.by_count_source says (local_tokenizer+stream_chunks: estimates)")
+                      + " over generation wall time (model load excluded), the generation wall summed over the "
+                        "job's runs",
         },
         "runs": per_run,
         "workers": [worker_summary(w) for w in workers],

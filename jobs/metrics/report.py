@@ -204,6 +204,8 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
             ("requests/s", fmt(g("throughput.requests_per_s"))),
             ("mean per-request output tok/s", fmt(g("throughput.mean_request_output_tok_per_s"))),
             ("tokens prompt / output / cached", f"{fmt(g('tokens.prompt'))} / {fmt(g('tokens.output'))} / {fmt(g('tokens.cached'))}"),
+            ("rows by token-count source (local_tokenizer+stream_chunks: estimates)",
+             ", ".join(f"{k} {fmt(v['rows'])}" for k, v in (g("tokens.by_count_source") or {}).items()) or "-"),
             ("prefix cache hit rate (cached ÷ prompt tokens)", fmt(g("prefix_cache.hit_rate"), "pct")),
         ]),
         ("Memory and utilization", [
