@@ -1,8 +1,13 @@
-"""Export a job's outputs and dead letters from the database to files.
+"""Export a job's outputs and dead letters from the database to files, and mark how the job ended.
 
-Files are written under a temporary name and renamed into place, and the
-`_SUCCESS.json` manifest (counts, files) is written last: a folder without it
-is not a finished export, whatever else it holds.
+`export_job` first removes any marker an earlier run left (`_SUCCESS.json`,
+`_FAILED.json`, `_CANCELLED.json`), then writes the data files, each under a
+temporary name renamed into place; it writes no marker.  The runner reconciles
+the row counts and decides the job's final status, and only then calls
+`write_marker`: `_SUCCESS.json` for a `succeeded` or `partial` job, `_FAILED.json`
+or `_CANCELLED.json` (with the reason) otherwise, each holding the final status,
+totals and files.  A folder without `_SUCCESS.json` is not a finished export,
+whatever else it holds: a crash mid-export leaves no marker at all.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from tokenmill.schemas import storage as S
 from tokenmill.schemas.records import DeadLetterRow, OutputRow, StoredRow, export_schema, exported
 
 MANIFEST = "_SUCCESS.json"
-
+FAILED = "_FAILED.json"
+CANCELLED = "_CANCELLED.json"
+#: The marker for each final job status; only a finished export gets `_SUCCESS.json`.
+MARKERS = {"succeeded": MANIFEST, "partial": MANIFEST, "failed": FAILED, "cancelled": CANCELLED}
 
 #: The only names an export writes under its output root; ids and job names never become paths.
-FILE_NAMES = frozenset({"outputs.parquet", "dead_letters.parquet", "outputs.jsonl", "errors.jsonl", MANIFEST})
+FILE_NAMES = frozenset({"outputs.parquet", "dead_letters.parquet", "outputs.jsonl", "errors.jsonl",
+                        MANIFEST, FAILED, CANCELLED})
 
 
 class OutputPathError(ValueError):
@@ -99,17 +108,30 @@ def _write_rows(dest: str, eng: Engine, record: type[StoredRow], job_id: str) ->
     return write_parquet(dest, export_schema(record), chunks)
 
 
-def export_job(eng: Engine, job_id: str, output_root: str, fmt: str = "parquet") -> dict[str, Any]:
-    from apache_beam.io.filesystems import FileSystems
-
+def _make_root(output_root: str) -> None:
     check_output_root(output_root)
     if "://" not in output_root:
         import os
 
         os.makedirs(output_root, exist_ok=True)
-    manifest_path = join(output_root, MANIFEST)
-    if FileSystems.exists(manifest_path):
-        FileSystems.delete([manifest_path])  # an older export is no longer complete
+
+
+def clear_markers(output_root: str, keep: str | None = None) -> None:
+    """Remove the markers an earlier run left under `output_root` (all but `keep`)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    stale = [p for p in (join(output_root, m) for m in sorted(set(MARKERS.values())) if m != keep)
+             if FileSystems.exists(p)]
+    if stale:
+        FileSystems.delete(stale)
+
+
+def export_job(eng: Engine, job_id: str, output_root: str, fmt: str = "parquet") -> dict[str, Any]:
+    """Write the job's data files (after removing any old marker: until `write_marker`, the
+    folder reads as unfinished) and return the manifest's export part: format, row counts
+    per file, files."""
+    _make_root(output_root)
+    clear_markers(output_root)  # an older export is no longer complete
     files: dict[str, Any] = {}
     if fmt == "openai-jsonl":
         from tokenmill.jobs.lifecycle.openai_export import dead_letter_lines, output_lines
@@ -124,11 +146,25 @@ def export_job(eng: Engine, job_id: str, output_root: str, fmt: str = "parquet")
         files["dead_letters"] = join(output_root, "dead_letters.parquet")
         n_out = _write_rows(files["outputs"], eng, OutputRow, job_id)
         n_dead = _write_rows(files["dead_letters"], eng, DeadLetterRow, job_id)
-    manifest = {"job_id": job_id, "format": fmt, "outputs": n_out, "dead_letters": n_dead, "files": files}
+    return {"job_id": job_id, "format": fmt, "outputs": n_out, "dead_letters": n_dead, "files": files}
 
-    def write_manifest(fh) -> int:
-        fh.write(json.dumps(manifest, indent=2).encode())
+
+def write_marker(output_root: str, status: str, manifest: dict[str, Any], reason: str | None = None) -> str:
+    """Write the marker for the job's final `status` (`MARKERS`), holding `manifest` with the
+    status and, for a failed or cancelled job, the reason; remove the other markers.  Returns its path."""
+    if status not in MARKERS:
+        raise ValueError(f"no export marker for job status {status!r}")
+    _make_root(output_root)
+    name = MARKERS[status]
+    clear_markers(output_root, keep=name)
+    body = {**manifest, "status": status}
+    if name != MANIFEST:
+        body["reason"] = reason or status
+    path = join(output_root, name)
+
+    def write(fh) -> int:
+        fh.write(json.dumps(body, indent=2, default=str).encode())
         return 1
 
-    _atomic_write(manifest_path, write_manifest)
-    return manifest
+    _atomic_write(path, write)
+    return path

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tokenmill.schemas import storage as S
-from tokenmill.jobs.lifecycle.export import export_job
+from tokenmill.jobs.lifecycle.export import export_job, write_marker
 from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.db import default_db_url
 from tokenmill.jobs.lifecycle.jobrow import job_values
@@ -158,13 +158,16 @@ def run_job(
         utilization = sampler.stop()
         if status != "done":
             S.finish_run(eng, job_id, run_id, time.time())
-            S.finish_job(eng, job_id, status="failed", error=error, **S.counts(eng, job_id), heartbeat_at=None, owner=None)
+            c = S.counts(eng, job_id)
+            S.finish_job(eng, job_id, status="failed", error=error, **c, heartbeat_at=None, owner=None)
+            _mark_failed(spec.output, {"job_id": job_id, "run_id": run_id, "rows_in": plan.total_rows, **c,
+                                       "files": {}}, f"the pipeline failed; this run exported nothing: {error or 'stopped'}")
     if progress is not None:
         tick()
     if status != "done":
         raise JobError(f"job {job_id} failed: {error}")
 
-    # 3. Export, reconcile, account.
+    # 3. Export (the old marker removed first), reconcile, account; then the marker of the final status.
     job = S.get_job(eng, job_id)
     cancelled = bool(job.get("cancel_requested"))
     c = S.counts(eng, job_id)
@@ -185,6 +188,12 @@ def run_job(
         final = "partial" if c["failed"] else "succeeded"
         if plan.total_rows == 0:
             note = "the input has no rows: nothing to do"
+    reason = note if final == "failed" else (
+        f"cancel requested: stopped after the batches in flight, {c['succeeded'] + c['failed']} of "
+        f"{plan.total_rows} rows answered" if final == "cancelled" else None)
+    tok = metrics.get("tokens") or {}
+    write_marker(spec.output, final, {**files, "run_id": run_id, "rows_in": plan.total_rows, **c,
+                                      "tokens": {k: tok.get(k) for k in ("prompt", "output", "total")}}, reason)
     S.finish_job(eng, job_id, status=final, error=note if final == "failed" else None, metrics=metrics,
                  heartbeat_at=None, owner=None, **c)
     return JobResult(
@@ -199,6 +208,16 @@ def run_job(
         files=files.get("files", {}),
         note=note,
     )
+
+
+def _mark_failed(output: str, manifest: dict[str, Any], reason: str) -> None:
+    """`_FAILED.json` for a run whose pipeline failed (an earlier run's `_SUCCESS.json` removed),
+    so the folder does not read as this run's finished export; a failure to write it is logged,
+    never raised over the job's own error."""
+    try:
+        write_marker(output, "failed", manifest, reason)
+    except Exception as err:
+        log.warning("job %s: could not mark %s as failed: %s", manifest.get("job_id"), output, first_line(err))
 
 
 def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None) -> None:
