@@ -153,7 +153,10 @@ def test_price_table_matches_gpu_models_and_prices_cpu_per_vcpu_and_gib(tmp_path
     cpu = {"device_type": "cpu", "cpu_count": 4, "measure": {"peak_tree_rss_bytes": 3 * 2**30}}
     assert worker_rate(cpu, t)["usd_per_hour"] == pytest.approx(4 * 0.031611 + 3 * 0.004237)
     assert worker_rate(cpu, t, flat=0.5) == {"usd_per_hour": 0.5, "units": "4 vCPU + 3.00 GiB",
-                                              "source": "job spec price_per_hour"}
+                                              "source": "job spec price_per_hour",
+                                              "prices": [{"key": "price_per_hour", "usd_per_hour": 0.5,
+                                                          "per": "device-hour", "origin": "job spec",
+                                                          "field": "price_per_hour"}]}
     assert worker_rate(gpu, price_table({"L4": 1.0}))["usd_per_hour"] == 2.0  # the job spec's `prices`
     prices = tmp_path / "prices.json"
     prices.write_text(json.dumps({"cpu": 0.25, "h100": 2.0}))

@@ -406,8 +406,10 @@ def job_cost(workers: Sequence[dict[str, Any]], batches: Sequence[dict[str, Any]
       (start-up, model load, generation, export; `run_figures` held_s), or, where the
       run has no record, from the worker's start to its last report.
 
-    A worker row without measured devices is priced as the launcher's `fallback`."""
-    from tokenmill.jobs.metrics.pricing import price_table, worker_rate
+    A worker row without measured devices is priced as the launcher's `fallback`.  Each
+    worker row names the prices it used with their origins (`prices`: job spec, user file
+    or default table; pricing.worker_rate), and `prices_used` lists them once for the job."""
+    from tokenmill.jobs.metrics.pricing import price_table, prices_used, worker_rate
 
     table = prices if prices is not None else price_table()
     runs = {r["run_id"]: r for r in per_run}
@@ -455,6 +457,7 @@ def job_cost(workers: Sequence[dict[str, Any]], batches: Sequence[dict[str, Any]
         "usd_per_hour": hourly,
         "price_per_hour": hourly,
         "price_source": "; ".join(sorted(sources)) or None,
+        "prices_used": prices_used(rows),
         "workers": rows,
         "currency": "USD",
     }

@@ -23,6 +23,7 @@ from tokenmill.schemas import storage as S
 from tokenmill.schemas.models import describe_checkpoint
 from tokenmill.schemas.secrets import scrub
 from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path
+from tokenmill.jobs.metrics.pricing import price_line
 
 #: Histogram bins per latency figure.
 LATENCY_BINS = 40
@@ -235,6 +236,7 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
     if m.get("cost"):
         sections.append(("Cost (USD; Σ over workers of hours × the worker's hourly price)", [
             ("price", f"{fmt(g('cost.usd_per_hour'), 'usd')}/hour for all workers ({g('cost.price_source') or '-'})"),
+        ] + [("price used", price_line(e)) for e in g("cost.prices_used") or []] + [
             ("generation only", fmt(g("cost.total"), "usd")),
             ("all held time (start-up, load, generation, export)", fmt(g("cost.held.total"), "usd")),
             ("model load", fmt(g("cost.model_load"), "usd")),
