@@ -15,15 +15,15 @@ BENCH_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
-export VLLM_LOGGING_LEVEL ?= WARNING
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install airflow llamacpp llmcompressor prepare demo test test-fast bench bench-engines bench-quant bench-tune bench-scale bench-db gpu-check clean help
+.PHONY: install airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-quant bench-tune bench-scale bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
 	@echo "make test   - set up everything and run the test suite"
-	@echo "make bench  - throughput benchmark (docs/BENCHMARKS.md)"
+	@echo "make bench  - throughput benchmark, then the dtype A/B (docs/BENCHMARKS.md)"
+	@echo "make bench-dtype - the demo job in float32 and bfloat16, A B B A, against dtype auto's choice"
 	@echo "make bench-engines - vLLM, W8A8, llama.cpp GGUFs, openai->vllm serve, llama-server direct (docs/ENGINES.md)"
 	@echo "make bench-quant - RTN against calibrated quantization (docs/QUANTIZATION.md)"
 	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
@@ -112,14 +112,16 @@ $(LLMC_STAMP):
 
 llmcompressor: $(LLMC_STAMP)
 
-prepare: install llamacpp
+prepare: install
 	$(BIN)/tokenmill models prepare smollm2-135m
 
+# The bundled sample as a job, then its report (text and HTML with plots): ~1-2 min on 2 cores
+# once installed, plus about a minute the first time `dtype: auto` is measured on a CPU.
 demo: prepare
-	$(BIN)/tokenmill run --input data/sample_prompts.parquet --output runs/demo --job-id demo --name demo --max-tokens 64
-	$(BIN)/tokenmill status demo
+	@$(BIN)/tokenmill run --input data/sample_prompts.parquet --output runs/demo --job-id demo --name demo --max-tokens 64
+	@$(BIN)/tokenmill report demo --out runs/demo/report --html-only
 
-test: prepare airflow llmcompressor
+test: prepare llamacpp airflow llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: install
@@ -127,16 +129,22 @@ test-fast: install
 
 bench: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.throughput $(BENCH_ARGS)
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.dtype_ab
+
+# The demo job in float32 and bfloat16, warm-up + A B B A, and whether `dtype: auto` chose the faster
+# (bench/dtype_ab.py, docs/BENCHMARKS.md "Dtype"); ~5 min on 2 cores.
+bench-dtype: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.dtype_ab $(BENCH_ARGS)
 
 # The engines side by side on the same jobs (bench/engines.py, issue 13): tokenmill + vLLM bf16 and
 # W8A8, + llama.cpp F16/Q8_0/Q4_K_M, + openai -> vllm serve, and llama-server driven directly, on
 # workloads (a) and (b); one table per workload, targets, bench/results/engines-<stamp>.json and .html.
 # Full: ~25 min on 2 cores. Shorter: BENCH_ARGS="--scale smoke --arms llamacpp_q8_0 direct";
 # your own rows as workload (a): BENCH_ARGS="--input my.parquet --workloads a".
-bench-engines: prepare
+bench-engines: prepare llamacpp
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.engines $(BENCH_ARGS)
 
-bench-quant: prepare llmcompressor
+bench-quant: prepare llamacpp llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant $(BENCH_ARGS)
 
 # `tokenmill tune` on the bundled sample within 20 minutes (space: bench/tune_space.yaml), then the spec as given and the winner

@@ -85,8 +85,8 @@ class EngineConfig(_Strict):
     """`kind: openai`: retries of a request after a 429, a 5xx, a timeout, a dropped connection
     or a malformed response (exponential backoff with jitter); then the row is a dead letter."""
     dtype: str = "auto"
-    """`auto` picks by measurement on CPU (bf16 vs fp32 matmul speed) and the
-    model's own dtype on GPU."""
+    """`auto`: on a CPU the faster of float32 and bfloat16 in this engine on this model, measured
+    once per CPU (transforms/engines/dtype_probe.py); on a GPU the model's own dtype."""
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True

@@ -41,6 +41,32 @@ def test_a_faster_dtype_that_degrades_the_answers_falls_back_to_float32():
     assert res["quality"]["greedy_answers_identical_to_float32"] == {"float32": 1, "bfloat16": 0}
 
 
+def test_when_one_dtype_s_engine_does_not_start_the_other_is_chosen_and_both_failing_is_one_error(monkeypatch):
+    class Child:
+        refuse: set = set()
+
+        def __init__(self, dtype, args, env):
+            self.dtype = dtype
+
+        def ask(self, op, **kw):
+            if op == "ready" and self.dtype in Child.refuse:
+                raise P.ProbeError(f"the {self.dtype} probe engine exited (status 1) during 'ready'")
+            if op == "ready":
+                return {"dtype": self.dtype}
+            raise AssertionError(f"no {op!r} after a failed start")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(P, "_Child", Child)
+    Child.refuse = {"float32"}  # a W8A8 int8 checkpoint on a CPU whose int8 kernels want bf16 activations
+    res = P.measure({"model": "/m"})
+    assert res["choice"] == "bfloat16" and "float32's engine did not" in res["reason"]
+    Child.refuse = {"float32", "bfloat16"}
+    with pytest.raises(P.ProbeError, match="float32 probe engine exited.*bfloat16 probe engine exited"):
+        P.measure({"model": "/m"})
+
+
 def _fake_measure(calls):
     def measure(kwargs, env=None, **kw):
         calls.append(kwargs)

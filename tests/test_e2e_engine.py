@@ -63,34 +63,62 @@ def test_real_job_answers_sensibly_and_reconciles(tmp_path, sqlite_url, model_pa
     assert m["memory"]["kv_cache_bytes"] > 0
 
 
-def test_cli_run_prints_summary_and_exits(tmp_path, sqlite_url, model_path):
+def test_cli_run_keeps_the_terminal_to_stages_and_the_summary_and_the_engine_output_in_its_log(
+        tmp_path, sqlite_url, model_path):
+    # `dtype: auto` (the default): the first such job on a machine measures it, in the log too
     inp = write_parquet(tmp_path / "in.parquet", rows()[:2])
     cmd = [
         sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(inp), "--output", str(tmp_path / "o"),
         "--db", sqlite_url, "--job-id", "cli-e2e", "--max-tokens", "8", "--max-num-seqs", "8",
         "--max-model-len", "512", "--gpu-memory-utilization", "0.3",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENMILL_LOG_DIR": str(tmp_path / "logs")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "job cli-e2e: succeeded" in proc.stdout
     assert "rows in 2 / succeeded 2 / failed 0" in proc.stdout
     assert "output" in proc.stdout and "tok/s" in proc.stdout
+    terminal = proc.stdout + proc.stderr
+    assert len(terminal.splitlines()) <= 40, terminal
+    for noise in ("WARNING", "Warning", "force killing", "leaked semaphore", "Traceback", "it/s]"):
+        assert noise not in terminal, terminal
+    assert "· checked: 2 input rows" in proc.stderr and "· exported" in proc.stderr
+    assert "  dtype " in proc.stdout  # the dtype auto chose, and why
+    logs = list((tmp_path / "logs" / "cli-e2e").glob("*.log"))
+    assert len(logs) == 1 and f"log: {logs[0]}" in proc.stdout
+    text = logs[0].read_text()
+    assert "WARNING" in text  # the engine did log, into the job's log file
 
 
 def test_cli_run_json_keeps_stdout_clean_of_engine_logs(tmp_path, sqlite_url, model_path):
-    # With vLLM warnings on (as `make` sets VLLM_LOGGING_LEVEL=WARNING), stdout must still be one JSON document.
+    # With vLLM warnings on (as `make` set VLLM_LOGGING_LEVEL=WARNING), stdout must still be one JSON document.
     inp = write_parquet(tmp_path / "in.parquet", rows()[:2])
     cmd = [
         sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(inp), "--output", str(tmp_path / "o"),
         "--db", sqlite_url, "--job-id", "cli-json", "--max-tokens", "4", "--max-num-seqs", "8",
-        "--max-model-len", "512", "--gpu-memory-utilization", "0.3", "--json",
+        "--max-model-len", "512", "--gpu-memory-utilization", "0.3", "--json", "--dtype", "float32",
     ]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_STREAM"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**env, "VLLM_LOGGING_LEVEL": "WARNING"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**env, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENMILL_LOG_DIR": str(tmp_path / "logs")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert (summary["status"], summary["rows_in"], summary["succeeded"]) == ("succeeded", 2, 2)
-    assert "WARNING" in proc.stderr  # the engine did log, on stderr
+    assert "WARNING" not in proc.stderr and "WARNING" in open(summary["log"]).read()  # the engine did log
+
+
+def test_cli_run_verbose_keeps_the_engine_output_on_the_terminal(tmp_path, sqlite_url, model_path):
+    inp = write_parquet(tmp_path / "in.parquet", rows()[:1])
+    cmd = [
+        sys.executable, "-m", "tokenmill.jobs.cli", "-v", "run", "--input", str(inp), "--output", str(tmp_path / "o"),
+        "--db", sqlite_url, "--job-id", "cli-verbose", "--max-tokens", "4", "--max-num-seqs", "8",
+        "--max-model-len", "512", "--gpu-memory-utilization", "0.3", "--dtype", "float32",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TOKENMILL_LOG_DIR": str(tmp_path / "logs")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "INFO" in proc.stderr and "job cli-verbose: succeeded" in proc.stdout
+    assert not (tmp_path / "logs").exists()
 
 
 def test_per_row_min_tokens_reaches_the_engine(tmp_path, sqlite_url):

@@ -203,3 +203,13 @@ def test_greedy_outputs_equal_vllm_run_batch(tmp_path, sqlite_url, model_path):
         assert ob["usage"]["prompt_tokens"] == tb["usage"]["prompt_tokens"], cid
         assert ob["usage"]["completion_tokens"] == tb["usage"]["completion_tokens"], cid
         assert ob["model"] == tb["model"] == model_path
+
+
+def test_an_exported_body_says_when_its_usage_is_an_estimate():
+    from tokenmill.jobs.lifecycle.openai_export import response_body
+    from tokenmill.transforms.openai_batch import CHAT
+
+    row = {"job_id": "j", "id": "r1", "prompt_tokens": 3, "output_tokens": 4, "text": "hi", "finish_reason": "stop"}
+    assert "token_count_source" not in response_body({**row, "token_count_source": "engine"}, CHAT, "m")["usage"]
+    est = response_body({**row, "token_count_source": "local_tokenizer+stream_chunks"}, CHAT, "m")["usage"]
+    assert est["token_count_source"] == "local_tokenizer+stream_chunks" and est["total_tokens"] == 7

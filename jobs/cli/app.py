@@ -9,11 +9,17 @@ import click
 
 from tokenmill.jobs.cli.common import CONTEXT_SETTINGS
 
+#: `ctx.meta` key: the group's -v (engine and library output on the terminal, not in a log file)
+VERBOSE = "tokenmill.verbose"
+
 
 def _quiet_logs(verbose: bool) -> None:
     level = logging.INFO if verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR")
+    # ERROR on a terminal; a job's log file (console.JobConsole) raises it to INFO unless the user set it
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = "INFO" if verbose else "ERROR"
+        os.environ["TOKENMILL_VLLM_LEVEL_DEFAULT"] = "1"
     # vLLM logs to stdout by default (its engine processes too); stdout is the
     # summary or, with --json, the machine-readable result.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -49,4 +55,5 @@ def main(ctx: click.Context, verbose: bool) -> None:
       tokenmill status JOB_ID
     """
     _quiet_logs(verbose)
+    ctx.meta[VERBOSE] = verbose
     ctx.call_on_close(_shutdown_engines)

@@ -181,17 +181,25 @@ def build_spec(spec_file, overrides: dict[str, Any]):
 
 
 class Progress:
-    """rows done / total, output tok/s and ETA on a terminal; silent otherwise."""
+    """The row bar on a terminal: rows done of the total, rows/s and the time left (tqdm's,
+    from the rows finished since the bar appeared), and output tok/s; silent otherwise."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, file=None):
         self.enabled = enabled
+        self.file = file
         self.bar = None
         self._t0 = None
+        self._tokens0 = 0
 
     @classmethod
-    def for_output(cls, quiet: bool, as_json: bool) -> "Progress":
-        """Shown unless --quiet or --json, and only when stderr is a terminal."""
-        return cls(enabled=not quiet and not as_json and sys.stderr.isatty())
+    def for_output(cls, quiet: bool, as_json: bool, file=None) -> "Progress":
+        """Shown unless --quiet or --json, and only when `file` (stderr) is a terminal."""
+        file = file or sys.stderr
+        try:
+            tty = file.isatty()
+        except ValueError:
+            tty = False
+        return cls(enabled=not quiet and not as_json and tty, file=file)
 
     def __call__(self, done: int, total: int, out_tokens: int) -> None:
         if not self.enabled:
@@ -201,11 +209,15 @@ class Progress:
         from tqdm import tqdm
 
         if self.bar is None:
-            self.bar = tqdm(total=total, unit="row", dynamic_ncols=True, file=sys.stderr, desc="rows")
-            self._t0 = time.time()
-        self.bar.n = done
+            # rows answered before this run (a resumed job) are where the bar starts, not its rate
+            self.bar = tqdm(total=total, initial=done, unit="row", dynamic_ncols=True, file=self.file, desc="rows",
+                            smoothing=0.1, bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {rate_fmt}, "
+                                                      "{remaining} left{postfix}")
+            self._t0, self._tokens0 = time.time(), out_tokens
+        if done > self.bar.n:
+            self.bar.update(done - self.bar.n)
         dt = max(time.time() - self._t0, 1e-6)
-        self.bar.set_postfix_str(f"{out_tokens / dt:.0f} out tok/s", refresh=False)
+        self.bar.set_postfix_str(f"{(out_tokens - self._tokens0) / dt:.0f} out tok/s", refresh=False)
         self.bar.refresh()
 
     def close(self):

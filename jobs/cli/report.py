@@ -21,9 +21,10 @@ def _default_out() -> str:
 @click.option("--compare", "other", default=None, metavar="OTHER_JOB",
               help="Put OTHER_JOB beside JOB_ID (A = JOB_ID, B = OTHER_JOB; ratios are B / A).")
 @click.option("--no-html", is_flag=True, help="Only the terminal table / JSON.")
+@click.option("--html-only", is_flag=True, help="Write the HTML report and print its path, no table.")
 @db_option
 @json_option
-def report(job_id, out_dir, other, no_html, db_url, as_json):
+def report(job_id, out_dir, other, no_html, html_only, db_url, as_json):
     """Serving report of a job: latency percentiles, throughput, concurrency,
     memory, utilization, failures and cost, plus an HTML page with plots.
 
@@ -48,8 +49,13 @@ def report(job_id, out_dir, other, no_html, db_url, as_json):
         except OSError as err:
             raise Failure(f"cannot write the HTML report to {out}: {err.strerror or err}") from None
         html_path = str(path)
+    if no_html and html_only:
+        raise Failure("--no-html and --html-only exclude each other", 2)
     if as_json:
         emit_json(R.compare_json(a, b, html_path) if b else R.report_json(a, html_path))
+        return
+    if html_only:
+        click.echo(f"HTML report: {html_path}")
         return
     click.echo(R.format_compare(a, b) if b else R.format_report(a), nl=False)
     if html_path:

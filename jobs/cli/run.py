@@ -8,7 +8,7 @@ from typing import Any
 import click
 from tabulate import simple_separated_format, tabulate
 
-from tokenmill.jobs.cli.app import main
+from tokenmill.jobs.cli.app import VERBOSE, main
 from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_BUSY, EXIT_FAILED, STATUS_EXIT, Failure, Progress,
     build_spec, connect, db_option, emit_json, job_spec_options, json_option, spec_overrides)
 
@@ -30,33 +30,54 @@ def format_summary(s: dict[str, Any]) -> str:
         held = s.get("cost_held_per_1m_output_tokens")
         lines.append(f"  cost ${s['cost_per_1m_output_tokens']:.4f} per 1M output tokens over generation only"
                      + ("" if held is None else f", ${held:.4f} over all held time (start-up, load, export)"))
+    if s.get("dtype_auto"):
+        d = s["dtype_auto"]
+        lines.append(f"  dtype {d['choice']} (auto: {d['reason']})")
     if s.get("outputs"):
         lines.append(f"  outputs: {s['outputs']}")
+    if s.get("log"):
+        lines.append(f"  log: {s['log']}")
     if s.get("note"):
         lines.append(f"  note: {s['note']}")
     return "\n".join(lines)
 
 
-def execute_job(spec, db_url, quiet: bool, as_json: bool) -> int:
+def execute_job(spec, db_url, quiet: bool, as_json: bool, verbose: bool = False) -> int:
+    """Run the job with engine and library output in its log file (`console.JobConsole`);
+    the terminal gets a line per stage, the row bar, the summary and any error."""
+    from tokenmill.jobs.cli.console import JobConsole
     from tokenmill.jobs.lifecycle.runner import JobError, run_job
     from tokenmill.schemas import storage as S
+    from tokenmill.transforms.engines.registry import shutdown_all
 
-    progress = Progress.for_output(quiet, as_json)
-    try:
-        result = run_job(spec, db_url=db_url, progress=progress)
-    except S.JobBusy as err:
-        raise Failure(str(err), EXIT_BUSY) from None
-    except (JobError, S.StorageError) as err:
-        raise Failure(str(err)) from None
-    finally:
-        progress.close()
+    console = JobConsole(spec.derived_job_id(), verbose=verbose, show=not quiet and not as_json)
+    with console:
+        if console.log is not None:
+            console.stage(f"log: {console.log}")
+        progress = Progress.for_output(quiet, as_json, console.terminal)
+        try:
+            result = run_job(spec, db_url=db_url, progress=progress, stage=console.stage)
+        except S.JobBusy as err:
+            raise Failure(str(err), EXIT_BUSY) from None
+        except (JobError, S.StorageError) as err:
+            raise Failure(_with_log(str(err), console)) from None
+        finally:
+            progress.close()
+            shutdown_all()  # inside: the engines' own shutdown lines go to the log too
     summary = result.summary()
     summary["resumed"] = result.resumed
+    if console.log is not None:
+        summary["log"] = str(console.log)
     if as_json:
         emit_json(summary)
     elif not quiet:
         click.echo(format_summary(summary))
     return STATUS_EXIT.get(result.status, EXIT_FAILED)
+
+
+def _with_log(message: str, console) -> str:
+    """The error, and where the engine and library output is when there is any (still one line)."""
+    return f"{message} (engine and library output: {console.log})" if console.log_written() else message
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
@@ -72,7 +93,7 @@ def run(spec_file, quiet, as_json, **kw):
       tokenmill run job.yaml --job-id nightly-2026-11-29
     """
     spec = build_spec(spec_file, spec_overrides(kw))
-    sys.exit(execute_job(spec, kw.get("db_url"), quiet, as_json))
+    sys.exit(execute_job(spec, kw.get("db_url"), quiet, as_json, verbose=click.get_current_context().meta.get(VERBOSE)))
 
 
 # ---------------------------------------------------------------- status / jobs
@@ -117,6 +138,8 @@ def headline_metrics(m: dict[str, Any]) -> dict[str, Any]:
         "model_load_s": th.get("model_load_s"),
         "prefix_cache_hit_rate": (m.get("prefix_cache") or {}).get("hit_rate"),
         "failures_by_reason": (m.get("failures") or {}).get("by_reason") or None,
+        "dtype": (m.get("engine") or {}).get("dtype"),
+        "dtype_auto": (m.get("engine") or {}).get("dtype_auto"),
         "rows_by_token_count_source": {k: v["rows"] for k, v in
                                        ((m.get("tokens") or {}).get("by_count_source") or {}).items()} or None,
         "cost_per_1m_total_tokens": cost.get("per_1m_total_tokens"),
@@ -130,6 +153,12 @@ def headline_metrics(m: dict[str, Any]) -> dict[str, Any]:
         "gpus": (m.get("devices") or {}).get("gpus"),
         "nvml_errors": (m.get("devices") or {}).get("nvml_errors") or None,
     }
+
+
+def _dtype_auto_line(d: dict[str, Any] | None) -> str | None:
+    from tokenmill.jobs.metrics.report import describe_dtype
+
+    return describe_dtype(None, d) if d else None
 
 
 def job_status(job: dict[str, Any]) -> dict[str, Any]:
@@ -174,7 +203,8 @@ def status(job_id, db_url, as_json):
     if as_json:
         emit_json(row)
         return
-    rows = [(k, _status_value(v)) for k, v in row.items() if v is not None]
+    rows = [(k, _dtype_auto_line(v) if k == "dtype_auto" else _status_value(v)) for k, v in row.items()
+            if v is not None]
     click.echo(tabulate(rows, tablefmt=simple_separated_format(": "), colalign=("right", "left"),
                         disable_numparse=True))
 

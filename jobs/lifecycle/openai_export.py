@@ -78,6 +78,8 @@ def response_body(row: dict[str, Any], url: str, model: str | None) -> dict[str,
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if row.get("cached_tokens") is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": int(row["cached_tokens"])}
+    if row.get("token_count_source") not in (None, "engine"):  # estimates say so (records.TOKEN_COUNT_SOURCES)
+        usage["token_count_source"] = row["token_count_source"]
     common = {"created": int(row.get("finished_at") or 0), "model": model or row.get("model") or "", "usage": usage}
     finish = row.get("finish_reason") or "stop"
     if url == COMPLETIONS:

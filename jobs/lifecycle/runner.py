@@ -64,6 +64,7 @@ class JobResult:
             "cost_per_1m_output_tokens": self.metrics.get("cost", {}).get("per_1m_output_tokens"),
             "cost_held_per_1m_output_tokens": (self.metrics.get("cost", {}).get("held") or {}).get("per_1m_output_tokens"),
             "outputs": self.files.get("outputs"),
+            "dtype_auto": (self.metrics.get("engine") or {}).get("dtype_auto"),
             "note": self.note,
         }
 
@@ -109,8 +110,12 @@ def run_job(
     db_url: str | None = None,
     session_factory=None,
     progress: Callable[[int, int, int], None] | None = None,
+    stage: Callable[[str], None] | None = None,
 ) -> JobResult:
+    """Run one job to its end.  `progress(done, total, output_tokens)` is called about once a
+    second while the pipeline runs; `stage(line)` once per stage with a line for a person."""
     t0 = time.time()
+    say = stage or (lambda line: None)
     db_url = db_url or spec.db or default_db_url()
     job_id = spec.derived_job_id()
 
@@ -122,6 +127,23 @@ def run_job(
     if pf.problems:
         raise JobError(pf.problems[0])
     plan, model_path, on_gpu = pf.plan, pf.model_path, pf.on_gpu
+    say(f"checked: {plan.total_rows:,} input rows, model {spec.engine.model}, output {spec.output}")
+    dtype_choice = None
+    if session_factory is None and spec.runner.runner == "DirectRunner":
+        # the workers run here: measure `dtype: auto` once, in the launcher, where the terminal is told
+        from tokenmill.transforms.engines.dtype_probe import ProbeError
+        from tokenmill.transforms.engines.vllm_session import auto_dtype_measurement
+
+        try:
+            dtype_choice = auto_dtype_measurement(
+                spec.engine, model_path,
+                on_measure=lambda: say("dtype auto: timing float32 and bfloat16 in the engine on this CPU "
+                                       "(once per CPU, model, torch and vLLM version; about a minute)"))
+        except ProbeError as err:
+            raise JobError(f"dtype auto could not be measured: {err}") from None
+        if dtype_choice:
+            say(f"dtype {dtype_choice['choice']}: {dtype_choice['reason']}"
+                + (f" (measured {dtype_choice.get('measured_at')})" if dtype_choice.get("cached") else ""))
 
     # 2. Claim the job row (a second concurrent run of the same id refuses).
     hw = hardware()
@@ -142,6 +164,9 @@ def run_job(
     sampler = UtilizationSampler()  # CPU utilization, process-tree RSS, NVML on GPU; launcher-side
     sampler.start()
     status, error = "failed", None
+    say("resuming: rows already answered are skipped" if claim["resumed"] else
+        f"starting the pipeline ({spec.runner.runner}, {spec.runner.num_workers} worker"
+        f"{'s' if spec.runner.num_workers > 1 else ''}); the engine loads first")
     try:
         _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory,
                           effective_block_size(spec.engine, on_gpu=on_gpu))
@@ -172,6 +197,7 @@ def run_job(
     cancelled = bool(job.get("cancel_requested"))
     c = S.counts(eng, job_id)
     files = export_job(eng, job_id, spec.output, spec.output_format or "parquet")
+    say(f"exported {spec.output}: {files.get('outputs', 0):,} outputs, {files.get('dead_letters', 0):,} dead letters")
     S.finish_run(eng, job_id, run_id, time.time())  # after export: the devices were held until now
     metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
                               utilization=utilization)

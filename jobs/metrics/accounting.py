@@ -216,6 +216,8 @@ def job_metrics(
         "runs": per_run,
         "workers": [worker_summary(w) for w in workers],
         "devices": device_summary(workers),
+        # the dtype the engine ran, and on a CPU with `dtype: auto` the measurement that chose it
+        "engine": {"dtype": info.get("dtype"), "dtype_auto": info.get("dtype_auto")},
         "prefix_cache": {
             "hit_rate": (cached / prompt) if prompt and not cache_unknown else None,
             "cached_prompt_tokens": None if cache_unknown else cached,

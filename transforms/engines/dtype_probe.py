@@ -119,13 +119,17 @@ def measure(engine_kwargs: dict[str, Any], env: dict[str, str] | None = None,
     t0 = time.perf_counter()
     children = [_Child(dt, args, env) for dt in candidates]
     try:
+        failed: dict[str, str] = {}
         for c in children:
             try:
                 c.ask("ready")
             except ProbeError as err:
-                if c.dtype == "float32":
-                    raise
-                return _float32_only(c.dtype, str(err), time.perf_counter() - t0)
+                failed[c.dtype] = str(err)
+        if len(failed) == len(children):
+            raise ProbeError("; ".join(failed.values()))
+        if failed:  # W8A8 int8 checkpoints, say, refuse float32 activations on some CPUs
+            (bad, error), = failed.items()
+            return _only(next(c.dtype for c in children if c.dtype != bad), bad, error, time.perf_counter() - t0)
         for c in children:  # warm-up, untimed
             c.ask("speed", prompts=min(warmup_prompts, prompts), output_tokens=output_tokens)
         a, b = children[0], children[1]
@@ -150,10 +154,12 @@ def measure(engine_kwargs: dict[str, Any], env: dict[str, str] | None = None,
                   wall_s=time.perf_counter() - t0)
 
 
-def _float32_only(dtype: str, error: str, wall_s: float) -> dict[str, Any]:
-    return {"choice": "float32", "reason": f"{dtype}'s engine did not start on this CPU ({error})",
+def _only(choice: str, dtype: str, error: str, wall_s: float) -> dict[str, Any]:
+    """The choice when one candidate's engine does not start: the other, unmeasured and unchecked."""
+    return {"choice": choice, "reason": f"the only one that starts: {dtype}'s engine did not ({error})",
             "output_tok_per_s": {}, "rounds_output_tok_per_s": {}, "ratio": None,
-            "quality": {"agreement_with_float32": {}}, "workload": None, "measure_wall_s": round(wall_s, 1)}
+            "quality": {"agreement_with_float32": {}, "what": "not checked: one candidate only"},
+            "workload": None, "measure_wall_s": round(wall_s, 1)}
 
 
 def decide(a: str, b: str, rates: dict[str, list[float]], ratios: list[float], agreement: dict[str, float],
