@@ -119,6 +119,8 @@ def job_summary_row(job: dict[str, Any]) -> dict[str, Any]:
 
 def headline_metrics(m: dict[str, Any]) -> dict[str, Any]:
     """The figures `status` adds to the counts (full set: `tokenmill report`)."""
+    from tokenmill.jobs.metrics.pricing import price_line
+
     lat, th, cost = m.get("latency_s") or {}, m.get("throughput") or {}, m.get("cost") or {}
 
     def stat(clock: str, s: str):
@@ -145,6 +147,7 @@ def headline_metrics(m: dict[str, Any]) -> dict[str, Any]:
         "cost_per_1m_total_tokens": cost.get("per_1m_total_tokens"),
         "cost_per_successful_request": cost.get("per_successful_request"),
         "cost_basis": "generation only" if cost else None,
+        "prices": [price_line(e) for e in cost.get("prices_used") or []] or None,
         "cost_held_per_1m_output_tokens": (cost.get("held") or {}).get("per_1m_output_tokens"),
         "cost_held_per_1m_total_tokens": (cost.get("held") or {}).get("per_1m_total_tokens"),
         "cost_held_per_successful_request": (cost.get("held") or {}).get("per_successful_request"),
@@ -177,6 +180,8 @@ def _status_value(v: Any) -> str:
         return f"{v:.4g}"
     if isinstance(v, dict):
         return ", ".join(f"{a}: {n}" for a, n in v.items())
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return "; ".join(v)
     return str(v)
 
 
