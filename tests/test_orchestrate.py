@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 
 import click
 import pytest
@@ -290,11 +291,21 @@ def test_progress_bar_shows_rows_tok_s_and_eta(monkeypatch):
     monkeypatch.setattr(sys, "stderr", buf)
     p = Progress(enabled=True)
     p(0, 10, 0)
+    assert p.bar is None and buf.getvalue() == ""  # the engine loads: no bar, no rate yet
     p(4, 10, 120)
+    time.sleep(0.05)
+    p(6, 10, 180)
     p.close()
     text = buf.getvalue()
-    assert "4/10" in text and "out tok/s" in text
-    assert "<" in text.split("4/10", 1)[1]  # tqdm's [elapsed<remaining]: the ETA
+    assert "6/10" in text and "out tok/s" in text
+    assert "row/s" in text.split("6/10", 1)[1] and " left" in text  # the rate and the time left
+    # a resumed job: the rows earlier runs answered are where the bar starts, not part of its rate
+    buf.truncate(0)
+    r = Progress(enabled=True)
+    r(7, 10, 0)
+    r(8, 10, 30)
+    assert r.bar is not None and r.bar.initial == 7 and r.bar.n == 8
+    r.close()
     silent = Progress(enabled=False)
     silent(4, 10, 120)
     assert silent.bar is None

@@ -190,6 +190,7 @@ class Progress:
         self.bar = None
         self._t0 = None
         self._tokens0 = 0
+        self._before: int | None = None
 
     @classmethod
     def for_output(cls, quiet: bool, as_json: bool, file=None) -> "Progress":
@@ -208,12 +209,15 @@ class Progress:
 
         from tqdm import tqdm
 
+        if self._before is None:  # the first call comes while the engine loads: rows answered by earlier runs
+            self._before, self._tokens0 = done, out_tokens
+        if self.bar is None and done <= self._before:
+            return  # nothing answered by this run yet (a stage line says the engine loads): no rate to show
         if self.bar is None:
-            # rows answered before this run (a resumed job) are where the bar starts, not its rate
-            self.bar = tqdm(total=total, initial=done, unit="row", dynamic_ncols=True, file=self.file, desc="rows",
-                            smoothing=0.1, bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {rate_fmt}, "
-                                                      "{remaining} left{postfix}")
-            self._t0, self._tokens0 = time.time(), out_tokens
+            self.bar = tqdm(total=total, initial=self._before, unit="row", dynamic_ncols=True, file=self.file,
+                            desc="rows", smoothing=0.1,
+                            bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {rate_fmt}, {remaining} left{postfix}")
+            self._t0 = time.time()
         if done > self.bar.n:
             self.bar.update(done - self.bar.n)
         dt = max(time.time() - self._t0, 1e-6)
