@@ -31,3 +31,15 @@ def utc_now() -> str:
 def log(msg: str) -> None:
     print(f"[{dt.datetime.now(dt.timezone.utc):%H:%M:%S}] {msg}", flush=True)
 
+
+def save_results(name: str, res: dict[str, Any], markdown, write_docs, *, docs: bool = True) -> None:
+    """Write a benchmark's results to bench/results/`name`, print its markdown, and put it in
+    docs/BENCHMARKS.md with the benchmark's own `write_docs` unless `docs` is False."""
+    import json
+
+    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+    (ROOT / "bench" / "results" / name).write_text(json.dumps(res, indent=1, default=str))
+    md = markdown(res, name)
+    print(md)
+    if docs:
+        write_docs(md, ROOT / "docs" / "BENCHMARKS.md")

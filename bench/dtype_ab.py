@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, WORK, log, machine, utc_now, utc_stamp
+from bench.common import ROOT, WORK, log, machine, save_results, utc_now, utc_stamp
 
 DEMO_INPUT = ROOT / "data" / "sample_prompts.parquet"
 ORDER = ("float32", "bfloat16", "bfloat16", "float32")
@@ -180,14 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/BENCHMARKS.md's Dtype section")
     args = ap.parse_args(argv)
-    res = run(args)
-    name = f"dtype-{utc_stamp()}.json"
-    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench" / "results" / name).write_text(json.dumps(res, indent=1, default=str))
-    md = markdown(res, name)
-    print(md)
-    if not args.no_docs:
-        write_docs(md, ROOT / "docs" / "BENCHMARKS.md")
+    save_results(f"dtype-{utc_stamp()}.json", run(args), markdown, write_docs, docs=not args.no_docs)
     return 0
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from bench import arms as A
 from bench import workloads as W
-from bench.common import ROOT, log, machine
+from bench.common import ROOT, log, machine, save_results, utc_stamp
 MiB = 1 << 20
 
 #: Workload sizes per scale; `full` is sized to ~15 minutes on a quiet 2-core CPU
@@ -377,14 +377,7 @@ def main(argv=None) -> int:
 
         args.scale = "gpu" if has_nvidia_gpu() else "full"
     res = run(args)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    name = f"throughput-{args.scale}-{stamp}.json"
-    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench" / "results" / name).write_text(json.dumps(res, indent=1, default=str))
-    md = markdown(res, name)
-    print(md)
-    if not args.no_docs:
-        write_docs(md, ROOT / "docs" / "BENCHMARKS.md")
+    save_results(f"throughput-{args.scale}-{utc_stamp()}.json", res, markdown, write_docs, docs=not args.no_docs)
     return 0
 
 

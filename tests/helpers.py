@@ -42,3 +42,16 @@ def assert_one_line_error(res: Result, code: int, *parts: str, alone: bool = Fal
 def job_spec(input: str | Path, output: str | Path, **keys: Any) -> JobSpec:
     """A validated job spec from an input, an output and any other spec keys."""
     return load_spec({"input": str(input), "output": str(output), **keys})
+
+
+def stale_output_job(eng, job_id: str) -> None:
+    """A failed job `job_id` that holds one output row of another input (a job id reused on a
+    different input): a rerun's row counts cannot reconcile."""
+    from tokenmill.schemas import storage as S
+    from tokenmill.schemas import tables as T
+
+    S.claim_job(eng, job_id, {"spec": {}, "total": 1})
+    with eng.begin() as c:
+        c.execute(T.outputs.insert().values(job_id=job_id, id="stale", input_file=0, input_row=9, text="old",
+                                            prompt_tokens=1, output_tokens=1, cached_tokens=0))
+        c.execute(T.jobs.update().values(status="failed", owner=None, heartbeat_at=None))

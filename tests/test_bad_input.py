@@ -18,10 +18,9 @@ import pytest
 from tokenmill.schemas import storage as S
 from tokenmill.jobs.lifecycle.runner import JobError, run_job
 from tokenmill.schemas import records as R
-from tokenmill.schemas import tables as T
 from tests.conftest import TEST_ENGINE, write_parquet
 from tests.fakes import FakeSession, PoisonedVllm
-from tests.helpers import cli, job_spec, one_error_line
+from tests.helpers import cli, job_spec, one_error_line, stale_output_job
 
 HANG_MAX_TOKENS = 777  # the fake engine never finishes such a request
 CRASH_MAX_TOKENS = 666  # the fake engine dies on such a request
@@ -282,11 +281,7 @@ def test_real_engine_core_that_freezes_or_dies_mid_batch_is_restarted_and_the_ba
 def test_row_count_mismatch_fails_the_job_loudly(tmp_path, sqlite_url):
     # The same job id reused on a different input: a stale output makes the counts disagree.
     eng = S.connect(sqlite_url)
-    S.claim_job(eng, "reused", {"spec": {}, "total": 1})
-    with eng.begin() as c:
-        c.execute(T.outputs.insert().values(job_id="reused", id="stale", input_file=0, input_row=9, text="old",
-                                            prompt_tokens=1, output_tokens=1, cached_tokens=0))
-        c.execute(T.jobs.update().values(status="failed", owner=None, heartbeat_at=None))
+    stale_output_job(eng, "reused")
     inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": "yo"}])
     res = run_job(job_spec(inp, tmp_path / "out", job_id="reused", sampling={"max_tokens": 2}),
                   db_url=sqlite_url, session_factory=FakeSession)

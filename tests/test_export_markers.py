@@ -13,10 +13,9 @@ import pytest
 from tokenmill.jobs.lifecycle import export as X
 from tokenmill.jobs.lifecycle.runner import JobError, run_job
 from tokenmill.schemas import storage as S
-from tokenmill.schemas import tables as T
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
-from tests.helpers import job_spec
+from tests.helpers import job_spec, stale_output_job
 
 ROWS = 200
 
@@ -36,11 +35,7 @@ def prompts(tmp_path, n: int, name: str = "in.parquet"):
 def test_a_row_count_mismatch_leaves_failed_json_with_the_reason_and_no_success(tmp_path, sqlite_url):
     # The same job id reused on a different input: a stale output makes the counts disagree.
     eng = S.connect(sqlite_url)
-    S.claim_job(eng, "reused", {"spec": {}, "total": 1})
-    with eng.begin() as c:
-        c.execute(T.outputs.insert().values(job_id="reused", id="stale", input_file=0, input_row=9, text="old",
-                                            prompt_tokens=1, output_tokens=1, cached_tokens=0))
-        c.execute(T.jobs.update().values(status="failed", owner=None, heartbeat_at=None))
+    stale_output_job(eng, "reused")
     out = tmp_path / "out"
     inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": "yo"}])
     res = run_job(job_spec(inp, out, job_id="reused", sampling={"max_tokens": 2}),
