@@ -62,6 +62,19 @@ def test_when_one_dtype_s_engine_does_not_start_the_other_is_chosen_and_both_fai
     Child.refuse = {"float32"}  # a W8A8 int8 checkpoint on a CPU whose int8 kernels want bf16 activations
     res = P.measure({"model": "/m"})
     assert res["choice"] == "bfloat16" and "float32's engine did not" in res["reason"]
+    # float32 starts but its int8 kernel refuses float32 activations at the first request
+    class LateChild(Child):
+        def ask(self, op, **kw):
+            if op == "speed" and self.dtype == "float32":
+                raise P.ProbeError("the float32 probe engine failed during 'speed': RuntimeError: "
+                                   "int8_scaled_mm_with_quant: expect A to be bfloat16 or half.", "float32")
+            return {"dtype": self.dtype} if op == "ready" else {"output_tok_per_s": 1.0}
+
+    monkeypatch.setattr(P, "_Child", LateChild)
+    Child.refuse = set()
+    res = P.measure({"model": "/m"})
+    assert res["choice"] == "bfloat16" and "expect A to be bfloat16" in res["reason"]
+    monkeypatch.setattr(P, "_Child", Child)
     Child.refuse = {"float32", "bfloat16"}
     with pytest.raises(P.ProbeError, match="float32 probe engine exited.*bfloat16 probe engine exited"):
         P.measure({"model": "/m"})

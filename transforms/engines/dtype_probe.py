@@ -56,7 +56,11 @@ _TEXT = ("Batch inference reads prompts from files, groups them by length and sh
 
 
 class ProbeError(RuntimeError):
-    """A candidate's engine could not start or answer; the message is one line."""
+    """A candidate's engine could not start or answer; the message is one line, `dtype` the candidate's."""
+
+    def __init__(self, message: str, dtype: str | None = None):
+        super().__init__(message)
+        self.dtype = dtype
 
 
 # ---------------------------------------------------------------- launcher side
@@ -88,10 +92,11 @@ class _Child:
             line = ""
         if not line:
             code = self.proc.wait(timeout=30)
-            raise ProbeError(f"the {self.dtype} probe engine exited (status {code}) during {op!r}; its log is in the job log")
+            raise ProbeError(f"the {self.dtype} probe engine exited (status {code}) during {op!r}; its log is in the job log",
+                             self.dtype)
         reply = json.loads(line)
         if "error" in reply:
-            raise ProbeError(f"the {self.dtype} probe engine failed during {op!r}: {reply['error']}")
+            raise ProbeError(f"the {self.dtype} probe engine failed during {op!r}: {reply['error']}", self.dtype)
         return reply
 
     def close(self) -> None:
@@ -127,22 +132,34 @@ def measure(engine_kwargs: dict[str, Any], env: dict[str, str] | None = None,
                 failed[c.dtype] = str(err)
         if len(failed) == len(children):
             raise ProbeError("; ".join(failed.values()))
-        if failed:  # W8A8 int8 checkpoints, say, refuse float32 activations on some CPUs
+        if failed:
             (bad, error), = failed.items()
             return _only(next(c.dtype for c in children if c.dtype != bad), bad, error, time.perf_counter() - t0)
-        for c in children:  # warm-up, untimed
-            c.ask("speed", prompts=min(warmup_prompts, prompts), output_tokens=output_tokens)
-        a, b = children[0], children[1]
-        rates: dict[str, list[float]] = {c.dtype: [] for c in children}
-        for r in ROUNDS:
-            c = a if r == "A" else b
-            rates[c.dtype].append(c.ask("speed", prompts=prompts, output_tokens=output_tokens)["output_tok_per_s"])
-        greedy = {c.dtype: c.ask("greedy")["tokens"] for c in children}
-        ref = greedy["float32"] if "float32" in greedy else greedy[a.dtype]
-        agreement = {c.dtype: c.ask("teacher", reference=ref)["agreement"] for c in children}
+        try:
+            return _measure_both(children, prompts, output_tokens, warmup_prompts, args, t0)
+        except ProbeError as err:  # W8A8 int8 checkpoints, say, refuse float32 activations on some CPUs
+            if err.dtype is None:
+                raise
+            return _only(next(c.dtype for c in children if c.dtype != err.dtype), err.dtype, str(err),
+                         time.perf_counter() - t0)
     finally:
         for c in children:
             c.close()
+
+
+def _measure_both(children: list[_Child], prompts: int, output_tokens: int, warmup_prompts: int,
+                  args: dict[str, Any], t0: float) -> dict[str, Any]:
+    """Warm-up, the A B B A rounds, the greedy answers and the teacher-forced check, then `decide`."""
+    for c in children:  # warm-up, untimed
+        c.ask("speed", prompts=min(warmup_prompts, prompts), output_tokens=output_tokens)
+    a, b = children[0], children[1]
+    rates: dict[str, list[float]] = {c.dtype: [] for c in children}
+    for r in ROUNDS:
+        c = a if r == "A" else b
+        rates[c.dtype].append(c.ask("speed", prompts=prompts, output_tokens=output_tokens)["output_tok_per_s"])
+    greedy = {c.dtype: c.ask("greedy")["tokens"] for c in children}
+    ref = greedy["float32"] if "float32" in greedy else greedy[a.dtype]
+    agreement = {c.dtype: c.ask("teacher", reference=ref)["agreement"] for c in children}
     # A B B A: round 1 pairs with round 2, round 4 with round 3
     ra, rb = rates[a.dtype], rates[b.dtype]
     ratios = [rb[0] / ra[0], rb[1] / ra[1]]
