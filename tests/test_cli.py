@@ -43,3 +43,18 @@ def test_invalid_spec_values_name_the_key(tmp_path, sqlite_url):
 def test_status_of_unknown_job(sqlite_url):
     res = cli("status", "nope", "--db", sqlite_url)
     assert_one_line_error(res, 1, "no job with id 'nope'")
+
+
+def test_only_a_command_that_may_start_engines_stops_the_process_engines(tmp_path, sqlite_url, monkeypatch):
+    # `cancel` run in the process of a running job (a test, an embedding program) once stopped its
+    # engine: the job then stepped a fresh engine that never held its requests, for ever
+    from tokenmill.transforms.engines import registry
+
+    stopped = []
+    monkeypatch.setattr(registry, "shutdown_all", lambda: stopped.append(1))
+    cli("status", "nope", "--db", sqlite_url)
+    cli("cancel", "nope", "--db", sqlite_url)
+    cli("jobs", "--db", sqlite_url)
+    assert stopped == []
+    invoke(["run", "--input", str(tmp_path / "nope.parquet"), "--output", str(tmp_path / "o")], sqlite_url)
+    assert stopped  # run may start engines: they are stopped however it ends

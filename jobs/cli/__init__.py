@@ -22,7 +22,7 @@ import importlib
 import os
 import sys
 
-from tokenmill.jobs.cli.app import main
+from tokenmill.jobs.cli.app import ENGINE_COMMANDS, main
 from tokenmill.jobs.cli.common import (  # noqa: F401  (the CLI's public names, re-exported)
     EXIT_BUSY,
     EXIT_CANCELLED,
@@ -38,8 +38,6 @@ from tokenmill.jobs.cli.common import (  # noqa: F401  (the CLI's public names, 
 #: The modules that add commands to `main` with @main.command(); imported here so
 #: every command is there when the CLI starts.
 COMMAND_MODULES = ("run", "models", "report", "quality", "orchestrate", "tune")
-#: Commands that may start an engine in this process (the re-exec below is for them).
-ENGINE_COMMANDS = {"run", "run-pending", "tune"}
 
 for _mod in COMMAND_MODULES:
     importlib.import_module(f"tokenmill.jobs.cli.{_mod}")

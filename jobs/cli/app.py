@@ -9,6 +9,9 @@ import click
 
 from tokenmill.jobs.cli.common import CONTEXT_SETTINGS
 
+#: Commands that may start an engine in this process (the CLI's re-exec and the engines'
+#: shutdown at the end are for them).
+ENGINE_COMMANDS = {"run", "run-pending", "tune"}
 #: `ctx.meta` key: the group's -v (engine and library output on the terminal, not in a log file)
 VERBOSE = "tokenmill.verbose"
 
@@ -56,4 +59,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
     """
     _quiet_logs(verbose)
     ctx.meta[VERBOSE] = verbose
-    ctx.call_on_close(_shutdown_engines)
+    if ctx.invoked_subcommand in ENGINE_COMMANDS:
+        # Only a command that may start engines stops them: `cancel` or `status` run in the
+        # process of a running job (an embedding program, a test) must leave its engine alone.
+        ctx.call_on_close(_shutdown_engines)
