@@ -116,18 +116,10 @@ def count_sources(cols: Mapping[str, np.ndarray]) -> dict[str, dict[str, int]]:
     if codes is None:
         codes = np.full(len(prompt), np.nan)
     names = {float(i): s for i, s in enumerate(TOKEN_COUNT_SOURCES)}
-    out: dict[str, dict[str, int]] = {}
-    for code in np.unique(codes):  # NaN (not recorded): below
-        if np.isnan(code):
-            continue
-        sel = codes == code
-        out[names.get(float(code), "unknown")] = {"rows": int(sel.sum()), "prompt": int(np.nansum(prompt[sel])),
-                                                  "output": int(np.nansum(outs[sel]))}
-    sel = np.isnan(codes)
-    if sel.any():
-        out["not_recorded"] = {"rows": int(sel.sum()), "prompt": int(np.nansum(prompt[sel])),
-                               "output": int(np.nansum(outs[sel]))}
-    return out
+    groups = [(names.get(float(code), "unknown"), codes == code) for code in np.unique(codes) if not np.isnan(code)]
+    groups.append(("not_recorded", np.isnan(codes)))  # last, as before
+    return {name: {"rows": int(sel.sum()), "prompt": int(np.nansum(prompt[sel])), "output": int(np.nansum(outs[sel]))}
+            for name, sel in groups if sel.any()}
 
 
 def job_metrics(

@@ -154,10 +154,20 @@ def _gpu_key(model: str | None, table: Mapping[str, float]) -> tuple[str, str]:
     return key, f"{why}; used the {FALLBACK_GPU.upper()} price"
 
 
+def _gpu_entry(model: str | None, table: Mapping[str, float]) -> tuple[dict[str, Any], str]:
+    """The GPU price used for a model name (`_entry`; the default fallback price for a table
+    without the fallback's entry) and where the figure came from, in words."""
+    key, why = _gpu_key(model, table)
+    if key:
+        return _entry(table, key, "GPU-hour"), why
+    p = DEFAULT_PRICES[FALLBACK_GPU]
+    return {"key": FALLBACK_GPU, "usd_per_hour": p.usd_per_hour, "per": "GPU-hour", **_default_origin(p)}, why
+
+
 def gpu_price(model: str | None, table: Mapping[str, float]) -> tuple[float, str]:
     """(USD per GPU-hour, where the figure came from) for a GPU model name."""
-    key, why = _gpu_key(model, table)
-    return (table[key] if key else GPU_PRICES[FALLBACK_GPU]), why
+    used, why = _gpu_entry(model, table)
+    return used["usd_per_hour"], why
 
 
 def worker_rate(w: dict[str, Any], table: Mapping[str, float], flat: float | None = None) -> dict[str, Any]:
@@ -174,12 +184,7 @@ def worker_rate(w: dict[str, Any], table: Mapping[str, float], flat: float | Non
         if flat is not None:
             return {"usd_per_hour": flat * n, "units": units, "source": "job spec price_per_hour",
                     "prices": [flat_entry]}
-        key, source = _gpu_key(w.get("device_model"), table)
-        if not key:  # a table without the fallback's entry: the default price
-            p = DEFAULT_PRICES[FALLBACK_GPU]
-            used = {"key": FALLBACK_GPU, "usd_per_hour": p.usd_per_hour, "per": "GPU-hour", **_default_origin(p)}
-        else:
-            used = _entry(table, key, "GPU-hour")
+        used, source = _gpu_entry(w.get("device_model"), table)
         return {"usd_per_hour": used["usd_per_hour"] * n, "units": units, "source": source, "prices": [used]}
     vcpus = int(w.get("cpu_count") or 1)
     rss = (w.get("measure") or {}).get("peak_tree_rss_bytes") or w.get("peak_rss_bytes") or 0

@@ -193,16 +193,15 @@ def _dtype_cache_file() -> Path:
 
 def cpu_identity() -> dict[str, str]:
     """What a dtype measurement holds for: the CPU's model name and instruction-set flags."""
-    name, flags = platform.processor() or platform.machine(), ""
+    fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first core's lines
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == (platform.processor() or platform.machine()):
-                name = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = value.strip()
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = fields.get("flags") or fields.get("Features") or ""
     return {"cpu": name, "flags_sha256": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]}
 
 

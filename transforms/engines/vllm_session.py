@@ -73,11 +73,15 @@ def auto_dtype_measurement(cfg: EngineConfig, model_path: str, *, on_measure=Non
     engine kind, a given dtype or a GPU (where `auto` stays vLLM's own choice)."""
     if cfg.over_http or has_nvidia_gpu():
         return None
-    kw = engine_kwargs(cfg, model_path, on_gpu=False, resolve_auto=False)
-    if kw.get("dtype", "auto") != "auto":
+    return _measured_auto(model_path, engine_kwargs(cfg, model_path, on_gpu=False, resolve_auto=False),
+                          on_measure=on_measure)
+
+
+def _measured_auto(model_path: str, kwargs: dict[str, Any], *, on_measure=None) -> dict[str, Any] | None:
+    """On a CPU, the dtype measurement for these engine arguments when they leave `dtype` to `auto`."""
+    if kwargs.get("dtype", "auto") != "auto":
         return None
-    apply_cpu_env()
-    return cpu_dtype_measurement(model_path, kw, on_measure=on_measure)
+    return cpu_dtype_measurement(model_path, kwargs, on_measure=on_measure)
 
 
 def dtype_auto_summary(m: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -128,9 +132,8 @@ class VllmSession:
 
         self.kwargs = engine_kwargs(cfg, model_path, on_gpu=on_gpu, resolve_auto=False)
         #: on CPU with `dtype: auto`, the measurement that chose the dtype (cpu.cpu_dtype_measurement)
-        self.dtype_auto: dict[str, Any] | None = None
-        if not on_gpu and self.kwargs.get("dtype", "auto") == "auto":
-            self.dtype_auto = cpu_dtype_measurement(model_path, self.kwargs)
+        self.dtype_auto = None if on_gpu else _measured_auto(model_path, self.kwargs)
+        if self.dtype_auto:
             self.kwargs["dtype"] = self.dtype_auto["choice"]
         self.kv_sizing: dict[str, Any] = {"source": "vllm"}
         omp_env: dict[str, str] | None = None
