@@ -9,13 +9,8 @@ import sys
 import pytest
 
 from tokenmill.jobs.modeltools import calibration as C
-from tokenmill.jobs.modeltools.quantize import (
-    LLMC_PYTHON_ENV,
-    QuantizeError,
-    QuantizeFailed,
-    check_method,
-    quantize,
-)
+from tokenmill.jobs.modeltools.quantize import LLMC_PYTHON_ENV, quantize
+from tokenmill.jobs.modeltools.schemes import QuantizeError, QuantizeFailed, check_method
 from tests.conftest import TEST_ENGINE, write_parquet
 from tests.helpers import cli, job_spec, one_error_line
 
@@ -291,7 +286,7 @@ def test_bench_quant_prints_the_issues_targets_and_the_per_layer_error():
 
 
 def test_gptq_on_fewer_tokens_than_a_layers_inputs_gets_a_note():
-    from tokenmill.jobs.modeltools.quantize import hessian_rank_note, linear_layers
+    from tokenmill.jobs.modeltools.schemes import hessian_rank_note, linear_layers
 
     layers = linear_layers({"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
                             "intermediate_size": 1536, "num_hidden_layers": 2})

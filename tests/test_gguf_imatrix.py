@@ -15,7 +15,7 @@ from tests.conftest import write_parquet
 from tests.helpers import assert_one_line_error, cli, job_spec
 from tests.test_calibrated_quantize import chat_rows
 from tokenmill.jobs.modeltools import gguf as G
-from tokenmill.jobs.modeltools.quantize import QuantizeError, check_method
+from tokenmill.jobs.modeltools.schemes import QuantizeError, check_method
 
 
 def test_imatrix_goes_only_where_llama_cpps_quantizer_reads_it():

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from tokenmill.jobs.modeltools.quantize import (
+from tokenmill.jobs.modeltools.quantize import quantize
+from tokenmill.jobs.modeltools.schemes import (
     QuantizeError,
     check_group_size,
     check_scheme,
     linear_layers,
-    quantize,
     suggest_group_sizes,
 )
 from tests.conftest import TEST_ENGINE, write_parquet

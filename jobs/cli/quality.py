@@ -65,8 +65,8 @@ def quantize(model, scheme, method, out, group_size, calibration, samples, max_s
       tokenmill quantize --model smollm2-135m --scheme gguf-q4_k_m --method imatrix \\
           --calibration nightly-2026-11-30 --out models/smollm2-q4_k_m-imat.gguf
     """
-    from tokenmill.jobs.modeltools.quantize import QuantizeError
     from tokenmill.jobs.modeltools.quantize import quantize as do_quantize
+    from tokenmill.jobs.modeltools.schemes import QuantizeError
 
     try:
         res = do_quantize(model, scheme, out, group_size=group_size, method=method, calibration=calibration,

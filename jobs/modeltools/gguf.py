@@ -22,7 +22,7 @@ than Q4_1 ones).  The quantized file itself is made from the same source as plai
 llama-quantize, so the importance matrix is the only difference between the two.  Both
 llama.cpp programs run bound to this process's cores with that many threads, as the
 engine's server does (`llamacpp_session.launch_argv`).  Only schemes whose quantizer reads
-an importance matrix take it (IMATRIX_SCHEMES): Q4_K_M's Q4_K and Q6_K do; llama.cpp's
+an importance matrix take it (schemes.py: IMATRIX_SCHEMES): Q4_K_M's Q4_K and Q6_K do; llama.cpp's
 Q8_0 quantizer ignores it (`quantize_q8_0`: "not used") and F16 rounds nothing.
 
 Everything is written into a temporary folder beside `out` and moved into place only
@@ -46,15 +46,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: Scheme → llama-quantize's type name.
-GGUF_SCHEMES = {"gguf-f16": "F16", "gguf-q8_0": "Q8_0", "gguf-q4_k_m": "Q4_K_M"}
-#: Schemes whose llama.cpp quantizer weighs its rounding by an importance matrix.
-IMATRIX_SCHEMES = ("gguf-q4_k_m",)
-#: Why a GGUF scheme takes no importance matrix.
-NO_IMATRIX = {
-    "gguf-f16": "F16 rounds no weights to fewer bits: there is nothing for an importance matrix to weigh",
-    "gguf-q8_0": "llama.cpp's Q8_0 quantizer ignores an importance matrix (quantize_q8_0: \"not used\")",
-}
+from tokenmill.jobs.modeltools import calibration as C
+from tokenmill.jobs.modeltools.checkpoint import checkpoint_hash, library_versions
+from tokenmill.jobs.modeltools.schemes import (
+    GGUF_SCHEMES,
+    QuantizeError,
+    QuantizeFailed,
+    QuantizeResult,
+    check_method,
+)
+from tokenmill.schemas.models import (
+    BUILTIN_MODELS,
+    ModelNotFound,
+    quantization_record,
+    quantization_record_path,
+    resolve_model,
+)
+
 #: llama-imatrix's context (tokens per chunk) at most; fewer when the calibration text is short
 #: (it needs two chunks' worth).  Chunks of the text run one after another, prompts and all.
 IMATRIX_CTX = 512
@@ -69,10 +77,7 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
     """Write `out` (a .gguf file) from `model` with `scheme` and `method` (`rtn`: plain
     llama-quantize; `imatrix`: calibrated on `calibration`); QuantizeError (one line) for a
     bad request, before anything is written, QuantizeFailed when llama.cpp fails."""
-    from tokenmill.jobs.modeltools import calibration as C
-    from tokenmill.jobs.modeltools.quantize import (QuantizeError, QuantizeFailed, QuantizeResult, library_versions,
-                                                    check_method, checkpoint_hash)
-    from tokenmill.schemas.models import BUILTIN_MODELS, ModelNotFound, quantization_record, quantization_record_path, resolve_model
+    # the llama.cpp engine's module (its HTTP client) loads only for a GGUF scheme
     from tokenmill.transforms.engines.llamacpp_session import binary, build_info, gguf_file, log_tail, worker_cores
     from tokenmill.transforms.engines.protocol import EngineStartError
 
@@ -230,7 +235,6 @@ def _imatrix(src: Path, imatrix_tool: Path, quantize_tool: Path, cal, tok_dir: P
              cores: list[int], work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run llama-imatrix on the calibration prompts into `work/imatrix.gguf`, on `src` or,
     when `src` is quantized, an F16 GGUF made from it; (the run, what it was computed on)."""
-    from tokenmill.jobs.modeltools.quantize import QuantizeFailed
     from tokenmill.transforms.engines.llamacpp_session import log_tail
     from tokenmill.transforms.tokenize import load_tokenizer
 

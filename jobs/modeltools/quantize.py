@@ -16,7 +16,9 @@ library (a vLLM dependency) for the schemes, the packing and the `config.json`
 `quantization_config` block, so the checkpoint is the same format llmcompressor
 writes and vLLM's `compressed-tensors` loader reads.
 
-Schemes (the `gguf-*` schemes for the `llamacpp` engine are in `gguf.py`):
+Schemes (all of them, the `gguf-*` ones `gguf.py` writes included, and the checks of a
+request are in `schemes.py`; the output folder, its hash and the check of a written
+checkpoint in `checkpoint.py`):
 
 - `w8a8-int8`: int8 weights, symmetric, one scale per output channel; int8
   activations quantized dynamically per token at run time (no calibration).
@@ -30,10 +32,6 @@ dimension), so bad input fails in seconds with one line.
 
 from __future__ import annotations
 
-from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES, IMATRIX_SCHEMES, NO_IMATRIX
-from tokenmill.schemas.errors import first_line
-
-import hashlib
 import json
 import os
 import shutil
@@ -41,104 +39,38 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: Scheme name → (compressed-tensors preset, needs a group size).
-SCHEMES = {"w8a8-int8": ("W8A8", False), "w4a16": ("W4A16", True)}
-DEFAULT_GROUP_SIZE = 128
-#: Layers left in full precision: the output head is tied to the embeddings in
-#: small models and is the layer most sensitive to rounding.
-IGNORE = ("lm_head",)
-#: Scheme → the methods it takes (the first is the default).  SmoothQuant moves
-#: activation outliers into the weights, which helps only where activations are
-#: quantized (w8a8); AWQ protects salient weight channels of a weight-only scheme.
-#: The gguf-* schemes (gguf.py) take `rtn` (plain llama-quantize) and, where llama.cpp's
-#: quantizer reads one, `imatrix` (llama-imatrix's importance matrix).
-METHODS = {"w8a8-int8": ("rtn", "gptq", "smoothquant+gptq"), "w4a16": ("rtn", "gptq", "awq"),
-           **{s: ("rtn", "imatrix") if s in IMATRIX_SCHEMES else ("rtn",) for s in GGUF_SCHEMES}}
-WHY_NOT = {
-    ("w8a8-int8", "awq"): "AWQ is for weight-only schemes (w4a16)",
-    ("w4a16", "smoothquant+gptq"): "SmoothQuant smooths activations for int8 activation quantization, and w4a16 keeps activations in the model dtype",
-    **{(s, "imatrix"): "imatrix is llama.cpp's importance matrix, for the gguf-* schemes" for s in SCHEMES},
-    **{(s, m): f"{m} is llmcompressor's, for the compressed-tensors schemes (w8a8-int8, w4a16); a GGUF takes "
-               f"rtn (plain llama-quantize){' or imatrix' if s in IMATRIX_SCHEMES else ''}"
-       for s in GGUF_SCHEMES for m in ("gptq", "smoothquant+gptq", "awq")},
-    **{(s, "imatrix"): why for s, why in NO_IMATRIX.items()},
-}
-#: The checkpoint format each scheme must come out in (config.json quantization_config.format).
-FORMATS = {"w8a8-int8": "int-quantized", "w4a16": "pack-quantized"}
+from tokenmill.jobs.modeltools import calibration as C
+from tokenmill.jobs.modeltools.checkpoint import (
+    check_checkpoint,
+    checkpoint_hash,
+    library_versions,
+    prepare_out,
+    publish,
+    weights_bytes,
+)
+from tokenmill.jobs.modeltools.gguf import quantize_gguf
+from tokenmill.jobs.modeltools.schemes import (
+    GGUF_SCHEMES,
+    IGNORE,
+    SCHEMES,
+    QuantizeError,
+    QuantizeFailed,
+    QuantizeResult,
+    check_group_size,
+    check_method,
+    check_scheme,
+    hessian_rank_note,
+    linear_layers,
+    read_model_config,
+)
+from tokenmill.schemas.errors import first_line
+from tokenmill.schemas.models import QUANT_RECORD, ModelNotFound, resolve_model
+
 LLMC_PYTHON_ENV = "TOKENMILL_LLMCOMPRESSOR_PYTHON"
 LLMC_VENV = ".venv-llmcompressor"
-
-
-class QuantizeError(ValueError):
-    """A quantization request that cannot be carried out; the message is one line."""
-
-    exit_usage = True
-
-
-class QuantizeFailed(QuantizeError):
-    """The calibration run itself failed (not the request); the message is one line."""
-
-    exit_usage = False
-
-
-@dataclass
-class QuantizeResult:
-    """What was written: the folder, the scheme, sizes before and after, and timings."""
-
-    out: Path
-    scheme: str
-    group_size: int | None
-    layers: int
-    source_bytes: int
-    weights_bytes: int
-    seconds: float
-    calibration_rows: int = 0
-    notes: list[str] = field(default_factory=list)
-    method: str = "rtn"
-    prepare_s: float = 0.0
-    """Drawing and tokenizing the calibration prompts (this process)."""
-    run: dict[str, Any] | None = None
-    """The calibration run (llmcompressor's process): wall_s, peak_rss_bytes, ..."""
-    sha256: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "out": str(self.out), "scheme": self.scheme, "method": self.method, "group_size": self.group_size,
-            "layers": self.layers, "prepare_s": self.prepare_s, "calibration_run": self.run, "sha256": self.sha256,
-            "source_bytes": self.source_bytes, "weights_bytes": self.weights_bytes,
-            "size_ratio": round(self.source_bytes / self.weights_bytes, 3) if self.weights_bytes else None,
-            "seconds": round(self.seconds, 2), "calibration_rows": self.calibration_rows, "notes": self.notes,
-        }
-
-
-def check_scheme(scheme: str, group_size: int | None) -> int | None:
-    """The group size this scheme will use (None for per-channel); raise on an unknown
-    scheme or a group size given to a scheme that has none."""
-    if scheme not in SCHEMES:
-        raise QuantizeError(f"unknown scheme {scheme!r}; choose one of {sorted(SCHEMES) + sorted(GGUF_SCHEMES)}")
-    grouped = SCHEMES[scheme][1]
-    if not grouped:
-        if group_size is not None:
-            raise QuantizeError(f"scheme {scheme!r} is per-channel and takes no --group-size")
-        return None
-    g = DEFAULT_GROUP_SIZE if group_size is None else group_size
-    if g < 1:
-        raise QuantizeError(f"group size must be a positive integer, got {g}")
-    return g
-
-
-def check_method(scheme: str, method: str) -> None:
-    """Raise unless `scheme` takes `method` (scheme already checked)."""
-    allowed = METHODS[scheme]
-    if method not in allowed:
-        known = sorted({m for ms in METHODS.values() for m in ms})
-        why = WHY_NOT.get((scheme, method)) or ("unknown method" if method not in known else "not offered")
-        raise QuantizeError(f"method {method!r} does not apply to scheme {scheme!r} ({why}); "
-                            f"{scheme} takes {' or '.join(allowed)}")
 
 
 def llmcompressor_python() -> Path:
@@ -156,85 +88,15 @@ def llmcompressor_python() -> Path:
                         f"run `make llmcompressor` (or set {LLMC_PYTHON_ENV})")
 
 
-def linear_layers(config: dict[str, Any]) -> list[tuple[str, int, int]]:
-    """(name, in_features, out_features) of each Linear layer a decoder-only
-    Llama/Mistral/Qwen-style model has, from its `config.json` (no weights read).
-    Names follow the Hugging Face modules (`model.layers.0.mlp.down_proj`)."""
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    inter = config["intermediate_size"]
-    out = []
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        out += [
-            (f"{p}.self_attn.q_proj", hidden, heads * head_dim),
-            (f"{p}.self_attn.k_proj", hidden, kv_heads * head_dim),
-            (f"{p}.self_attn.v_proj", hidden, kv_heads * head_dim),
-            (f"{p}.self_attn.o_proj", heads * head_dim, hidden),
-            (f"{p}.mlp.gate_proj", hidden, inter),
-            (f"{p}.mlp.up_proj", hidden, inter),
-            (f"{p}.mlp.down_proj", inter, hidden),
-        ]
-    return out
-
-
-def hessian_rank_note(method: str, tokens: int, layers: list[tuple[str, int, int]]) -> str | None:
-    """A note when GPTQ would calibrate on fewer tokens than a layer has input columns: its
-    Hessian (Σ x xᵀ over the calibration tokens) is then rank-deficient for that layer, held
-    invertible only by dampening.  Measured: SmoothQuant + GPTQ on the 60 eval questions'
-    1,455 tokens (SmolLM2's down_proj takes 1,536) lost 11.7 points where 7,011 tokens of
-    chat prompts lost 1.7 (docs/QUANTIZATION.md)."""
-    if "gptq" not in method or not layers:
-        return None
-    name, widest, _ = max(layers, key=lambda x: x[1])
-    if tokens >= widest:
-        return None
-    return (f"calibration has {tokens:,} tokens, fewer than the {widest:,} input columns of {name}: GPTQ's "
-            f"Hessian for that layer cannot be full rank; more or longer prompts (--samples) calibrate it better")
-
-
-def suggest_group_sizes(dims: list[int], limit: int = 3) -> list[int]:
-    """Power-of-two group sizes (largest first, at least 16) that divide every dimension."""
-    return [g for g in (256, 128, 64, 32, 16) if all(d % g == 0 for d in dims)][:limit]
-
-
-def check_group_size(layers: list[tuple[str, int, int]], group_size: int) -> None:
-    """Raise naming the first layer whose input dimension `group_size` does not divide."""
-    for name, in_features, _ in layers:
-        if in_features % group_size:
-            fits = suggest_group_sizes(sorted({d for _, d, _ in layers}))
-            hint = f"; try --group-size {' or '.join(map(str, fits))}" if fits else ""
-            raise QuantizeError(
-                f"group size {group_size} does not divide layer {name}'s input dimension {in_features}{hint}"
-            )
-
-
-def read_model_config(model_dir: Path) -> dict[str, Any]:
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        raise QuantizeError(f"cannot read {model_dir / 'config.json'}: {err}") from None
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise QuantizeError(f"model folder {str(model_dir)!r} is already quantized ({method}); start from the full-precision model")
-    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size") if k not in cfg]
-    if missing:
-        raise QuantizeError(f"{model_dir / 'config.json'} lacks {missing}: not a decoder model tokenmill can quantize")
-    return cfg
-
-
 def count_calibration(source: str, db_url: str | None = None) -> int:
     """Rows of a calibration source (a job input or a job id) for a method that needs none
     (RTN): read through the job's own input planning, so a bad input fails the same way."""
-    from tokenmill.jobs.modeltools.calibration import CalibrationError, resolve_source
-    from tokenmill.transforms.read import InputError, plan_input
+    from tokenmill.transforms.read import InputError, plan_input  # imports Beam: only for this case
 
     try:
-        _, path, fmt, _ = resolve_source(source, db_url)
+        _, path, fmt, _ = C.resolve_source(source, db_url)
         return plan_input(path, fmt).total_rows
-    except CalibrationError as err:
+    except C.CalibrationError as err:
         raise QuantizeError(str(err)) from None
     except InputError as err:
         raise QuantizeError(f"calibration {source!r}: {err}") from None
@@ -273,57 +135,6 @@ def _set_weight_qparams(module, store_dtype) -> None:
         module.weight_scale.data = scale.reshape(module.weight_scale.shape).to(store_dtype).to(torch.float32)
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data = zp.reshape(module.weight_zero_point.shape).to(module.weight_zero_point.dtype)
-
-
-def _weights_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-
-
-def library_versions(*names: str) -> dict[str, str]:
-    """Installed versions of the named distributions (those not installed are left out)."""
-    from importlib import metadata
-
-    out = {}
-    for n in names:
-        try:
-            out[n] = metadata.version(n)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
-
-
-def checkpoint_hash(path: Path) -> dict[str, Any]:
-    """sha256 of each weights file of a model folder, and one digest over (name, digest) of
-    them all; of a single file (a GGUF), the file's own sha256 (what `sha256sum` prints)."""
-    files = {}
-    for f in sorted(path.glob("*.safetensors")) if path.is_dir() else [path]:
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        files[f.name] = h.hexdigest()
-    if not path.is_dir():
-        return {"sha256": files[path.name], "files": files}
-    whole = hashlib.sha256("".join(f"{n}:{d}\n" for n, d in files.items()).encode()).hexdigest()
-    return {"sha256": whole, "files": files}
-
-
-def _prepare_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise QuantizeError(f"output {str(out)!r} is a file, not a folder")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise QuantizeError(f"output folder {str(out)!r} is not empty (use --force to replace it)")
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished folder `tmp` to `out`, replacing what `out` held only now."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _rtn(src: Path, cfg: dict[str, Any], scheme: str, g: int | None, tmp: Path) -> tuple[int, dict[str, Any]]:
@@ -407,34 +218,6 @@ def _last_error(log: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def check_checkpoint(folder: Path, scheme: str, g: int | None, layers: int) -> int:
-    """What this process requires of a written checkpoint: the scheme's format in
-    `config.json`, readable by the installed compressed-tensors (the one vLLM uses),
-    the expected group size, and one weight scale for each of the `layers` Linear
-    layers.  Returns the number of quantized layers; raises QuantizeFailed."""
-    from compressed_tensors.quantization import QuantizationConfig
-    from safetensors import safe_open
-
-    try:
-        qc = json.loads((folder / "config.json").read_text())["quantization_config"]
-        parsed = QuantizationConfig.model_validate(qc)
-    except Exception as err:
-        raise QuantizeFailed(f"the written checkpoint's quantization_config cannot be read by compressed-tensors "
-                             f"{library_versions('compressed-tensors').get('compressed-tensors')}: {first_line(err)}") from None
-    if qc.get("format") != FORMATS[scheme]:
-        raise QuantizeFailed(f"the written checkpoint has format {qc.get('format')!r}, expected {FORMATS[scheme]!r} for {scheme}")
-    w = next(iter(parsed.config_groups.values())).weights
-    if g is not None and w.group_size != g:
-        raise QuantizeFailed(f"the written checkpoint has group size {w.group_size}, expected {g}")
-    scales = 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            scales += sum(1 for k in fh.keys() if k.endswith(".weight_scale"))
-    if scales != layers:
-        raise QuantizeFailed(f"the written checkpoint quantizes {scales} layers, expected {layers}")
-    return scales
-
-
 def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None = None, method: str = "rtn",
              calibration: str | None = None, samples: int | None = None, max_seq_len: int | None = None,
              db_url: str | None = None, force: bool = False) -> QuantizeResult:
@@ -449,10 +232,6 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
     llmcompressor's venv, or a calibration set with too few usable rows; and
     QuantizeFailed when the calibration run or the check of its result fails.  `out`
     is only ever replaced by a complete folder."""
-    from tokenmill.jobs.modeltools import calibration as C
-    from tokenmill.jobs.modeltools.gguf import quantize_gguf
-    from tokenmill.schemas.models import QUANT_RECORD, ModelNotFound, resolve_model
-
     if scheme in GGUF_SCHEMES:  # a GGUF file for the llamacpp engine (llama-quantize, llama-imatrix)
         if group_size is not None:
             raise QuantizeError(f"scheme {scheme!r} (llama-quantize) takes no --group-size")
@@ -469,7 +248,7 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
     if g is not None:
         check_group_size(layers, g)
     out = Path(out)
-    _prepare_out(out, force)
+    prepare_out(out, force)
     calibrated = method != "rtn"
     if calibrated and not calibration:
         raise QuantizeError(f"method {method!r} needs --calibration: a job input (Parquet) or an earlier job's id")
@@ -534,12 +313,12 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (tmp / QUANT_RECORD).write_text(json.dumps(record, indent=2))
-        _publish(tmp, out)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    res = QuantizeResult(out=out, scheme=scheme, group_size=g, layers=n, source_bytes=_weights_bytes(src),
-                         weights_bytes=_weights_bytes(out), seconds=time.perf_counter() - t0,
+    res = QuantizeResult(out=out, scheme=scheme, group_size=g, layers=n, source_bytes=weights_bytes(src),
+                         weights_bytes=weights_bytes(out), seconds=time.perf_counter() - t0,
                          calibration_rows=rows, notes=notes, method=method, prepare_s=round(t_cal - t0, 2),
                          run=run_info, sha256=record["checkpoint"]["sha256"])
     return res
