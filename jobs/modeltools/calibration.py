@@ -127,10 +127,10 @@ def build(source: str, model_path: str, *, samples: int = DEFAULT_SAMPLES, max_s
           db_url: str | None = None, seed: int = SEED, pool_rows: int | None = None) -> CalibrationSet:
     """Draw `samples` calibration prompts from `source` as the job would tokenize them for
     `model_path`; CalibrationError (one line) when the set cannot be made."""
+    from tokenmill.schemas.records import FailedRecord
     from tokenmill.transforms.read import InputError, plan_input, read_unit
     from tokenmill.transforms.tokenize import encode, load_tokenizer
     from tokenmill.transforms.validate import validate_row
-    from tokenmill.schemas.records import FailedRecord
 
     if samples < MIN_SAMPLES:
         raise CalibrationError(f"--samples {samples} is too few to calibrate on; use at least {MIN_SAMPLES}")

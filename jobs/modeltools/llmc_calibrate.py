@@ -89,8 +89,8 @@ def main(path: str) -> int:
     t0 = time.perf_counter()
     import torch
     from datasets import Dataset
-    from loguru import logger
     from llmcompressor import oneshot
+    from loguru import logger
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
