@@ -23,11 +23,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-
 from tokenmill.schemas import records as R
+from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.sampling import RowSampling
 from tokenmill.transforms.read import InputError, InputPlan, expand_input
-from tokenmill.schemas.errors import first_line
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

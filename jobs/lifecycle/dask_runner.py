@@ -32,16 +32,16 @@ import typing as t
 
 import dask
 import dask.bag as db
-from apache_beam import DoFn
-from apache_beam import pvalue
+from apache_beam import DoFn, pvalue
 from apache_beam.pipeline import AppliedPTransform, PipelineVisitor
-from apache_beam.runners.common import DoFnContext, DoFnInvoker, DoFnSignature, Receiver, _OutputHandler
+from apache_beam.runners.common import DoFnContext, DoFnInvoker, DoFnSignature, Receiver, _OutputHandler  # noqa: PLC2701
 from apache_beam.runners.dask import dask_runner as beam_dask
 from apache_beam.runners.dask import transform_evaluator as TE
 from apache_beam.runners.dask.overrides import dask_overrides
 from apache_beam.runners.runner import PipelineState
 from apache_beam.transforms.sideinputs import SideInputMap
 from apache_beam.utils.windowed_value import WindowedValue
+
 
 class _TagReceiver(Receiver):
     def __init__(self, tag: str | None, out: list):
@@ -84,6 +84,8 @@ class BundleFn:
 
     def __call__(self, items, *side_values):
         receivers = _Receivers()
+        # Beam has no public way to run one bundle outside its runners; its own DoFnRunner
+        # builds this handler the same way (apache_beam/runners/common.py).
         handler = _OutputHandler(
             window_fn=self.window_fn, main_receivers=receivers[None], tagged_receivers=receivers,
             per_element_output_counter=None, output_batch_converter=None, process_yields_batches=False,

@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 from sqlalchemy.engine import Engine
 
+from tokenmill.jobs.lifecycle.jobrow import job_values
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import JobSpec, SpecError, load_spec
 from tokenmill.schemas.errors import first_line
-from tokenmill.jobs.lifecycle.jobrow import job_values
 
 LOCK_NAME = "run-pending"
 #: A job in one of these states may be submitted again: it goes back to the queue
