@@ -70,7 +70,7 @@ def run_backend(name: str, url: str, batches: list[list[dict]], job_id: str) -> 
     for i, b in enumerate(batches):
         commit_batch(url, job_id, b, [], _stats(job_id, i, b))
     again = time.perf_counter() - t0
-    n = S.counts(eng, job_id)["succeeded"]
+    n = S.MetricsReader(eng).counts(job_id)["succeeded"]
     rows = sum(len(b) for b in batches)
     assert n == rows, f"{name}: {n} rows in the table, expected {rows}"
     return {"backend": name, "rows": rows, "transactions": len(batches), "insert_s": round(first, 2),

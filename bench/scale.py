@@ -209,7 +209,7 @@ def done_rows(db_url: str, job_id: str) -> int:
         return 0  # not created yet: leave that to the job
     try:
         eng = S.connect(db_url, migrate=False)
-        c = S.counts(eng, job_id)
+        c = S.MetricsReader(eng).counts(job_id)
         return c["succeeded"] + c["failed"]
     except Exception:  # the database is not there yet
         return 0
@@ -319,7 +319,7 @@ def worker_walls(db_url: str, job_id: str) -> dict[str, Any]:
 
     spans: dict[str, list[float]] = defaultdict(list)
     rows: Counter = Counter()
-    for b in S.job_batches(S.connect(db_url), job_id):
+    for b in S.MetricsReader(S.connect(db_url)).batches(job_id):
         if b["started_at"] is not None and b["finished_at"] is not None:
             spans[b["worker"]] += [b["started_at"], b["finished_at"]]
             rows[b["worker"]] += b["requests"] or 0
@@ -335,7 +335,7 @@ def steady_rate(db_url: str, job_id: str, lo: float = 0.1, hi: float = 0.9) -> d
     quantiles of their finish times (worker clock) over the time between them."""
     from tokenmill.schemas import storage as S
 
-    t = sorted(r["finished_at"] for r in S.request_rows(S.connect(db_url), job_id, ("finished_at",))
+    t = sorted(r["finished_at"] for r in S.MetricsReader(S.connect(db_url)).request_rows(job_id, ("finished_at",))
                if r["finished_at"] is not None)
     if len(t) < 20:
         return {"rows_per_s": None}
@@ -352,11 +352,11 @@ def rework(db_url: str, job_id: str) -> dict[str, Any]:
     from tokenmill.schemas import storage as S
 
     eng = S.connect(db_url)
-    workers = S.job_workers(eng, job_id)
+    workers = S.MetricsReader(eng).workers(job_id)
     if not workers or "generated_rows" not in workers[0]:
         return {"rows": None, "note": "workers.generated_rows is not in this database's schema (a tokenmill "
                 "without the column): rework not counted; see the rerun's figures"}
-    outputs = S.counts(eng, job_id)["succeeded"]
+    outputs = S.MetricsReader(eng).counts(job_id)["succeeded"]
     generated = sum(w["generated_rows"] or 0 for w in workers)
     out: dict[str, Any] = {"rows": generated - outputs, "generated_rows": generated, "outputs": outputs,
                            "per_worker": {w["worker"]: {k: w.get(k) for k in ("admitted_rows", "generated_rows")}
@@ -490,7 +490,7 @@ def _batch_ids(leg: Leg) -> set[str]:
     from tokenmill.schemas import storage as S
 
     try:
-        return {b["batch_id"] for b in S.job_batches(S.connect(leg.db_url), leg.job_id)}
+        return {b["batch_id"] for b in S.MetricsReader(S.connect(leg.db_url)).batches(leg.job_id)}
     except Exception:
         return set()
 

@@ -53,7 +53,7 @@ def full_job(spec_file: Path, job_id: str, db: str) -> dict[str, Any]:
     wall = time.perf_counter() - t
     if p.returncode != 0:
         raise RuntimeError(f"tokenmill run {spec_file.name} exited {p.returncode}: {p.stderr.strip()[-800:]}")
-    job = S.get_job(S.connect(db), job_id)
+    job = S.JobStore(S.connect(db)).get(job_id)
     m = job["metrics"] or {}
     return {"job_id": job_id, "wall_s": wall, "succeeded": job["succeeded"], "failed": job["failed"],
             "cost_held_per_1m_output": ((m.get("cost") or {}).get("held") or {}).get("per_1m_output_tokens"),

@@ -147,16 +147,17 @@ class Batch:
 
 # ---------------------------------------------------------------- stored rows
 
-_ARROW = {"str": pa.string(), "text": pa.string(), "int": pa.int64(), "float": pa.float64(), "json": pa.string()}
+_ARROW = {"str": pa.string(), "text": pa.string(), "int": pa.int64(), "bigint": pa.int64(), "float": pa.float64(),
+          "json": pa.string()}
 
 
-def column(sql: str, *, key: bool = False, required: bool = False, export: bool = True):
+def column(sql: str, *, key: bool = False, required: bool = False, export: bool = True, metric: bool = False):
     """A record field that is also a table column.
 
-    `sql` is "text", "int", "float", "json" or "str:<length>"; `key` makes it part of
-    the primary key, `required` NOT NULL (both must be given; other fields default to None);
-    `export` puts it in the exported files."""
-    meta = {"sql": sql, "key": key, "required": required, "export": export}
+    `sql` is "text", "int", "bigint", "float", "json" or "str:<length>"; `key` makes it part
+    of the primary key, `required` NOT NULL (both must be given; other fields default to None);
+    `export` puts it in the exported files; `metric` makes it one of METRIC_COLUMNS."""
+    meta = {"sql": sql, "key": key, "required": required, "export": export, "metric": metric}
     return field(metadata=meta) if key or required else field(default=None, metadata=meta)
 
 
@@ -177,31 +178,54 @@ class StoredRow:
         return {k: getattr(self, k) for k in field_names(type(self))}
 
 
-@dataclass(slots=True, kw_only=True)
-class OutputRow(StoredRow):
-    """One answered request (table `outputs`, files outputs.parquet / outputs.jsonl)."""
+@dataclass(kw_only=True)
+class RequestFigures:
+    """What an engine measured of one answered request: its text, how it ended, its token
+    counts and times.  The engine's finished-request record (transforms/engines/protocol.py
+    `Finished`) and the stored output row (`OutputRow`) are both this record, so a figure is
+    declared once and passes from one to the other as it is.
 
-    TABLE = "outputs"
+    Not slotted: `OutputRow` combines it with its slotted key fields (two slotted bases
+    cannot be combined)."""
+
+    text: str | None = column("text")
+    finish_reason: str | None = column("str:32")
+    prompt_tokens: int | None = column("int", metric=True)
+    output_tokens: int | None = column("int", metric=True)
+    cached_tokens: int | None = column("int", metric=True)
+    token_count_source: str | None = column("str:64", metric=True)
+    """Where prompt_tokens and output_tokens came from: one of TOKEN_COUNT_SOURCES; null in
+    rows stored before revision 0006 (not recorded)."""
+    ttft_s: float | None = column("float", metric=True)
+    tpot_s: float | None = column("float", metric=True)
+    e2e_s: float | None = column("float", metric=True)
+    queue_s: float | None = column("float", metric=True)
+    finished_at: float | None = column("float", export=False)
+
+    def figures(self) -> dict[str, Any]:
+        """This record's request figures alone (a `Finished` carries more), as keywords for `OutputRow`."""
+        return {k: getattr(self, k) for k in field_names(RequestFigures)}
+
+
+@dataclass(slots=True, kw_only=True)
+class OutputKey(StoredRow):
+    """Which request an output row answers: its id, its input position, the model that answered."""
+
     id: str = column("str:512", key=True)
     input_file: int = column("int", required=True)
     input_row: int = column("int", required=True)
     model: str | None = column("str:512")
-    text: str | None = column("text")
-    finish_reason: str | None = column("str:32")
-    prompt_tokens: int | None = column("int")
-    output_tokens: int | None = column("int")
-    cached_tokens: int | None = column("int")
-    token_count_source: str | None = column("str:64")
-    """Where prompt_tokens and output_tokens came from: one of TOKEN_COUNT_SOURCES; null in
-    rows stored before revision 0006 (not recorded)."""
-    ttft_s: float | None = column("float")
-    tpot_s: float | None = column("float")
-    e2e_s: float | None = column("float")
-    queue_s: float | None = column("float")
+
+
+@dataclass(slots=True, kw_only=True)
+class OutputRow(RequestFigures, OutputKey):
+    """One answered request (table `outputs`, files outputs.parquet / outputs.jsonl): its key,
+    the engine's figures (`RequestFigures`), then what the worker adds."""
+
+    TABLE = "outputs"
     reference: str | None = column("text")
     batch_id: str | None = column("str:64", export=False)
     worker: str | None = column("str:128", export=False)
-    finished_at: float | None = column("float", export=False)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -239,6 +263,41 @@ class BatchStats(StoredRow):
     None for an engine that does not retry (vLLM in process)."""
 
 
+@dataclass(slots=True, kw_only=True)
+class WorkerRow(StoredRow):
+    """One worker process of a job (table `workers`): what its engine says of itself, its
+    counters, and what it measured of its devices (transforms/engines/meter.py `reading()`
+    gives the device_type..measure fields; docs/ACCOUNTING.md)."""
+
+    TABLE = "workers"
+    REFRESHED: ClassVar[tuple[str, ...]] = ("engine_info", "updated_at", "run_id", "device_type", "device_model",
+                                            "device_count", "cpu_count", "nvml_error", "measure")
+    """What a worker's second row overwrites (a restarted engine, or the same process in a later run)."""
+    worker: str = column("str:128", key=True)
+    hostname: str | None = column("str:256")
+    pid: int | None = column("int")
+    device: str | None = column("str:256")
+    load_s: float | None = column("float")
+    engine_info: dict[str, Any] | None = column("json")
+    peak_rss_bytes: int | None = column("bigint")
+    admitted_rows: int | None = column("bigint")
+    generated_rows: int | None = column("bigint")
+    generated_tokens: int | None = column("bigint")
+    started_at: float | None = column("float")
+    updated_at: float | None = column("float")
+    run_id: str | None = column("str:64")
+    device_type: str | None = column("str:16")
+    device_model: str | None = column("str:256")
+    device_count: int | None = column("int")
+    cpu_count: int | None = column("int")
+    nvml_error: str | None = column("text")
+    measure: dict[str, Any] | None = column("json")
+
+    def refreshed(self) -> dict[str, Any]:
+        """The REFRESHED columns of this row."""
+        return {k: getattr(self, k) for k in self.REFRESHED}
+
+
 #: Per-request figures that reports and metrics read: every output column but the
 #: texts, the input position and what all of a job's rows share.
 REQUEST_COLUMNS = tuple(
@@ -249,8 +308,7 @@ REQUEST_COLUMNS = tuple(
 #: The per-request figures that metrics sum, count and take percentiles of, read as one
 #: float per row (`metric_values`): the numbers, and `token_count_source` as its index in
 #: TOKEN_COUNT_SOURCES.
-METRIC_COLUMNS = ("prompt_tokens", "output_tokens", "cached_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s",
-                  "token_count_source")
+METRIC_COLUMNS = tuple(f.name for f in dataclasses.fields(RequestFigures) if f.metadata["metric"])
 _CODES = {"token_count_source": {s: float(i) for i, s in enumerate(TOKEN_COUNT_SOURCES)}}
 
 

@@ -1,6 +1,6 @@
 """All database tables, on one SQLAlchemy `MetaData` (migrations live in schemas/migrations).
 
-The row tables (outputs, dead letters, batch stats) take their columns from
+The row tables (outputs, dead letters, batch stats, workers) take their columns from
 the records in schemas/records.py; the migrations must create the same, which
 tests/test_storage_contract.py checks against a migrated database."""
 
@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.types import TypeEngine
 
-from tokenmill.schemas.records import BatchStats, DeadLetterRow, OutputRow, StoredRow
+from tokenmill.schemas.records import BatchStats, DeadLetterRow, OutputRow, StoredRow, WorkerRow
 
 metadata = MetaData()
 
@@ -56,7 +56,7 @@ jobs = Table(
     Column("metrics", JSON),
 )
 
-_SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "float": Float, "json": JSON}
+_SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "bigint": BigInteger, "float": Float, "json": JSON}
 
 
 def _sql_type(sql: str) -> TypeEngine:
@@ -78,31 +78,7 @@ outputs = row_table(OutputRow, Index("ix_outputs_job_input", "job_id", "input_fi
 dead_letters = row_table(DeadLetterRow, Index("ix_dead_letters_job_reason", "job_id", "reason"))
 batches = row_table(BatchStats)
 
-workers = Table(
-    "workers",
-    metadata,
-    Column("job_id", String(128), primary_key=True),
-    Column("worker", String(128), primary_key=True),
-    Column("hostname", String(256)),
-    Column("pid", Integer),
-    Column("device", String(256)),
-    Column("load_s", Float),
-    Column("engine_info", JSON),
-    Column("peak_rss_bytes", BigInteger),
-    Column("admitted_rows", BigInteger),
-    Column("generated_rows", BigInteger),
-    Column("generated_tokens", BigInteger),
-    Column("started_at", Float),
-    Column("updated_at", Float),
-    # what the worker measured of itself (transforms/engines/meter.py; docs/ACCOUNTING.md)
-    Column("run_id", String(64)),
-    Column("device_type", String(16)),
-    Column("device_model", String(256)),
-    Column("device_count", Integer),
-    Column("cpu_count", Integer),
-    Column("nvml_error", Text),
-    Column("measure", JSON),
-)
+workers = row_table(WorkerRow)
 
 #: Each run of a job (the first and every resume), as its launcher saw it: started,
 #: last seen alive (heartbeat), finished (None for a run that was killed).

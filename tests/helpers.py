@@ -50,7 +50,7 @@ def stale_output_job(eng, job_id: str) -> None:
     from tokenmill.schemas import storage as S
     from tokenmill.schemas import tables as T
 
-    S.claim_job(eng, job_id, {"spec": {}, "total": 1})
+    S.JobStore(eng).claim(job_id, {"spec": {}, "total": 1})
     with eng.begin() as c:
         c.execute(T.outputs.insert().values(job_id=job_id, id="stale", input_file=0, input_row=9, text="old",
                                             prompt_tokens=1, output_tokens=1, cached_tokens=0))

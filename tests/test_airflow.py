@@ -109,7 +109,7 @@ def test_run_task_retry_resumes_the_same_job_and_never_duplicates(job_env):
     first = airflow(env, "tasks", "test", "tokenmill_daily", "run", DAY)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
     eng = S.connect(db)
-    job = S.get_job(eng, f"daily-{DAY}")
+    job = S.JobStore(eng).get(f"daily-{DAY}")
     assert job["status"] == "succeeded" and job["total"] == 2
     from sqlalchemy import select
 
@@ -124,5 +124,5 @@ def test_run_task_retry_resumes_the_same_job_and_never_duplicates(job_env):
     retry = airflow(env, "tasks", "test", "tokenmill_daily", "run", DAY)  # what an Airflow retry executes
     assert retry.returncode == 0, (retry.stdout + retry.stderr)[-3000:]
     assert outputs() == before and len(before) == 2  # nothing answered twice
-    assert S.get_job(eng, f"daily-{DAY}")["status"] == "succeeded"
+    assert S.JobStore(eng).get(f"daily-{DAY}")["status"] == "succeeded"
     assert (tmp / "out" / DAY / "_SUCCESS.json").exists()

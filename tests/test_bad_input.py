@@ -133,7 +133,7 @@ def test_bad_rows_do_not_fail_the_job_and_every_row_is_accounted_for(bad_job):
     assert sorted(out) == sorted(GOOD + ["dup"])  # the rows around the hang and the crash were answered
     refs = [r["input_ref"] for r in out.values()] + [d["input_ref"] for d in dead]
     assert len(refs) == len(set(refs)) == total
-    job = S.get_job(S.connect(db), "bad-input")
+    job = S.JobStore(S.connect(db)).get("bad-input")
     assert (job["status"], job["total"], job["succeeded"], job["failed"]) == ("partial", total, len(out), len(dead))
 
 
@@ -182,7 +182,7 @@ def test_whole_input_problem_stops_before_engine_work(tmp_path, sqlite_url, name
     assert text.startswith(message.format(p=p)), text
     assert "\n" not in text
     assert FakeSession.instances == []  # no engine was started
-    assert S.get_job(S.connect(sqlite_url), "whole") is None  # nor was the job claimed
+    assert S.JobStore(S.connect(sqlite_url)).get("whole") is None  # nor was the job claimed
     assert not (tmp_path / "out").exists()
 
 
@@ -288,7 +288,7 @@ def test_row_count_mismatch_fails_the_job_loudly(tmp_path, sqlite_url):
     assert res.status == "failed"
     msg = "row count mismatch: 2 input rows but 3 outputs + 0 dead letters = 3"
     assert res.note == msg
-    job = S.get_job(eng, "reused")
+    job = S.JobStore(eng).get("reused")
     assert (job["status"], job["error"]) == ("failed", msg)
     st = cli("status", "reused", "--json", "--db", sqlite_url)
     assert json.loads(st.output)["reconciled"] is False

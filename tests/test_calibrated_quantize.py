@@ -203,7 +203,7 @@ def test_smoothquant_gptq_checkpoint_loads_in_vllm_answers_and_is_recorded(tmp_p
     assert r.status == "succeeded" and r.succeeded == 4, r
     got = pq.read_table(tmp_path / "o" / "outputs.parquet").to_pylist()
     assert all(o["text"].strip() and o["output_tokens"] > 0 for o in got), got
-    info = S.engine_info(S.connect(sqlite_url), "w8a8-sq")
+    info = S.MetricsReader(S.connect(sqlite_url)).engine_info("w8a8-sq")
     assert info["quantization"] == "compressed-tensors"
     assert info["checkpoint"]["method"] == "smoothquant+gptq" and info["checkpoint"]["checkpoint_sha256"] == res.sha256
     assert r.metrics["checkpoint"]["calibration"]["samples"] == 8

@@ -53,7 +53,7 @@ def test_cancel_stops_a_running_job_and_keeps_what_finished(tmp_path, sqlite_url
 
     t = threading.Thread(target=target, daemon=True)
     t.start()
-    assert wait_for(lambda: S.get_job(eng, "cancel-me") is not None and S.counts(eng, "cancel-me")["succeeded"] >= 8)
+    assert wait_for(lambda: S.JobStore(eng).get("cancel-me") is not None and S.MetricsReader(eng).counts("cancel-me")["succeeded"] >= 8)
     r = cli("cancel", "cancel-me", "--db", sqlite_url)
     assert r.exit_code == 0 and r.output.strip() == "job cancel-me: cancel requested", r.output
     t.join(timeout=300)
@@ -61,7 +61,7 @@ def test_cancel_stops_a_running_job_and_keeps_what_finished(tmp_path, sqlite_url
     res = result["res"]
     assert res.status == "cancelled"
     assert 8 <= res.succeeded < ROWS  # stopped part-way, after the batches in flight
-    job = S.get_job(eng, "cancel-me")
+    job = S.JobStore(eng).get("cancel-me")
     assert job["status"] == "cancelled" and job["owner"] is None
     assert (job["total"], job["succeeded"], job["failed"]) == (ROWS + 1, res.succeeded, 1)
     out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
@@ -79,9 +79,9 @@ def test_cancel_stops_a_running_job_and_keeps_what_finished(tmp_path, sqlite_url
 
 def test_cancel_of_a_pending_job_is_immediate_and_of_unknown_job_fails(sqlite_url):
     eng = S.connect(sqlite_url)
-    assert S.submit_job(eng, {"id": "later", "status": "pending", "spec": {}})
+    assert S.JobStore(eng).submit({"id": "later", "status": "pending", "spec": {}})
     r = cli("cancel", "later", "--db", sqlite_url)
     assert r.exit_code == 0 and r.output.strip() == "job later: cancelled"
-    assert S.get_job(eng, "later")["status"] == "cancelled"
+    assert S.JobStore(eng).get("later")["status"] == "cancelled"
     r = cli("cancel", "nope", "--db", sqlite_url)
     assert r.exit_code == 1 and r.output.strip() == "error: no job with id 'nope'"

@@ -239,7 +239,7 @@ def test_job_with_a_fake_engine_runs_in_the_worker_processes(dask_cluster, tmp_p
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert (res.status, res.succeeded, res.failed) == ("partial", 6, 2)
     assert FakeSession.instances == []  # no engine session was made in the launcher
-    workers = S.job_workers(S.connect(sqlite_url), "dask-fake")
+    workers = S.MetricsReader(S.connect(sqlite_url)).workers("dask-fake")
     assert workers and {w["pid"] for w in workers} <= set(dask_cluster.worker_pids().values())
     out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
     assert sorted(r["id"] for r in out) == [f"r{i}" for i in range(6)]
@@ -272,9 +272,9 @@ def test_tokenmill_run_on_dask_every_row_once_both_workers(dask_cluster, tmp_pat
     assert sorted(r["id"] for r in rows) == [f"q{i:02d}" for i in range(n)]
     assert all(r["output_tokens"] == 8 for r in rows)
     pids = set(dask_cluster.worker_pids().values())
-    workers = S.job_workers(S.connect(pg_url), "dask-real")
+    workers = S.MetricsReader(S.connect(pg_url)).workers("dask-real")
     assert {w["pid"] for w in workers} == pids  # one row per worker process, each its own engine
     assert all(w["load_s"] and w["load_s"] > 0 for w in workers)
-    stored = S.request_rows(S.connect(pg_url), "dask-real", ("id", "worker"))
+    stored = S.MetricsReader(S.connect(pg_url)).request_rows("dask-real", ("id", "worker"))
     answered_by = Counter(int(r["worker"].rsplit(":", 1)[1]) for r in stored)
     assert set(answered_by) == pids, answered_by

@@ -54,7 +54,7 @@ def test_real_job_answers_sensibly_and_reconciles(tmp_path, sqlite_url, model_pa
     support = [r for k, r in out.items() if k.startswith("support")]
     assert sum(r["cached_tokens"] for r in support) >= 128
     eng = S.connect(sqlite_url)
-    job = S.get_job(eng, "e2e")
+    job = S.JobStore(eng).get("e2e")
     assert job["status"] == "succeeded" and job["total"] == job["succeeded"] == 6
     m = job["metrics"]
     assert m["tokens"]["output"] == sum(r["output_tokens"] for r in out.values())

@@ -58,7 +58,7 @@ class CancellingSession(FakeSession):
 
     def step(self):
         if self.steps == 0:
-            S.request_cancel(S.connect(self.db_url), "cancel-me")
+            S.JobStore(S.connect(self.db_url)).request_cancel("cancel-me")
         time.sleep(0.02)
         return super().step()
 
@@ -109,7 +109,7 @@ def test_a_rerun_whose_pipeline_fails_removes_the_earlier_success(tmp_path, sqli
     assert m["status"] == "failed" and m["files"] == {} and (m["rows_in"], m["succeeded"]) == (4, 3)
     assert m["reason"].startswith("the pipeline failed; this run exported nothing: ")
     assert "engine would not start" in m["reason"]
-    assert m["reason"] == f"the pipeline failed; this run exported nothing: {S.get_job(S.connect(sqlite_url), 'again')['error']}"
+    assert m["reason"] == f"the pipeline failed; this run exported nothing: {S.JobStore(S.connect(sqlite_url)).get('again')['error']}"
 
 
 def test_a_crash_mid_export_leaves_no_success_beside_half_written_files(tmp_path, sqlite_url, monkeypatch):

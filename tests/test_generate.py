@@ -2,16 +2,17 @@
 
 
 from tokenmill.schemas import records as R
-from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
+from tokenmill.schemas.config import BatchingConfig, SamplingDefaults
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tokenmill.schemas.records import TokenizedPrompt
 from tokenmill.transforms.batching import pack
-from tokenmill.transforms.generate import BatchRunner, GenerateConfig
+from tokenmill.transforms.batch_runner import BatchRunner, GenerateConfig
 from tests.fakes import FakeSession
 
 
 def cfg(**batching):
     return GenerateConfig(
-        job_id="j", run_id="r", model_name="m", model_path="/x", engine=EngineConfig(),
+        job_id="j", run_id="r", model_name="m", model_path="/x", engine=VllmConfig(),
         sampling=SamplingDefaults(), batching=BatchingConfig(**batching),
     )
 

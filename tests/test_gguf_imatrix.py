@@ -139,7 +139,7 @@ def test_an_imatrix_q4_k_m_is_recorded_listed_and_served(tmp_path, model_path, s
     assert r.status == "succeeded" and r.succeeded == 2, r
     got = pq.read_table(tmp_path / "o" / "outputs.parquet").to_pylist()
     assert all(o["output_tokens"] > 0 for o in got), got
-    info = S.engine_info(S.connect(sqlite_url), "q4km-imat")
+    info = S.MetricsReader(S.connect(sqlite_url)).engine_info("q4km-imat")
     assert info["gguf"] == str(out.resolve())
     assert info["checkpoint"]["method"] == "imatrix" and info["checkpoint"]["checkpoint_sha256"] == rec["checkpoint"]["sha256"]
 

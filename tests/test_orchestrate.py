@@ -37,7 +37,7 @@ def test_submit_prints_the_id_and_records_a_pending_job(tmp_path, any_db_url):
               "--max-tokens", "7", "--db", any_db_url)
     assert res.exit_code == 0, res.output
     assert res.output.strip() == "nightly-1"
-    job = S.get_job(S.connect(any_db_url), "nightly-1")
+    job = S.JobStore(S.connect(any_db_url)).get("nightly-1")
     assert job["status"] == "pending" and job["submitted_at"] is not None and job["started_at"] is None
     assert job["spec"]["sampling"]["max_tokens"] == 7 and job["spec"]["job_id"] == "nightly-1"
 
@@ -47,7 +47,7 @@ def test_submit_stores_local_paths_absolute(tmp_path, sqlite_url, monkeypatch):
     prompts(tmp_path)
     res = cli("submit", "--input", "in.parquet", "--output", "out", "--job-id", "rel", "--db", sqlite_url)
     assert res.exit_code == 0, res.output
-    spec = S.get_job(S.connect(sqlite_url), "rel")["spec"]
+    spec = S.JobStore(S.connect(sqlite_url)).get("rel")["spec"]
     assert (spec["input"], spec["output"]) == (str(tmp_path / "in.parquet"), str(tmp_path / "out"))
 
 
@@ -58,19 +58,19 @@ def test_submit_twice_is_one_job_and_a_derived_id_is_stable(tmp_path, sqlite_url
     second = json.loads(cli(*args).output)
     assert first["job_id"] == second["job_id"] and first["job_id"].startswith("job-")
     assert (first["status"], second["status"]) == ("pending", "already pending")
-    assert [j["id"] for j in S.list_jobs(S.connect(sqlite_url))] == [first["job_id"]]
+    assert [j["id"] for j in S.JobStore(S.connect(sqlite_url)).recent()] == [first["job_id"]]
 
 
 def test_submit_refuses_a_finished_id_and_requeues_a_failed_one(tmp_path, sqlite_url):
     eng = S.connect(sqlite_url)
     spec = job_spec(prompts(tmp_path), tmp_path / "o", job_id="j")
     Q.submit(eng, spec)
-    S.finish_job(eng, "j", status="succeeded")
+    S.JobStore(eng).finish("j", status="succeeded")
     with pytest.raises(Q.QueueError, match="already exists with status 'succeeded'"):
         Q.submit(eng, spec)
-    S.finish_job(eng, "j", status="failed")
+    S.JobStore(eng).finish("j", status="failed")
     assert Q.submit(eng, spec).status == "pending"
-    assert S.get_job(eng, "j")["status"] == "pending"
+    assert S.JobStore(eng).get("j")["status"] == "pending"
 
 
 def test_submit_invalid_spec_names_the_key_path(tmp_path, sqlite_url):
@@ -80,14 +80,14 @@ def test_submit_invalid_spec_names_the_key_path(tmp_path, sqlite_url):
     assert res.exit_code == 2
     err = one_error_line(res)
     assert "batching.ordering" in err and "runner.num_workers" in err
-    assert S.list_jobs(S.connect(sqlite_url)) == []
+    assert S.JobStore(S.connect(sqlite_url)).recent() == []
 
 
 def test_submit_of_a_missing_input_fails_at_once_in_one_line(tmp_path, sqlite_url):
     res = cli("submit", "--input", str(tmp_path / "nope.parquet"), "--output", str(tmp_path / "o"),
               "--db", sqlite_url)
     assert_one_line_error(res, 1, "does not exist", "nope.parquet")
-    assert S.list_jobs(S.connect(sqlite_url)) == []
+    assert S.JobStore(S.connect(sqlite_url)).recent() == []
 
 
 # ---------------------------------------------------------------- run-pending
@@ -104,7 +104,7 @@ def test_run_pending_runs_jobs_in_submission_order_and_resumes_none_twice(tmp_pa
     assert seen == order
     assert [(o.job_id, o.status) for o in outcomes] == [(j, "succeeded") for j in order]
     for i, jid in enumerate(order):
-        job = S.get_job(eng, jid)
+        job = S.JobStore(eng).get(jid)
         assert (job["status"], job["total"], job["succeeded"]) == ("succeeded", 2 + i, 2 + i)
         assert (tmp_path / jid / "_SUCCESS.json").exists()
     assert Q.run_pending(eng, fake_run(any_db_url)) == []  # nothing left
@@ -126,7 +126,7 @@ def test_run_pending_resumes_a_job_whose_runner_died(tmp_path, sqlite_url):
                                                                         heartbeat_at=now))
     outcomes = Q.run_pending(eng, fake_run(sqlite_url))
     assert [(o.job_id, o.status) for o in outcomes] == [("orphan", "succeeded")]
-    assert S.get_job(eng, "live")["status"] == "running"
+    assert S.JobStore(eng).get("live")["status"] == "running"
 
 
 def test_one_failing_job_does_not_stop_the_queue(tmp_path, sqlite_url):
@@ -136,7 +136,7 @@ def test_one_failing_job_does_not_stop_the_queue(tmp_path, sqlite_url):
     outcomes = Q.run_pending(eng, fake_run(sqlite_url))
     assert [(o.job_id, o.status) for o in outcomes] == [("bad", "failed"), ("good", "succeeded")]
     assert "does not exist" in outcomes[0].error
-    assert S.get_job(eng, "bad")["status"] == "failed" and "does not exist" in S.get_job(eng, "bad")["error"]
+    assert S.JobStore(eng).get("bad")["status"] == "failed" and "does not exist" in S.JobStore(eng).get("bad")["error"]
 
 
 def test_run_pending_cli_exit_code_is_the_most_serious_outcome(tmp_path, sqlite_url, monkeypatch):
@@ -160,7 +160,7 @@ def test_run_pending_cli_exit_code_is_the_most_serious_outcome(tmp_path, sqlite_
 
 def test_second_runner_is_refused_while_the_lock_is_held(sqlite_url):
     eng = S.connect(sqlite_url)
-    with S.named_lock(eng, Q.LOCK_NAME) as got:
+    with S.JobStore(eng).named_lock(Q.LOCK_NAME) as got:
         assert got
         res = cli("run-pending", "--db", sqlite_url)
         assert res.exit_code == 5
@@ -180,7 +180,7 @@ def test_overlapping_run_of_a_live_job_id_refuses_cleanly(tmp_path, sqlite_url):
               "--job-id", "cron-job", "--db", sqlite_url)
     assert res.exit_code == 5
     assert "already running" in one_error_line(res)
-    assert S.get_job(eng, "cron-job")["owner"] == S.owner_tag()  # untouched
+    assert S.JobStore(eng).get("cron-job")["owner"] == S.owner_tag()  # untouched
 
 
 # ---------------------------------------------------------------- validate

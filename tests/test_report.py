@@ -128,11 +128,11 @@ def test_jobs_and_status_show_counts_tok_s_and_cost(jobs_db):
 
 def test_report_of_a_running_job_computes_metrics_from_committed_rows(sqlite_url, tmp_path):
     eng = S.connect(sqlite_url)
-    S.claim_job(eng, "live", {"spec": {"input": "x"}, "hardware": {"device_type": "cpu"}, "total": 10,
-                              "engine_config": {"max_num_seqs": 4}})
-    S.insert_rows(eng, OutputRow, [
+    S.JobStore(eng).claim("live", {"spec": {"input": "x"}, "hardware": {"device_type": "cpu"}, "total": 10,
+                                        "engine_config": {"max_num_seqs": 4}})
+    S.ResultWriter(eng).insert_rows(OutputRow, [
         OutputRow(job_id="live", id=str(i), input_file=0, input_row=i, prompt_tokens=5, output_tokens=7,
-                  ttft_s=0.1, e2e_s=0.5, finished_at=100.0 + i).as_dict() for i in range(3)])
+                                    ttft_s=0.1, e2e_s=0.5, finished_at=100.0 + i).as_dict() for i in range(3)])
     res = invoke("report", "live", "--db", sqlite_url, "--out", tmp_path, "--json")
     d = json.loads(res.output)
     assert d["metrics_source"].startswith("computed now") and "running" in d["metrics_source"]

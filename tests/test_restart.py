@@ -42,8 +42,8 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
     deadline = time.monotonic() + 900  # a bound against a hung test, not a speed assertion
     done = 0
     while time.monotonic() < deadline and proc.poll() is None:
-        if S.get_job(eng, JOB) is not None:
-            done = S.counts(eng, JOB)["succeeded"]
+        if S.JobStore(eng).get(JOB) is not None:
+            done = S.MetricsReader(eng).counts(JOB)["succeeded"]
             if done >= 40:
                 break
         time.sleep(0.2)
@@ -70,11 +70,11 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
     _, alive = psutil.wait_procs(tree, timeout=60)
     assert all(_is_zombie(p) for p in alive), alive
 
-    before = S.counts(eng, JOB)["succeeded"]
+    before = S.MetricsReader(eng).counts(JOB)["succeeded"]
     assert 40 <= before < ROWS
-    assert S.get_job(eng, JOB)["status"] == "running"  # nobody finished it
+    assert S.JobStore(eng).get(JOB)["status"] == "running"  # nobody finished it
     assert not (out / "_SUCCESS.json").exists() and not (out / "outputs.parquet").exists()
-    first_run = {r["id"]: r["batch_id"] for r in S.request_rows(eng, JOB, ("id", "batch_id"))}
+    first_run = {r["id"]: r["batch_id"] for r in S.MetricsReader(eng).request_rows(JOB, ("id", "batch_id"))}
 
     rerun = subprocess.run(cli(inp, out, sqlite_url), capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -87,11 +87,11 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
     # The outputs table cannot show a row answered twice (its primary key keeps the first
     # answer), so count what each run sent to the engine: every finished batch's `requests`
     # (len of the prompts it fed the engine), keyed by batch id, which names its run.
-    final = {r["id"]: r["batch_id"] for r in S.request_rows(eng, JOB, ("id", "batch_id"))}
+    final = {r["id"]: r["batch_id"] for r in S.MetricsReader(eng).request_rows(JOB, ("id", "batch_id"))}
     assert all(final[i] == b for i, b in first_run.items())
     _check_the_resume_sent_only_the_unanswered_rows(eng, before)
     assert all(r["output_tokens"] > 0 for r in rows)
-    job = S.get_job(eng, JOB)
+    job = S.JobStore(eng).get(JOB)
     assert (job["status"], job["total"], job["succeeded"], job["failed"]) == ("succeeded", ROWS, ROWS, 0)
     _check_accounting_of_the_two_runs(eng, job["metrics"])
 
@@ -104,9 +104,9 @@ def _check_the_resume_sent_only_the_unanswered_rows(eng, before: int) -> None:
     may send them again; a row answered before the kill must not be."""
     from tokenmill.jobs.metrics.accounting import run_of
 
-    first, second = (r["run_id"] for r in S.job_runs(eng, JOB))
+    first, second = (r["run_id"] for r in S.JobStore(eng).runs(JOB))
     sent: dict[str, int] = {}
-    for b in S.job_batches(eng, JOB):
+    for b in S.MetricsReader(eng).batches(JOB):
         sent[run_of(b["batch_id"])] = sent.get(run_of(b["batch_id"]), 0) + b["requests"]
     assert set(sent) == {first, second}, sent
     assert sent[first] == before  # the killed run's finished batches hold exactly what it answered
@@ -120,10 +120,10 @@ def _check_accounting_of_the_two_runs(eng, m):
     between the kill and the resume (the frozen run, the refused run, the second start)."""
     from tokenmill.jobs.metrics.accounting import run_of
 
-    runs = S.job_runs(eng, JOB)
+    runs = S.JobStore(eng).runs(JOB)
     assert len(runs) == 2 and runs[0]["finished_at"] is None and runs[1]["finished_at"] is not None
     by_run: dict[str, list] = {}
-    for b in S.job_batches(eng, JOB):
+    for b in S.MetricsReader(eng).batches(JOB):
         by_run.setdefault(run_of(b["batch_id"]), []).append(b)
     assert set(by_run) == {r["run_id"] for r in runs}
     windows = {rid: max(b["finished_at"] for b in bs) - min(b["started_at"] for b in bs) for rid, bs in by_run.items()}
@@ -181,7 +181,7 @@ def test_kill_9_of_one_sdk_worker_fails_the_pipeline_over_to_a_retry(tmp_path, s
     deadline = time.monotonic() + 900  # a bound against a hung test, not a speed assertion
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            if S.get_job(eng, job) is not None and S.counts(eng, job)["succeeded"] >= 40:
+            if S.JobStore(eng).get(job) is not None and S.MetricsReader(eng).counts(job)["succeeded"] >= 40:
                 break
             time.sleep(0.2)
         assert proc.poll() is None, f"the run ended before the kill: {(tmp_path / 'stderr').read_text()[-2000:]}"
@@ -201,7 +201,7 @@ def test_kill_9_of_one_sdk_worker_fails_the_pipeline_over_to_a_retry(tmp_path, s
     rows = pq.read_table(out / "outputs.parquet").to_pylist()
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids)) == ROWS and set(ids) == {f"w{i:04d}" for i in range(ROWS)}
-    j = S.get_job(eng, job)
+    j = S.JobStore(eng).get(job)
     assert (j["status"], j["succeeded"], j["failed"]) == ("succeeded", ROWS, 0)
     _, alive = psutil.wait_procs(its_engine, timeout=30)
     for p in alive:

@@ -137,7 +137,7 @@ def test_missing_output_bucket_fails_before_any_work(s3, sqlite_url):
     with pytest.raises(JobError) as err:
         run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert str(err.value) == "output 's3://no-such-out-bucket/o': bucket 'no-such-out-bucket' does not exist"
-    assert FakeSession.instances == [] and S.get_job(S.connect(sqlite_url), "s3-noout") is None
+    assert FakeSession.instances == [] and S.JobStore(S.connect(sqlite_url)).get("s3-noout") is None
 
 
 def test_bad_credentials_are_one_clear_line(s3, sqlite_url):
@@ -185,13 +185,13 @@ def test_kill_mid_run_then_resume_on_s3(s3, sqlite_url, tmp_path):
     eng = S.connect(sqlite_url)
     end = time.monotonic() + 300  # a bound against a hung test, not a speed assertion
     while time.monotonic() < end and proc.poll() is None:
-        if S.get_job(eng, "s3-kill") and S.counts(eng, "s3-kill")["succeeded"] >= 12:
+        if S.JobStore(eng).get("s3-kill") and S.MetricsReader(eng).counts("s3-kill")["succeeded"] >= 12:
             break
         time.sleep(0.1)
     assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    done = S.counts(eng, "s3-kill")["succeeded"]
+    done = S.MetricsReader(eng).counts("s3-kill")["succeeded"]
     assert 12 <= done < n
     assert keys(s3, b["out"], "killed/") == []  # nothing presented as a finished export
     FakeSession.instances.clear()

@@ -60,7 +60,7 @@ def test_credentials_never_reach_db_rows_logs_outputs_or_cli(tmp_path, pg_url_wi
             rows = [dict(r) for r in conn.execute(select(t)).mappings()]
             assert rows or t is T.workers
             texts.append(json.dumps(rows, default=str))
-    job = S.get_job(eng, "secure")
+    job = S.JobStore(eng).get("secure")
     assert job["spec"]["db"].startswith(PG_URL.split("://")[0] + "://postgres:***@")  # kept, but masked
     texts += [p.read_bytes().decode("latin-1") for p in files_under(tmp_path / "out")]
     blob = "\n".join(texts)
@@ -91,7 +91,7 @@ def test_malicious_row_id_is_stored_verbatim_and_drops_nothing(tmp_path, any_db_
     assert r.exit_code == 1 and r.output.strip() == f"error: no job with id {MALICIOUS_ID!r}"
     r = cli("cancel", MALICIOUS_ID, "--db", any_db_url)
     assert r.exit_code == 1
-    assert S.get_job(eng, "sqlinj")["status"] == "succeeded"
+    assert S.JobStore(eng).get("sqlinj")["status"] == "succeeded"
 
 
 @pytest.mark.parametrize("output", ["out/../../elsewhere", "../escape", "a/..", "s3://bucket/x/../../y", "s3:///nobucket", ""])
@@ -107,7 +107,7 @@ def test_job_with_dotdot_output_is_refused_before_any_work(tmp_path, sqlite_url)
     with pytest.raises(JobError, match=r"contains a '\.\.' segment"):
         run_job(job_spec(inp, out, job_id="dots"), db_url=sqlite_url,
                 session_factory=FakeSession)
-    assert FakeSession.instances == [] and S.get_job(S.connect(sqlite_url), "dots") is None
+    assert FakeSession.instances == [] and S.JobStore(S.connect(sqlite_url)).get("dots") is None
     assert not (tmp_path.parent / "escaped").exists()
 
 

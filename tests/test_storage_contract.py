@@ -1,7 +1,7 @@
 """The storage contract: one suite, run against SQLite and the real PostgreSQL server.
 
-Every test takes `any_db_url`, so each runs once per backend (as Dagster's run
-storage tests do)."""
+`StorageContract` holds the tests; each backend subclasses it with its own `db_url`
+fixture (as Dagster's run storage tests do), so a new backend is one subclass."""
 
 import multiprocessing as mp
 import time
@@ -11,17 +11,18 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, text
 
+from tests.conftest import write_parquet
+from tests.helpers import assert_one_line_error, cli
 from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.db import db_engine
-from tokenmill.schemas.records import DeadLetterRow, OutputRow
-from tests.conftest import write_parquet
-from tests.helpers import assert_one_line_error, cli
+from tokenmill.schemas.records import METRIC_COLUMNS, DeadLetterRow, OutputRow, WorkerRow
+from tokenmill.schemas.storage import database
 
 
 def _fresh(url):
     """Forget what this process knows about the URL, as a new process would."""
-    S._READY.discard(url)
+    database._READY.discard(url)
 
 
 def _job_values(**kw):
@@ -44,143 +45,10 @@ def _dead(job_id, input_file, input_row, **kw):
                          message="empty", **kw).as_dict()
 
 
-def test_migrations_run_on_first_use(any_db_url):
-    _fresh(any_db_url)
-    eng = S.connect(any_db_url)
-    with eng.connect() as conn:
-        assert S.current_revision(conn) == S.head_revision()
-        tables = set(inspect(conn).get_table_names())
-    assert {"jobs", "outputs", "dead_letters", "batches", "workers", "locks"} <= tables
-
-
-def test_claim_finish_and_counts(any_db_url):
-    eng = S.connect(any_db_url)
-    assert S.claim_job(eng, "j1", _job_values()) == {"resumed": False}
-    job = S.get_job(eng, "j1")
-    assert job["status"] == "running" and job["owner"] == S.owner_tag() and S.is_live(job)
-    with pytest.raises(S.JobBusy):
-        S.claim_job(eng, "j1", _job_values())  # a live run holds it
-    S.insert_rows(eng, OutputRow, [_output("j1", i) for i in range(2)])
-    S.insert_rows(eng, DeadLetterRow, [_dead("j1", 0, 2, id="r2")])
-    assert S.counts(eng, "j1") == {"succeeded": 2, "failed": 1}
-    assert S.failure_reasons(eng, "j1") == {"empty_prompt": 1}
-    S.finish_job(eng, "j1", status="partial", heartbeat_at=None, owner=None, **S.counts(eng, "j1"))
-    job = S.get_job(eng, "j1")
-    assert (job["status"], job["total"], job["succeeded"], job["failed"]) == ("partial", 3, 2, 1)
-    assert job["finished_at"] is not None and not S.is_live(job)
-    assert S.claim_job(eng, "j1", _job_values())["resumed"] is True  # a finished job may be rerun
-    assert [j["id"] for j in S.list_jobs(eng)] == ["j1"]
-    assert [r["id"] for r in S.request_rows(eng, "j1")] == ["r0", "r1"]
-
-
-def test_a_claim_whose_insert_breaks_a_constraint_raises_that_error(any_db_url):
-    # An IntegrityError that is not "someone inserted it first" must not be taken for a race.
-    from sqlalchemy.exc import IntegrityError
-
-    eng = S.connect(any_db_url)
-    with pytest.raises(IntegrityError):
-        S.claim_job(eng, "j-bad", {"total": 3})  # name, spec, model… are NOT NULL
-    assert S.get_job(eng, "j-bad") is None
-
-
-def test_inserts_are_idempotent(any_db_url):
-    eng = S.connect(any_db_url)
-    rows = [_output("j2", i) for i in range(5)]
-    assert S.insert_rows(eng, OutputRow, rows[:3]) == 3
-    # a retried bundle: the first three again, plus two new
-    assert S.insert_rows(eng, OutputRow, [dict(r, text="different") for r in rows]) == 2  # rows added
-    got = {k: v["text"] for k, v in S.job_outputs(eng, "j2").items()}
-    assert len(got) == 5
-    assert got["r0"] == "answer 0" and got["r4"] == "different"  # existing rows are kept, not overwritten
-    assert S.insert_rows(eng, DeadLetterRow, [_dead("j2", 0, 7), _dead("j2", 0, 7), _dead("j2", 1, 7)]) == 2
-    assert S.counts(eng, "j2") == {"succeeded": 5, "failed": 2}
-
-
-def test_delete_job_removes_only_that_job(any_db_url):
-    eng = S.connect(any_db_url)
-    S.insert_rows(eng, OutputRow, [_output("a", 0), _output("b", 0)])
-    S.delete_job(eng, "a")
-    assert S.counts(eng, "a")["succeeded"] == 0 and S.counts(eng, "b")["succeeded"] == 1
-
-
-def test_old_database_upgrades_without_losing_rows(any_db_url):
-    """A database made by the first release (revision 0001, input_ref as text) with rows in it."""
-    from alembic import command
-
-    eng = db_engine(any_db_url)
-    with eng.begin() as conn:
-        command.upgrade(S._alembic_config(conn), "0001")
-    with eng.begin() as conn:  # plain SQL: the tables as revision 0001 made them
-        conn.execute(text("INSERT INTO jobs (id, status, spec, total, succeeded, failed, cancel_requested) "
-                          "VALUES ('old', 'succeeded', '{\"input\": \"x\"}', 3, 2, 1, false)"))
-        conn.execute(text("INSERT INTO outputs (job_id, id, input_ref, text, error) VALUES "
-                          "('old', 'a', '0:10', 'ten', NULL), ('old', 'b', '1:2', 'two', NULL)"))
-        conn.execute(text("INSERT INTO dead_letters (job_id, input_ref, id, reason, message) "
-                          "VALUES ('old', '0:3', 'c', 'empty_prompt', 'empty')"))
-    _fresh(any_db_url)
-    eng = S.connect(any_db_url)  # migrates on first use
-    with eng.connect() as conn:
-        assert S.current_revision(conn) == S.head_revision()
-    assert S.get_job(eng, "old")["succeeded"] == 2
-    outs = [(r["id"], r["input_file"], r["input_row"]) for rows in S.stream_rows(eng, OutputRow, "old") for r in rows]
-    assert outs == [("a", 0, 10), ("b", 1, 2)]
-    assert S.done_in_range(eng, "old", 0, 0, 20, ["a", "b", "z"]) == ({"a", "b"}, {3, 10})
-    assert S.insert_rows(eng, DeadLetterRow, [_dead("old", 0, 3)]) == 0  # the new key holds the converted row
-
-
-def test_outputs_stored_before_token_count_source_upgrade_as_not_recorded(any_db_url):
-    """A database at revision 0005 (no outputs.token_count_source) with an answered row: after
-    the upgrade that row reads back with no source, counted "not_recorded", never "engine"."""
-    from alembic import command
-
-    from tokenmill.jobs.metrics.accounting import count_sources
-
-    eng = db_engine(any_db_url)
-    with eng.begin() as conn:
-        command.upgrade(S._alembic_config(conn), "0005")
-    with eng.begin() as conn:
-        assert "token_count_source" not in {c["name"] for c in inspect(conn).get_columns("outputs")}
-        conn.execute(text("INSERT INTO outputs (job_id, id, input_file, input_row, prompt_tokens, output_tokens) "
-                          "VALUES ('old', 'a', 0, 0, 10, 5)"))
-    _fresh(any_db_url)
-    eng = S.connect(any_db_url)  # migrates on first use
-    S.insert_rows(eng, OutputRow, [_output("old", 1, token_count_source="local_tokenizer+stream_chunks")])
-    got = {r["id"]: r["token_count_source"] for rows in S.stream_rows(eng, OutputRow, "old") for r in rows}
-    assert got == {"a": None, "r1": "local_tokenizer+stream_chunks"}
-    assert count_sources(S.request_columns(eng, "old")) == {
-        "local_tokenizer+stream_chunks": {"rows": 1, "prompt": 10, "output": 5},
-        "not_recorded": {"rows": 1, "prompt": 10, "output": 5}}
-
-
-def test_migrated_tables_match_the_declared_ones(any_db_url):
-    from alembic.autogenerate import compare_metadata
-    from alembic.runtime.migration import MigrationContext
-
-    eng = S.connect(any_db_url)
-    with eng.connect() as conn:
-        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), T.metadata)
-    assert diff == []
-
-
-def test_newer_schema_gives_a_one_line_error(any_db_url):
-    eng = S.connect(any_db_url)
-    with eng.begin() as conn:
-        conn.execute(text("UPDATE alembic_version SET version_num = '9999_from_the_future'"))
-    _fresh(any_db_url)
-    with pytest.raises(S.StorageError, match="newer than this tokenmill knows"):
-        S.connect(any_db_url)
-    _fresh(any_db_url)
-    for args in (["jobs"], ["status", "x"], ["report", "x", "--no-html"]):
-        assert_one_line_error(cli(*args, "--db", any_db_url), 1, "9999_from_the_future", alone=True)
-
-
-# ---------------------------------------------------------------- two jobs at once
-
-
 def _run_one(db_url, inp, out, job_id, barrier):
-    from tokenmill.jobs.lifecycle.runner import run_job
     from tests.fakes import FakeSession
     from tests.helpers import job_spec
+    from tokenmill.jobs.lifecycle.runner import run_job
 
     spec = job_spec(inp, out, job_id=job_id, sampling={"max_tokens": 3}, batching={"token_budget": 512})
     barrier.wait(timeout=120)  # both processes are imported and ready: start writing together
@@ -189,152 +57,283 @@ def _run_one(db_url, inp, out, job_id, barrier):
     return res.status, res.succeeded, res.failed, t0, time.time()
 
 
-def test_two_jobs_writing_at_the_same_time_both_complete_with_every_row(any_db_url, tmp_path, model_path):
-    S.connect(any_db_url)  # migrated once up front, as `tokenmill db upgrade` would
-    n = 300
-    inputs = []
-    for k in ("a", "b"):
-        rows = [{"id": f"{k}{i}", "prompt": f"question {i} " * (1 + i % 5)} for i in range(n)]
-        inputs.append(str(write_parquet(tmp_path / f"{k}.parquet", rows)))
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as mgr, ProcessPoolExecutor(2, mp_context=ctx) as pool:
-        barrier = mgr.Barrier(2)
-        futs = [pool.submit(_run_one, any_db_url, inputs[i], str(tmp_path / f"out{i}"), f"job-{k}", barrier)
-                for i, k in enumerate("ab")]
-        results = [f.result(timeout=600) for f in futs]
-    assert [r[:3] for r in results] == [("succeeded", n, 0), ("succeeded", n, 0)]
-    (_, _, _, s0, e0), (_, _, _, s1, e1) = results
-    assert max(s0, s1) < min(e0, e1)  # the two runs really overlapped in time
-    eng = S.connect(any_db_url)
-    for k in "ab":
-        assert S.counts(eng, f"job-{k}") == {"succeeded": n, "failed": 0}
-        ids = {r["id"] for r in S.request_rows(eng, f"job-{k}")}
-        assert ids == {f"{k}{i}" for i in range(n)}
-        assert S.get_job(eng, f"job-{k}")["status"] == "succeeded"
-    assert Path(tmp_path / "out0" / "outputs.parquet").exists()
+class StorageContract:
+    """What every storage backend must do; a backend's test class subclasses it and gives
+    `db_url`, a fresh database of that backend."""
+
+    def test_migrations_run_on_first_use(self, db_url):
+        _fresh(db_url)
+        eng = S.connect(db_url)
+        with eng.connect() as conn:
+            assert S.current_revision(conn) == S.head_revision()
+            tables = set(inspect(conn).get_table_names())
+        assert {"jobs", "outputs", "dead_letters", "batches", "workers", "locks"} <= tables
+
+    def test_claim_finish_and_counts(self, db_url):
+        eng = S.connect(db_url)
+        assert S.JobStore(eng).claim("j1", _job_values()) == {"resumed": False}
+        job = S.JobStore(eng).get("j1")
+        assert job["status"] == "running" and job["owner"] == S.owner_tag() and S.is_live(job)
+        with pytest.raises(S.JobBusy):
+            S.JobStore(eng).claim("j1", _job_values())  # a live run holds it
+        S.ResultWriter(eng).insert_rows(OutputRow, [_output("j1", i) for i in range(2)])
+        S.ResultWriter(eng).insert_rows(DeadLetterRow, [_dead("j1", 0, 2, id="r2")])
+        assert S.MetricsReader(eng).counts("j1") == {"succeeded": 2, "failed": 1}
+        assert S.MetricsReader(eng).failure_reasons("j1") == {"empty_prompt": 1}
+        S.JobStore(eng).finish("j1", status="partial", heartbeat_at=None, owner=None, **S.MetricsReader(eng).counts("j1"))
+        job = S.JobStore(eng).get("j1")
+        assert (job["status"], job["total"], job["succeeded"], job["failed"]) == ("partial", 3, 2, 1)
+        assert job["finished_at"] is not None and not S.is_live(job)
+        assert S.JobStore(eng).claim("j1", _job_values())["resumed"] is True  # a finished job may be rerun
+        assert [j["id"] for j in S.JobStore(eng).recent()] == ["j1"]
+        assert [r["id"] for r in S.MetricsReader(eng).request_rows("j1")] == ["r0", "r1"]
+
+    def test_a_claim_whose_insert_breaks_a_constraint_raises_that_error(self, db_url):
+        # An IntegrityError that is not "someone inserted it first" must not be taken for a race.
+        from sqlalchemy.exc import IntegrityError
+
+        eng = S.connect(db_url)
+        with pytest.raises(IntegrityError):
+            S.JobStore(eng).claim("j-bad", {"total": 3})  # name, spec, model… are NOT NULL
+        assert S.JobStore(eng).get("j-bad") is None
+
+    def test_inserts_are_idempotent(self, db_url):
+        eng = S.connect(db_url)
+        rows = [_output("j2", i) for i in range(5)]
+        assert S.ResultWriter(eng).insert_rows(OutputRow, rows[:3]) == 3
+        # a retried bundle: the first three again, plus two new
+        assert S.ResultWriter(eng).insert_rows(OutputRow, [dict(r, text="different") for r in rows]) == 2  # rows added
+        got = {k: v["text"] for k, v in S.MetricsReader(eng).outputs("j2").items()}
+        assert len(got) == 5
+        assert got["r0"] == "answer 0" and got["r4"] == "different"  # existing rows are kept, not overwritten
+        assert S.ResultWriter(eng).insert_rows(DeadLetterRow, [_dead("j2", 0, 7), _dead("j2", 0, 7), _dead("j2", 1, 7)]) == 2
+        assert S.MetricsReader(eng).counts("j2") == {"succeeded": 5, "failed": 2}
+
+    def test_delete_job_removes_only_that_job(self, db_url):
+        eng = S.connect(db_url)
+        S.ResultWriter(eng).insert_rows(OutputRow, [_output("a", 0), _output("b", 0)])
+        S.JobStore(eng).delete("a")
+        assert S.MetricsReader(eng).counts("a")["succeeded"] == 0 and S.MetricsReader(eng).counts("b")["succeeded"] == 1
+
+    def test_old_database_upgrades_without_losing_rows(self, db_url):
+        """A database made by the first release (revision 0001, input_ref as text) with rows in it."""
+        from alembic import command
+
+        eng = db_engine(db_url)
+        with eng.begin() as conn:
+            command.upgrade(S.alembic_config(conn), "0001")
+        with eng.begin() as conn:  # plain SQL: the tables as revision 0001 made them
+            conn.execute(text("INSERT INTO jobs (id, status, spec, total, succeeded, failed, cancel_requested) "
+                              "VALUES ('old', 'succeeded', '{\"input\": \"x\"}', 3, 2, 1, false)"))
+            conn.execute(text("INSERT INTO outputs (job_id, id, input_ref, text, error) VALUES "
+                              "('old', 'a', '0:10', 'ten', NULL), ('old', 'b', '1:2', 'two', NULL)"))
+            conn.execute(text("INSERT INTO dead_letters (job_id, input_ref, id, reason, message) "
+                              "VALUES ('old', '0:3', 'c', 'empty_prompt', 'empty')"))
+        _fresh(db_url)
+        eng = S.connect(db_url)  # migrates on first use
+        with eng.connect() as conn:
+            assert S.current_revision(conn) == S.head_revision()
+        assert S.JobStore(eng).get("old")["succeeded"] == 2
+        outs = [(r["id"], r["input_file"], r["input_row"]) for rows in S.MetricsReader(eng).stream_rows(OutputRow, "old") for r in rows]
+        assert outs == [("a", 0, 10), ("b", 1, 2)]
+        assert S.ResultWriter(eng).done_in_range("old", 0, 0, 20, ["a", "b", "z"]) == ({"a", "b"}, {3, 10})
+        assert S.ResultWriter(eng).insert_rows(DeadLetterRow, [_dead("old", 0, 3)]) == 0  # the new key holds the converted row
+
+    def test_outputs_stored_before_token_count_source_upgrade_as_not_recorded(self, db_url):
+        """A database at revision 0005 (no outputs.token_count_source) with an answered row: after
+        the upgrade that row reads back with no source, counted "not_recorded", never "engine"."""
+        from alembic import command
+
+        from tokenmill.jobs.metrics.accounting import count_sources
+
+        eng = db_engine(db_url)
+        with eng.begin() as conn:
+            command.upgrade(S.alembic_config(conn), "0005")
+        with eng.begin() as conn:
+            assert "token_count_source" not in {c["name"] for c in inspect(conn).get_columns("outputs")}
+            conn.execute(text("INSERT INTO outputs (job_id, id, input_file, input_row, prompt_tokens, output_tokens) "
+                              "VALUES ('old', 'a', 0, 0, 10, 5)"))
+        _fresh(db_url)
+        eng = S.connect(db_url)  # migrates on first use
+        S.ResultWriter(eng).insert_rows(OutputRow, [_output("old", 1, token_count_source="local_tokenizer+stream_chunks")])
+        got = {r["id"]: r["token_count_source"] for rows in S.MetricsReader(eng).stream_rows(OutputRow, "old") for r in rows}
+        assert got == {"a": None, "r1": "local_tokenizer+stream_chunks"}
+        assert count_sources(S.MetricsReader(eng).request_columns("old")) == {
+            "local_tokenizer+stream_chunks": {"rows": 1, "prompt": 10, "output": 5},
+            "not_recorded": {"rows": 1, "prompt": 10, "output": 5}}
+
+    def test_migrated_tables_match_the_declared_ones(self, db_url):
+        from alembic.autogenerate import compare_metadata
+        from alembic.runtime.migration import MigrationContext
+
+        eng = S.connect(db_url)
+        with eng.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), T.metadata)
+        assert diff == []
+
+    def test_newer_schema_gives_a_one_line_error(self, db_url):
+        eng = S.connect(db_url)
+        with eng.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = '9999_from_the_future'"))
+        _fresh(db_url)
+        with pytest.raises(S.StorageError, match="newer than this tokenmill knows"):
+            S.connect(db_url)
+        _fresh(db_url)
+        for args in (["jobs"], ["status", "x"], ["report", "x", "--no-html"]):
+            assert_one_line_error(cli(*args, "--db", db_url), 1, "9999_from_the_future", alone=True)
+
+    def test_two_jobs_writing_at_the_same_time_both_complete_with_every_row(self, db_url, tmp_path, model_path):
+        S.connect(db_url)  # migrated once up front, as `tokenmill db upgrade` would
+        n = 300
+        inputs = []
+        for k in ("a", "b"):
+            rows = [{"id": f"{k}{i}", "prompt": f"question {i} " * (1 + i % 5)} for i in range(n)]
+            inputs.append(str(write_parquet(tmp_path / f"{k}.parquet", rows)))
+        ctx = mp.get_context("spawn")
+        with ctx.Manager() as mgr, ProcessPoolExecutor(2, mp_context=ctx) as pool:
+            barrier = mgr.Barrier(2)
+            futs = [pool.submit(_run_one, db_url, inputs[i], str(tmp_path / f"out{i}"), f"job-{k}", barrier)
+                    for i, k in enumerate("ab")]
+            results = [f.result(timeout=600) for f in futs]
+        assert [r[:3] for r in results] == [("succeeded", n, 0), ("succeeded", n, 0)]
+        (_, _, _, s0, e0), (_, _, _, s1, e1) = results
+        assert max(s0, s1) < min(e0, e1)  # the two runs really overlapped in time
+        eng = S.connect(db_url)
+        for k in "ab":
+            assert S.MetricsReader(eng).counts(f"job-{k}") == {"succeeded": n, "failed": 0}
+            ids = {r["id"] for r in S.MetricsReader(eng).request_rows(f"job-{k}")}
+            assert ids == {f"{k}{i}" for i in range(n)}
+            assert S.JobStore(eng).get(f"job-{k}")["status"] == "succeeded"
+        assert Path(tmp_path / "out0" / "outputs.parquet").exists()
+
+    def test_exports_come_back_in_input_order(self, db_url, tmp_path):
+        # Rows are stored as (input_file, input_row) integers, so "0:2" comes before "0:10";
+        # the files show each row's input_ref as "<file>:<row>", as they always have.
+        import pyarrow.parquet as pq
+
+        from tokenmill.jobs.lifecycle.sinks import export_job
+
+        eng = S.connect(db_url)
+        S.JobStore(eng).claim("j-order", _job_values(total=14))
+        refs = ["1:0", "0:10", "0:2", "1:11", "0:1", "1:3", "0:0", "0:11", "0:3", "1:1", "1:2", "1:10"]
+        key = lambda ref: tuple(int(x) for x in ref.split(":"))  # noqa: E731
+        S.ResultWriter(eng).insert_rows(OutputRow, [_output("j-order", i, id=f"r-{ref}", input_file=key(ref)[0], input_row=key(ref)[1])
+                                                         for i, ref in enumerate(refs)])
+        S.ResultWriter(eng).insert_rows(DeadLetterRow, [_dead("j-order", 0, 20, id="d-0:20"), _dead("j-order", 0, 9, id="d-0:9")])
+        export_job(eng, "j-order", str(tmp_path / "out"))
+        out = pq.read_table(tmp_path / "out" / "outputs.parquet")
+        assert out.column("id").to_pylist() == [f"r-{ref}" for ref in sorted(refs, key=key)]
+        assert out.column("input_ref").to_pylist() == sorted(refs, key=key)  # the round trip keeps the text
+        dead = pq.read_table(tmp_path / "out" / "dead_letters.parquet")
+        assert dead.column("id").to_pylist() == ["d-0:9", "d-0:20"]
+        assert dead.column("input_ref").to_pylist() == ["0:9", "0:20"]
+        assert out.schema.names[:3] == ["job_id", "id", "input_ref"] and "input_file" not in out.schema.names
+
+    def test_done_in_range_is_bounded_by_the_unit_file_and_rows(self, db_url):
+        eng = S.connect(db_url)
+        S.ResultWriter(eng).insert_rows(OutputRow, [_output("j-done", 0), _output("j-done", 1), _output("other", 5)])
+        S.ResultWriter(eng).insert_rows(DeadLetterRow, [_dead("j-done", 1, 4), _dead("j-done", 0, 9), _dead("other", 2, 2)])
+        # outputs r0, r1 sit at file 0 rows 0, 1 (see _output)
+        assert S.ResultWriter(eng).done_in_range("j-done", 0, 0, 5, ["r0", "r1", "r7"]) == ({"r0", "r1"}, {0, 1})
+        assert S.ResultWriter(eng).done_in_range("j-done", 0, 1, 9, []) == (set(), {1, 9})
+        assert S.ResultWriter(eng).done_in_range("j-done", 1, 0, 10, ["r5"]) == (set(), {4})
+        assert S.ResultWriter(eng).done_in_range("nothing", 0, 0, 10**9, ["r0"]) == (set(), set())
+
+    def test_id_claims_keep_the_earliest_row_in_any_order_and_in_big_batches(self, db_url):
+        eng = S.connect(db_url)
+        S.ResultWriter(eng).claim_ids("j", [("a", 0, 9), ("b", 1, 0)])
+        S.ResultWriter(eng).claim_ids("j", [("a", 0, 3), ("b", 1, 5), ("a", 0, 4)])  # a moves earlier, b stays
+        S.ResultWriter(eng).claim_ids("j", [("a", 1, 0)])
+        S.ResultWriter(eng).claim_ids("other", [("a", 2, 2)])
+        assert S.ResultWriter(eng).id_claims("j", ["a", "b", "c"]) == {"a": (0, 3), "b": (1, 0)}
+        many = [(f"id{i}", 0, i) for i in range(2500)]  # more than one IN list and one statement
+        assert S.ResultWriter(eng).claim_ids("big", many) == 2500
+        got = S.ResultWriter(eng).id_claims("big", [f"id{i}" for i in range(0, 2500, 7)])
+        assert got == {f"id{i}": (0, i) for i in range(0, 2500, 7)}
+        S.JobStore(eng).delete("big")
+        assert S.ResultWriter(eng).id_claims("big", ["id0"]) == {}
+
+    def test_submit_and_requeue_are_compare_and_set(self, db_url):
+        eng = S.connect(db_url)
+        values = {"id": "q1", "name": "q1", "status": "pending", "spec": {"input": "x"}, "submitted_at": S.utcnow(),
+                  "cancel_requested": False}
+        assert S.JobStore(eng).submit(values) is True
+        assert S.JobStore(eng).submit(values) is False  # the id exists: nothing changes
+        assert [j["id"] for j in S.JobStore(eng).queued()] == ["q1"]
+        S.JobStore(eng).finish("q1", status="failed", error="boom")
+        assert S.JobStore(eng).queued() == []
+        assert S.JobStore(eng).requeue("q1", "cancelled", {"spec": {"input": "y"}}) is False  # not in that status
+        assert S.JobStore(eng).get("q1")["status"] == "failed"
+        assert S.JobStore(eng).requeue("q1", "failed", {"spec": {"input": "y"}}) is True
+        job = S.JobStore(eng).get("q1")
+        assert (job["status"], job["spec"], job["error"], job["owner"]) == ("pending", {"input": "y"}, None, None)
+        assert S.JobStore(eng).requeue("q1", "failed", {"spec": {"input": "z"}}) is False  # a second racer loses
+
+    def test_worker_rows_cancel_flag_and_engine_info(self, db_url):
+        eng = S.connect(db_url)
+        S.JobStore(eng).claim("j-w", _job_values())
+        row = dict(job_id="j-w", worker="h:1", hostname="h", pid=1, engine_info={"kv": 1}, updated_at=1.0)
+        S.ResultWriter(eng).record_worker(WorkerRow(**row))
+        S.ResultWriter(eng).record_worker(WorkerRow(**dict(row, engine_info={"kv": 2}, updated_at=2.0)))  # a restarted engine: refreshed
+        S.ResultWriter(eng).update_worker("j-w", "h:1", peak_rss_bytes=5)
+        (w,) = S.MetricsReader(eng).workers("j-w")
+        assert (w["engine_info"], w["updated_at"], w["peak_rss_bytes"]) == ({"kv": 2}, 2.0, 5)
+        assert S.MetricsReader(eng).engine_info("j-w") == {"kv": 2} and S.MetricsReader(eng).engine_info("none") is None
+        assert S.JobStore(eng).cancel_requested("j-w") is False
+        S.JobStore(eng).request_cancel("j-w")
+        assert S.JobStore(eng).cancel_requested("j-w") is True
+        S.ResultWriter(eng).insert_rows(OutputRow, [_output("j-w", 0, output_tokens=7), _output("j-w", 1, output_tokens=8)])
+        assert S.MetricsReader(eng).output_tokens("j-w") == 15 and S.MetricsReader(eng).output_tokens("none") == 0
+
+    def test_request_columns_stream_per_request_figures_as_float_arrays(self, db_url):
+        import math
+
+        eng = S.connect(db_url)
+        sources = ["engine", "local_tokenizer+stream_chunks", None, "from_a_newer_tokenmill"]
+        rows = [_output("cols", i, ttft_s=None if i == 3 else 0.1 * i, token_count_source=sources[i % 4])
+                for i in range(12_000)]  # > CHUNK_ROWS
+        S.ResultWriter(eng).insert_rows(OutputRow, rows)
+        cols = S.MetricsReader(eng).request_columns("cols")
+        assert set(cols) == set(METRIC_COLUMNS) and all(len(v) == 12_000 for v in cols.values())
+        assert cols["output_tokens"].sum() == 5 * 12_000
+        assert sum(math.isnan(v) for v in cols["ttft_s"]) == 1
+        # the source as its index in records.TOKEN_COUNT_SOURCES; NaN: not recorded; -1: a value unknown here
+        codes = sorted(cols["token_count_source"][:4].tolist(), key=str)
+        assert codes[:3] == [-1.0, 0.0, 1.0] and math.isnan(codes[3])
+        assert S.MetricsReader(eng).request_columns("none")["e2e_s"].size == 0
+
+    def test_runs_and_worker_measures(self, db_url):
+        eng = S.connect(db_url)
+        S.JobStore(eng).claim("j-r", _job_values())
+        S.JobStore(eng).start_run("j-r", "aaa111", 100.0)
+        S.JobStore(eng).start_run("j-r", "aaa111", 999.0)  # a repeat never moves a run's start
+        S.JobStore(eng).heartbeat("j-r", "aaa111")
+        S.JobStore(eng).start_run("j-r", "bbb222", 200.0)
+        S.JobStore(eng).finish_run("j-r", "bbb222", 260.0)
+        first, second = S.JobStore(eng).runs("j-r")
+        assert (first["run_id"], first["started_at"], first["finished_at"]) == ("aaa111", 100.0, None)
+        assert first["seen_at"] > 200.0  # the heartbeat's wall clock
+        assert (second["run_id"], second["seen_at"], second["finished_at"]) == ("bbb222", 260.0, 260.0)
+        measure = {"window_s": 5.0, "gpus": [{"index": 3, "energy_j": 1.5}]}
+        row = {"job_id": "j-r", "worker": "h:1", "run_id": "aaa111", "device_type": "gpu", "device_model": "NVIDIA L4",
+               "device_count": 2, "nvml_error": None, "measure": measure, "engine_info": {}, "updated_at": 1.0}
+        S.ResultWriter(eng).record_worker(WorkerRow(**row))
+        S.ResultWriter(eng).record_worker(WorkerRow(**dict(row, run_id="bbb222", updated_at=2.0)))  # the same process in a later run
+        S.ResultWriter(eng).update_worker("j-r", "h:1", measure=dict(measure, window_s=9.0))
+        (w,) = S.MetricsReader(eng).workers("j-r")
+        assert (w["run_id"], w["device_count"], w["measure"]["window_s"]) == ("bbb222", 2, 9.0)
+        S.JobStore(eng).delete("j-r")
+        assert S.JobStore(eng).runs("j-r") == [] and S.MetricsReader(eng).workers("j-r") == []
 
 
-def test_exports_come_back_in_input_order(any_db_url, tmp_path):
-    # Rows are stored as (input_file, input_row) integers, so "0:2" comes before "0:10";
-    # the files show each row's input_ref as "<file>:<row>", as they always have.
-    import pyarrow.parquet as pq
-
-    from tokenmill.jobs.lifecycle.export import export_job
-
-    eng = S.connect(any_db_url)
-    S.claim_job(eng, "j-order", _job_values(total=14))
-    refs = ["1:0", "0:10", "0:2", "1:11", "0:1", "1:3", "0:0", "0:11", "0:3", "1:1", "1:2", "1:10"]
-    key = lambda ref: tuple(int(x) for x in ref.split(":"))  # noqa: E731
-    S.insert_rows(eng, OutputRow, [_output("j-order", i, id=f"r-{ref}", input_file=key(ref)[0], input_row=key(ref)[1])
-                                   for i, ref in enumerate(refs)])
-    S.insert_rows(eng, DeadLetterRow, [_dead("j-order", 0, 20, id="d-0:20"), _dead("j-order", 0, 9, id="d-0:9")])
-    export_job(eng, "j-order", str(tmp_path / "out"))
-    out = pq.read_table(tmp_path / "out" / "outputs.parquet")
-    assert out.column("id").to_pylist() == [f"r-{ref}" for ref in sorted(refs, key=key)]
-    assert out.column("input_ref").to_pylist() == sorted(refs, key=key)  # the round trip keeps the text
-    dead = pq.read_table(tmp_path / "out" / "dead_letters.parquet")
-    assert dead.column("id").to_pylist() == ["d-0:9", "d-0:20"]
-    assert dead.column("input_ref").to_pylist() == ["0:9", "0:20"]
-    assert out.schema.names[:3] == ["job_id", "id", "input_ref"] and "input_file" not in out.schema.names
+class TestSQLite(StorageContract):
+    @pytest.fixture
+    def db_url(self, tmp_path):
+        return f"sqlite:///{tmp_path / 'contract.db'}"
 
 
-def test_done_in_range_is_bounded_by_the_unit_file_and_rows(any_db_url):
-    eng = S.connect(any_db_url)
-    S.insert_rows(eng, OutputRow, [_output("j-done", 0), _output("j-done", 1), _output("other", 5)])
-    S.insert_rows(eng, DeadLetterRow, [_dead("j-done", 1, 4), _dead("j-done", 0, 9), _dead("other", 2, 2)])
-    # outputs r0, r1 sit at file 0 rows 0, 1 (see _output)
-    assert S.done_in_range(eng, "j-done", 0, 0, 5, ["r0", "r1", "r7"]) == ({"r0", "r1"}, {0, 1})
-    assert S.done_in_range(eng, "j-done", 0, 1, 9, []) == (set(), {1, 9})
-    assert S.done_in_range(eng, "j-done", 1, 0, 10, ["r5"]) == (set(), {4})
-    assert S.done_in_range(eng, "nothing", 0, 0, 10**9, ["r0"]) == (set(), set())
-
-
-def test_id_claims_keep_the_earliest_row_in_any_order_and_in_big_batches(any_db_url):
-    eng = S.connect(any_db_url)
-    S.claim_ids(eng, "j", [("a", 0, 9), ("b", 1, 0)])
-    S.claim_ids(eng, "j", [("a", 0, 3), ("b", 1, 5), ("a", 0, 4)])  # a moves earlier, b stays
-    S.claim_ids(eng, "j", [("a", 1, 0)])
-    S.claim_ids(eng, "other", [("a", 2, 2)])
-    assert S.id_claims(eng, "j", ["a", "b", "c"]) == {"a": (0, 3), "b": (1, 0)}
-    many = [(f"id{i}", 0, i) for i in range(2500)]  # more than one IN list and one statement
-    assert S.claim_ids(eng, "big", many) == 2500
-    got = S.id_claims(eng, "big", [f"id{i}" for i in range(0, 2500, 7)])
-    assert got == {f"id{i}": (0, i) for i in range(0, 2500, 7)}
-    S.delete_job(eng, "big")
-    assert S.id_claims(eng, "big", ["id0"]) == {}
-
-
-def test_submit_and_requeue_are_compare_and_set(any_db_url):
-    eng = S.connect(any_db_url)
-    values = {"id": "q1", "name": "q1", "status": "pending", "spec": {"input": "x"}, "submitted_at": S.utcnow(),
-              "cancel_requested": False}
-    assert S.submit_job(eng, values) is True
-    assert S.submit_job(eng, values) is False  # the id exists: nothing changes
-    assert [j["id"] for j in S.queued_jobs(eng)] == ["q1"]
-    S.finish_job(eng, "q1", status="failed", error="boom")
-    assert S.queued_jobs(eng) == []
-    assert S.requeue_job(eng, "q1", "cancelled", {"spec": {"input": "y"}}) is False  # not in that status
-    assert S.get_job(eng, "q1")["status"] == "failed"
-    assert S.requeue_job(eng, "q1", "failed", {"spec": {"input": "y"}}) is True
-    job = S.get_job(eng, "q1")
-    assert (job["status"], job["spec"], job["error"], job["owner"]) == ("pending", {"input": "y"}, None, None)
-    assert S.requeue_job(eng, "q1", "failed", {"spec": {"input": "z"}}) is False  # a second racer loses
-
-
-def test_worker_rows_cancel_flag_and_engine_info(any_db_url):
-    eng = S.connect(any_db_url)
-    S.claim_job(eng, "j-w", _job_values())
-    row = {"job_id": "j-w", "worker": "h:1", "hostname": "h", "pid": 1, "engine_info": {"kv": 1}, "updated_at": 1.0}
-    S.record_worker(eng, row)
-    S.record_worker(eng, dict(row, engine_info={"kv": 2}, updated_at=2.0))  # a restarted engine: refreshed
-    S.update_worker(eng, "j-w", "h:1", peak_rss_bytes=5)
-    (w,) = S.job_workers(eng, "j-w")
-    assert (w["engine_info"], w["updated_at"], w["peak_rss_bytes"]) == ({"kv": 2}, 2.0, 5)
-    assert S.engine_info(eng, "j-w") == {"kv": 2} and S.engine_info(eng, "none") is None
-    assert S.cancel_requested(eng, "j-w") is False
-    S.request_cancel(eng, "j-w")
-    assert S.cancel_requested(eng, "j-w") is True
-    S.insert_rows(eng, OutputRow, [_output("j-w", 0, output_tokens=7), _output("j-w", 1, output_tokens=8)])
-    assert S.output_tokens(eng, "j-w") == 15 and S.output_tokens(eng, "none") == 0
-
-
-def test_request_columns_stream_per_request_figures_as_float_arrays(any_db_url):
-    import math
-
-    eng = S.connect(any_db_url)
-    sources = ["engine", "local_tokenizer+stream_chunks", None, "from_a_newer_tokenmill"]
-    rows = [_output("cols", i, ttft_s=None if i == 3 else 0.1 * i, token_count_source=sources[i % 4])
-            for i in range(12_000)]  # > CHUNK_ROWS
-    S.insert_rows(eng, OutputRow, rows)
-    cols = S.request_columns(eng, "cols")
-    assert set(cols) == set(S.METRIC_COLUMNS) and all(len(v) == 12_000 for v in cols.values())
-    assert cols["output_tokens"].sum() == 5 * 12_000
-    assert sum(math.isnan(v) for v in cols["ttft_s"]) == 1
-    # the source as its index in records.TOKEN_COUNT_SOURCES; NaN: not recorded; -1: a value unknown here
-    codes = sorted(cols["token_count_source"][:4].tolist(), key=str)
-    assert codes[:3] == [-1.0, 0.0, 1.0] and math.isnan(codes[3])
-    assert S.request_columns(eng, "none")["e2e_s"].size == 0
-
-
-def test_runs_and_worker_measures(any_db_url):
-    eng = S.connect(any_db_url)
-    S.claim_job(eng, "j-r", _job_values())
-    S.start_run(eng, "j-r", "aaa111", 100.0)
-    S.start_run(eng, "j-r", "aaa111", 999.0)  # a repeat never moves a run's start
-    S.heartbeat(eng, "j-r", "aaa111")
-    S.start_run(eng, "j-r", "bbb222", 200.0)
-    S.finish_run(eng, "j-r", "bbb222", 260.0)
-    first, second = S.job_runs(eng, "j-r")
-    assert (first["run_id"], first["started_at"], first["finished_at"]) == ("aaa111", 100.0, None)
-    assert first["seen_at"] > 200.0  # the heartbeat's wall clock
-    assert (second["run_id"], second["seen_at"], second["finished_at"]) == ("bbb222", 260.0, 260.0)
-    measure = {"window_s": 5.0, "gpus": [{"index": 3, "energy_j": 1.5}]}
-    row = {"job_id": "j-r", "worker": "h:1", "run_id": "aaa111", "device_type": "gpu", "device_model": "NVIDIA L4",
-           "device_count": 2, "nvml_error": None, "measure": measure, "engine_info": {}, "updated_at": 1.0}
-    S.record_worker(eng, row)
-    S.record_worker(eng, dict(row, run_id="bbb222", updated_at=2.0))  # the same process in a later run
-    S.update_worker(eng, "j-r", "h:1", measure=dict(measure, window_s=9.0))
-    (w,) = S.job_workers(eng, "j-r")
-    assert (w["run_id"], w["device_count"], w["measure"]["window_s"]) == ("bbb222", 2, 9.0)
-    S.delete_job(eng, "j-r")
-    assert S.job_runs(eng, "j-r") == [] and S.job_workers(eng, "j-r") == []
+@pytest.mark.postgres
+class TestPostgreSQL(StorageContract):
+    @pytest.fixture
+    def db_url(self, pg_url):
+        return pg_url

@@ -61,7 +61,7 @@ def test_duplicate_ids_first_in_input_order_wins(sqlite_url):
     a = PromptRecord(id="x", input_file=1, input_row=0, prompt="later file")
     b = PromptRecord(id="x", input_file=0, input_row=9, prompt="first")
     c = PromptRecord(id="x", input_file=0, input_row=10, prompt="second")
-    S.claim_ids(eng, "j", [(r.id, r.input_file, r.input_row) for r in (a, c, b)])
+    S.ResultWriter(eng).claim_ids("j", [(r.id, r.input_file, r.input_row) for r in (a, c, b)])
     out = list(DedupIdsFn(sqlite_url, "j").process(Chunk("u", [a, c, b])))
     kept = [o for o in out if isinstance(o, Chunk)]
     dead = [o.value for o in out if not isinstance(o, Chunk)]

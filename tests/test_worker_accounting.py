@@ -167,7 +167,7 @@ def test_the_worker_row_carries_what_the_worker_measured(sqlite_url, monkeypatch
 
     record_worker(sqlite_url, "jm", "h:7", FakeSession(), started_at=1.0, run_id="abc123")
     update_worker_peak(sqlite_url, "jm", "h:7", admitted_rows=3)
-    (w,) = S.job_workers(S.connect(sqlite_url), "jm")
+    (w,) = S.MetricsReader(S.connect(sqlite_url)).workers("jm")
     assert w["run_id"] == "abc123" and w["admitted_rows"] == 3
     assert w["device_type"] == "cpu" and w["cpu_count"] == bound_cpu_count()
     assert w["measure"]["peak_tree_rss_bytes"] > 0 and w["measure"]["window_s"] >= 0
@@ -180,4 +180,4 @@ def test_a_batchs_figures_are_committed_with_its_outputs_when_it_finishes(sqlite
 
     commit_batch(sqlite_url, "jb", [], [], BatchStats(job_id="jb", batch_id="abc123-0.0-x-0", worker="h:1",
                                                      requests=2, started_at=1.0, finished_at=2.0).as_dict())
-    assert [b["batch_id"] for b in S.job_batches(S.connect(sqlite_url), "jb")] == ["abc123-0.0-x-0"]
+    assert [b["batch_id"] for b in S.MetricsReader(S.connect(sqlite_url)).batches("jb")] == ["abc123-0.0-x-0"]

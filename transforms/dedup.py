@@ -35,7 +35,7 @@ class ClaimIdsFn(beam.DoFn):
         if item.part == 0:  # every part of a unit holds the same ids: part 0 claims them
             rows = read_unit(item.unit, self._columns, self._served)
             claims = [(row_id(r), r["_file_index"], r["_row"]) for r in rows]
-            yield S.claim_ids(S.connect(self._url), self._job_id, claims)
+            yield S.ResultWriter(S.connect(self._url)).claim_ids(self._job_id, claims)
 
 
 class ClaimIds(beam.PTransform):
@@ -65,7 +65,7 @@ class DedupIdsFn(beam.DoFn):
         self._url, self._job_id = db_url, job_id
 
     def process(self, chunk: Chunk, claimed: int = 0):
-        claims = S.id_claims(S.connect(self._url), self._job_id, [r.id for r in chunk.items])
+        claims = S.ResultWriter(S.connect(self._url)).id_claims(self._job_id, [r.id for r in chunk.items])
         ok = []
         for r in chunk.items:
             first = claims.get(r.id)

@@ -23,7 +23,7 @@ def undone(eng, job_id: str, chunk: Chunk) -> Chunk | None:
     keep = []
     for f, rs in by_file.items():
         rows = [r.input_row for r in rs]
-        done_ids, done_rows = S.done_in_range(eng, job_id, f, min(rows), max(rows), [r.id for r in rs])
+        done_ids, done_rows = S.ResultWriter(eng).done_in_range(job_id, f, min(rows), max(rows), [r.id for r in rs])
         keep += [r for r in rs if r.id not in done_ids and r.input_row not in done_rows]
     return chunk.with_items(keep) if keep else None
 

@@ -7,7 +7,7 @@ through `WriteDeadLetters`.  Primary keys (job_id, id) for outputs
 and (job_id, input_file, input_row) for dead letters and inserts that skip
 existing keys, so a retried bundle or a resumed job never duplicates a row.
 The Parquet/JSONL files are exported from there at the end of the job
-(jobs/lifecycle/export.py).  The SQL itself is schemas/storage.py's.
+(jobs/lifecycle/export.py).  The SQL itself is schemas/storage/'s (`ResultWriter`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import apache_beam as beam
 
 from tokenmill.schemas import storage as S
-from tokenmill.schemas.records import DeadLetterRow, FailedRecord
+from tokenmill.schemas.records import DeadLetterRow, FailedRecord, WorkerRow
 
 DEAD_FLUSH_ROWS = 500
 
@@ -41,7 +41,7 @@ def commit_batch(db_url: str, job_id: str, rows: list[dict[str, Any]], dead: lis
     figures, committed together in one transaction by the worker that generated it, so
     what a failure loses is the batches in flight on any runner (a runner that does not
     fuse Generate with a writer step would otherwise hold a whole unit's outputs)."""
-    S.commit_batch(S.connect(db_url), rows, [dead_row(job_id, d) for d in dead], [stats])
+    S.ResultWriter(S.connect(db_url)).commit_batch(rows, [dead_row(job_id, d) for d in dead], [stats])
 
 
 class WriteDeadLettersFn(beam.DoFn):
@@ -66,7 +66,7 @@ class WriteDeadLettersFn(beam.DoFn):
 
     def _flush(self):
         if self._buf:
-            S.insert_rows(S.connect(self._url), DeadLetterRow, self._buf)
+            S.ResultWriter(S.connect(self._url)).insert_rows(DeadLetterRow, self._buf)
             self._buf = []
 
 
@@ -122,8 +122,8 @@ def record_worker(db_url: str, job_id: str, worker: str, session, started_at: fl
         info = session.info()
     except Exception as err:  # a fake engine, or an engine that cannot say
         info = {"error": str(err)}
-    # the checkpoint's folder (vLLM) or GGUF file (llamacpp, whose model_path is the tokenizer's folder)
-    model_path = getattr(session, "gguf", None) or getattr(session, "model_path", None)
+    # the checkpoint folder or file the engine loaded (EngineSession.info's `weights_path`)
+    model_path = info.get("weights_path")
     if model_path:  # a checkpoint `tokenmill quantize` wrote: its recipe, calibration source and hash
         from tokenmill.schemas.models import checkpoint_summary, quantization_record
 
@@ -138,36 +138,27 @@ def record_worker(db_url: str, job_id: str, worker: str, session, started_at: fl
         _METERS[(job_id, worker)] = WorkerMeter(info).start()
     except Exception as err:  # never fail a worker for its accounting
         log.warning("worker %s: cannot measure its devices: %s", worker, err)
-    row = {
-        "job_id": job_id,
-        "worker": worker,
-        "hostname": worker.split(":")[0],
-        "pid": os.getpid(),
-        "device": info.get("device"),
-        "load_s": info.get("load_s"),
-        "engine_info": _jsonable(info),
-        "peak_rss_bytes": _rss_peak_bytes(),
-        "started_at": started_at,
-        "updated_at": time.time(),
-        "run_id": run_id,
-        **_meter_reading(job_id, worker),
-    }
-    S.record_worker(S.connect(db_url), row)
+    row = WorkerRow(
+        job_id=job_id, worker=worker, hostname=worker.split(":")[0], pid=os.getpid(), device=info.get("device"),
+        load_s=info.get("load_s"), engine_info=_jsonable(info), peak_rss_bytes=_rss_peak_bytes(),
+        started_at=started_at, updated_at=time.time(), run_id=run_id, **_meter_reading(job_id, worker),
+    )
+    S.ResultWriter(S.connect(db_url)).record_worker(row)
 
 
 def update_worker_peak(db_url: str, job_id: str, worker: str, **counters: int) -> None:
     """Refresh the worker's row: peak RSS, the counters given, and its meter's reading."""
-    S.update_worker(S.connect(db_url), job_id, worker, peak_rss_bytes=_rss_peak_bytes(), updated_at=time.time(),
-                    **_meter_reading(job_id, worker), **counters)
+    S.ResultWriter(S.connect(db_url)).update_worker(job_id, worker, peak_rss_bytes=_rss_peak_bytes(), updated_at=time.time(),
+                                                    **_meter_reading(job_id, worker), **counters)
 
 
 def update_worker_admitted(db_url: str, job_id: str, worker: str, admitted_rows: int) -> None:
     """The worker's admitted count alone, written ahead of a batch's admission (generate.py)."""
-    S.update_worker(S.connect(db_url), job_id, worker, admitted_rows=admitted_rows)
+    S.ResultWriter(S.connect(db_url)).update_worker(job_id, worker, admitted_rows=admitted_rows)
 
 
 def cancel_requested(db_url: str, job_id: str) -> bool:
-    return S.cancel_requested(S.connect(db_url), job_id)
+    return S.JobStore(S.connect(db_url)).cancel_requested(job_id)
 
 
 def _jsonable(v):

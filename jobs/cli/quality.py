@@ -121,7 +121,7 @@ def kv_plan(model, max_model_len, batch, kv_cache_dtype, dtype, scheme, memory, 
         from tokenmill.schemas import storage as S
 
         eng = connect(db_url)
-        job = S.get_job(eng, job_id)
+        job = S.JobStore(eng).get(job_id)
         if job is None:
             raise Failure(f"no job with id {job_id!r}")
         info = K.engine_info_for_job(eng, job_id)

@@ -1,6 +1,8 @@
 """Export a job's outputs and dead letters from the database to files, and mark how the job ended.
 
-`export_job` first removes any marker an earlier run left (`_SUCCESS.json`,
+An `Exporter` writes one output format's files from the database (this module's
+`ParquetExport`; jobs/lifecycle/openai_export.py's `OpenAIBatchExport`);
+jobs/lifecycle/sinks.py picks one by `spec.output_format`.  `export_job` there first removes any marker an earlier run left (`_SUCCESS.json`,
 `_FAILED.json`, `_CANCELLED.json`), then writes the data files, each under a
 temporary name renamed into place; it writes no marker.  The runner reconciles
 the row counts and decides the job's final status, and only then calls
@@ -14,14 +16,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy.engine import Engine
 
-from tokenmill.schemas import storage as S
 from tokenmill.schemas.records import DeadLetterRow, OutputRow, StoredRow, export_schema, exported
+from tokenmill.schemas.storage import JobStore, MetricsReader
 
 MANIFEST = "_SUCCESS.json"
 FAILED = "_FAILED.json"
@@ -29,9 +31,9 @@ CANCELLED = "_CANCELLED.json"
 #: The marker for each final job status; only a finished export gets `_SUCCESS.json`.
 MARKERS = {"succeeded": MANIFEST, "partial": MANIFEST, "failed": FAILED, "cancelled": CANCELLED}
 
-#: The only names an export writes under its output root; ids and job names never become paths.
-FILE_NAMES = frozenset({"outputs.parquet", "dead_letters.parquet", "outputs.jsonl", "errors.jsonl",
-                        MANIFEST, FAILED, CANCELLED})
+#: The markers' file names: with the exporters' declared `files`, the only names an export
+#: writes under its output root (ids and job names never become paths).
+MARKER_FILES = frozenset(MARKERS.values())
 
 
 class OutputPathError(ValueError):
@@ -50,11 +52,12 @@ def check_output_root(output: str) -> None:
         raise OutputPathError(f"output {output!r} has no bucket")
 
 
-def join(root: str, name: str) -> str:
-    """`root/name` for one of the export's own file names; anything else is refused."""
+def join(root: str, name: str, allowed: frozenset[str] = MARKER_FILES) -> str:
+    """`root/name` for one of the export's own file names (`allowed`: the markers, or an
+    exporter's declared files); anything else is refused."""
     from apache_beam.io.filesystems import FileSystems
 
-    if name not in FILE_NAMES:
+    if name not in allowed:
         raise OutputPathError(f"refusing to write {name!r}: not one of the export's files")
     return FileSystems.join(root, name)
 
@@ -102,10 +105,41 @@ def write_jsonl(dest: str, lines: Iterator[list[str]]) -> int:
     return _atomic_write(dest, write)
 
 
+class Exporter(Protocol):
+    """One output format of a finished job: the files it writes under the output root, from
+    the database.  Markers (`write_marker`) are the runner's, whatever the format."""
+
+    format: ClassVar[str]
+    """The `output_format` of a job spec that picks this exporter."""
+    files: ClassVar[Mapping[str, str]]
+    """Manifest key → file name under the output root, for every file it writes."""
+
+    def write(self, eng: Engine, job_id: str, paths: Mapping[str, str]) -> tuple[int, int]:
+        """Write the job's files at `paths` (key → path, as `files`); (outputs, dead letters) written."""
+        ...
+
+
 def _write_rows(dest: str, eng: Engine, record: type[StoredRow], job_id: str) -> int:
     """A job's rows of one table, in input order, as the record's exported Parquet file."""
-    chunks = ([exported(record, r) for r in rows] for rows in S.stream_rows(eng, record, job_id))
+    chunks = ([exported(record, r) for r in rows] for rows in MetricsReader(eng).stream_rows(record, job_id))
     return write_parquet(dest, export_schema(record), chunks)
+
+
+class ParquetExport:
+    """outputs.parquet and dead_letters.parquet: the exported columns of `OutputRow` and
+    `DeadLetterRow`, in input order."""
+
+    format = "parquet"
+    files = {"outputs": "outputs.parquet", "dead_letters": "dead_letters.parquet"}
+
+    def write(self, eng: Engine, job_id: str, paths: Mapping[str, str]) -> tuple[int, int]:
+        return (_write_rows(paths["outputs"], eng, OutputRow, job_id),
+                _write_rows(paths["dead_letters"], eng, DeadLetterRow, job_id))
+
+
+def job_input(eng: Engine, job_id: str) -> str | None:
+    """The input a job's spec names (an exporter that reads it back: the OpenAI batch format)."""
+    return ((JobStore(eng).get(job_id) or {}).get("spec") or {}).get("input")
 
 
 def _make_root(output_root: str) -> None:
@@ -120,33 +154,22 @@ def clear_markers(output_root: str, keep: str | None = None) -> None:
     """Remove the markers an earlier run left under `output_root` (all but `keep`)."""
     from apache_beam.io.filesystems import FileSystems
 
-    stale = [p for p in (join(output_root, m) for m in sorted(set(MARKERS.values())) if m != keep)
+    stale = [p for p in (join(output_root, m) for m in sorted(MARKER_FILES) if m != keep)
              if FileSystems.exists(p)]
     if stale:
         FileSystems.delete(stale)
 
 
-def export_job(eng: Engine, job_id: str, output_root: str, fmt: str = "parquet") -> dict[str, Any]:
-    """Write the job's data files (after removing any old marker: until `write_marker`, the
-    folder reads as unfinished) and return the manifest's export part: format, row counts
-    per file, files."""
+def export(exporter: Exporter, eng: Engine, job_id: str, output_root: str) -> dict[str, Any]:
+    """Write the job's data files with `exporter` (after removing any old marker: until
+    `write_marker`, the folder reads as unfinished) and return the manifest's export part:
+    format, row counts, files."""
     _make_root(output_root)
     clear_markers(output_root)  # an older export is no longer complete
-    files: dict[str, Any] = {}
-    if fmt == "openai-jsonl":
-        from tokenmill.jobs.lifecycle.openai_export import dead_letter_lines, output_lines
-
-        files["outputs"] = join(output_root, "outputs.jsonl")
-        files["errors"] = join(output_root, "errors.jsonl")
-        spec = (S.get_job(eng, job_id) or {}).get("spec") or {}  # the input tells each request's endpoint and model
-        n_out = write_jsonl(files["outputs"], output_lines(S.stream_rows(eng, OutputRow, job_id), source=spec.get("input")))
-        n_dead = write_jsonl(files["errors"], dead_letter_lines(S.stream_rows(eng, DeadLetterRow, job_id)))
-    else:
-        files["outputs"] = join(output_root, "outputs.parquet")
-        files["dead_letters"] = join(output_root, "dead_letters.parquet")
-        n_out = _write_rows(files["outputs"], eng, OutputRow, job_id)
-        n_dead = _write_rows(files["dead_letters"], eng, DeadLetterRow, job_id)
-    return {"job_id": job_id, "format": fmt, "outputs": n_out, "dead_letters": n_dead, "files": files}
+    allowed = frozenset(exporter.files.values())
+    files = {key: join(output_root, name, allowed) for key, name in exporter.files.items()}
+    n_out, n_dead = exporter.write(eng, job_id, files)
+    return {"job_id": job_id, "format": exporter.format, "outputs": n_out, "dead_letters": n_dead, "files": files}
 
 
 def write_marker(output_root: str, status: str, manifest: dict[str, Any], reason: str | None = None) -> str:

@@ -1,7 +1,7 @@
 """The OpenAI Batch API output files of a job: `outputs.jsonl` and `errors.jsonl`.
 
-Runs in the launcher at export (jobs/lifecycle/export.py hands it rows from the
-database): one line per input line, matched by `custom_id`, in the OpenAI batch
+`OpenAIBatchExport`, the exporter of `output_format: openai-jsonl`, runs in the
+launcher at export (jobs/lifecycle/sinks.py): one line per input line, matched by `custom_id`, in the OpenAI batch
 output format that vLLM's `BatchRequestOutput` model describes.  Successful
 requests get a `chat.completion` or `text_completion` body with `usage`; failed
 ones `response.status_code` and `error: {code, message}`.  The endpoint and the
@@ -15,9 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
+from sqlalchemy.engine import Engine
+
+from tokenmill.jobs.lifecycle.export import job_input, write_jsonl
 from tokenmill.schemas import records as R
+from tokenmill.schemas.records import DeadLetterRow, OutputRow
+from tokenmill.schemas.storage import MetricsReader
 from tokenmill.transforms.openai_batch import CHAT, COMPLETIONS, JSONL_PATTERNS, peek_request, scan_lines
 from tokenmill.transforms.read import InputError, expand_input
 
@@ -129,3 +134,16 @@ def dead_letter_lines(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[s
                 "error": {"code": r["reason"], "message": r["message"]},
             }, ensure_ascii=False))
         yield out
+
+
+class OpenAIBatchExport:
+    """outputs.jsonl and errors.jsonl in the OpenAI batch output format."""
+
+    format = "openai-jsonl"
+    files = {"outputs": "outputs.jsonl", "errors": "errors.jsonl"}
+
+    def write(self, eng: Engine, job_id: str, paths: Mapping[str, str]) -> tuple[int, int]:
+        rows = MetricsReader(eng)
+        source = job_input(eng, job_id)  # the input tells each request's endpoint and model
+        return (write_jsonl(paths["outputs"], output_lines(rows.stream_rows(OutputRow, job_id), source=source)),
+                write_jsonl(paths["errors"], dead_letter_lines(rows.stream_rows(DeadLetterRow, job_id))))

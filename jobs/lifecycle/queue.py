@@ -61,9 +61,9 @@ def submit(eng: Engine, spec: JobSpec) -> Submitted:
     spec = absolute_paths(spec)
     job_id = spec.derived_job_id()
     values = {"id": job_id, **job_values(spec), "status": "pending", "submitted_at": S.utcnow(), "cancel_requested": False}
-    if S.submit_job(eng, values):
+    if S.JobStore(eng).submit(values):
         return Submitted(job_id, "pending")
-    job = S.get_job(eng, job_id)
+    job = S.JobStore(eng).get(job_id)
     if job["status"] == "pending":
         return Submitted(job_id, "already pending")
     if job["status"] == "running" and S.is_live(job):
@@ -73,7 +73,7 @@ def submit(eng: Engine, spec: JobSpec) -> Submitted:
             f"job {job_id!r} already exists with status {job['status']!r}; choose another --job-id "
             "(or `tokenmill run` the same id to resume it)"
         )
-    if not S.requeue_job(eng, job_id, job["status"], {"spec": values["spec"], "submitted_at": values["submitted_at"]}):
+    if not S.JobStore(eng).requeue(job_id, job["status"], {"spec": values["spec"], "submitted_at": values["submitted_at"]}):
         raise QueueBusy(f"job {job_id!r} changed while it was being queued again; try again")
     return Submitted(job_id, "pending")
 
@@ -81,7 +81,7 @@ def submit(eng: Engine, spec: JobSpec) -> Submitted:
 def pending_jobs(eng: Engine) -> list[dict[str, Any]]:
     """Jobs to run, in submission order (oldest first; ties by id): pending ones, and
     `running` ones whose runner died (stale heartbeat or gone process), which resume."""
-    return [j for j in S.queued_jobs(eng) if j["status"] == "pending" or not S.is_live(j)]
+    return [j for j in S.JobStore(eng).queued() if j["status"] == "pending" or not S.is_live(j)]
 
 
 def spec_of(job: dict[str, Any]) -> JobSpec:
@@ -120,7 +120,7 @@ def run_pending(
     runs are picked up too.  Raises QueueBusy if another live process holds the lock.
     """
     outcomes: list[Outcome] = []
-    with S.named_lock(eng, LOCK_NAME) as got:
+    with S.JobStore(eng).named_lock(LOCK_NAME) as got:
         if not got:
             raise QueueBusy("another `tokenmill run-pending` holds the queue lock; not starting a second runner")
         tried: set[str] = set()
@@ -148,7 +148,7 @@ def _run_one(eng: Engine, job: dict[str, Any], run: Callable[[JobSpec], Any]) ->
         return Outcome(job_id, "busy", str(err))
     except Exception as err:  # one job's failure must not stop the queue
         msg = first_line(err, 1000)
-        cur = S.get_job(eng, job_id)
+        cur = S.JobStore(eng).get(job_id)
         if cur is not None and cur["status"] == "pending":  # failed before it was claimed
-            S.finish_job(eng, job_id, status="failed", error=msg[:1000])
+            S.JobStore(eng).finish(job_id, status="failed", error=msg[:1000])
         return Outcome(job_id, "failed", msg)

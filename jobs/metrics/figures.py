@@ -31,11 +31,11 @@ def stored_metrics(
     rows that measured nothing.  `rows`: the job's request rows when the caller has read
     them already; `now`: the end of a run still going (a report of a live job)."""
     return job_metrics(
-        S.request_columns(eng, job_id) if rows is None else rows,
-        S.job_batches(eng, job_id),
-        S.job_workers(eng, job_id),
+        S.MetricsReader(eng).request_columns(job_id) if rows is None else rows,
+        S.MetricsReader(eng).batches(job_id),
+        S.MetricsReader(eng).workers(job_id),
         total=total,
-        failed_by_reason=S.failure_reasons(eng, job_id),
+        failed_by_reason=S.MetricsReader(eng).failure_reasons(job_id),
         engine_config=engine_config,
         token_budget=token_budget,
         price_per_hour=price_per_hour,
@@ -44,6 +44,6 @@ def stored_metrics(
         device_count=hardware.get("device_count", 1) or 1,
         job_wall_s=job_wall_s,
         utilization=utilization,
-        runs=S.job_runs(eng, job_id),
+        runs=S.JobStore(eng).runs(job_id),
         now=now,
     )

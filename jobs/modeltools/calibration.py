@@ -90,7 +90,7 @@ def resolve_source(source: str, db_url: str | None = None) -> tuple[str, str, st
 
     url = db_url or default_db_url()
     try:
-        job = S.get_job(S.connect(url), source)
+        job = S.JobStore(S.connect(url)).get(source)
     except Exception as err:
         raise CalibrationError(f"calibration {source!r}: not a file, and the job database cannot be read: {first_line(err)}") from None
     if job is None:

@@ -154,12 +154,12 @@ def job_outputs(eng, job_id: str) -> dict[str, dict[str, Any]]:
     """A finished job's outputs keyed by id; raises CompareError for a missing or unfinished job."""
     from tokenmill.schemas import storage as S
 
-    job = S.get_job(eng, job_id)
+    job = S.JobStore(eng).get(job_id)
     if job is None:
         raise CompareError(f"no job with id {job_id!r}")
     if job["status"] in ("pending", "running"):
         raise CompareError(f"job {job_id!r} is {job['status']}; compare finished jobs")
-    return S.job_outputs(eng, job_id)
+    return S.MetricsReader(eng).outputs(job_id)
 
 
 def compare_jobs(eng, base_id: str, cand_id: str, *, max_drop: float = DEFAULT_MAX_DROP, show: int = 5) -> Comparison:

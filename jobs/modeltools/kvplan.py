@@ -157,7 +157,7 @@ def engine_info_for_job(eng, job_id: str) -> dict[str, Any] | None:
     """The first worker's `engine_info` of a job, or None when the job has none."""
     from tokenmill.schemas import storage as S
 
-    return S.engine_info(eng, job_id)
+    return S.MetricsReader(eng).engine_info(job_id)
 
 
 def parse_bytes(text: str) -> int:

@@ -1,7 +1,7 @@
 """What Generate needs from an engine: the session protocol and its finished-request record.
 
-A second engine (llama.cpp, an OpenAI-compatible server) implements
-`EngineSession` and plugs in through the session factory; Generate knows no engine.
+Each engine implements `EngineSession` and is registered as an `EngineKind`
+(kinds.py); Generate knows no engine.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ class EngineStartError(RuntimeError):
     """The engine cannot start with this config (said before any batch is sent)."""
 
 
-@dataclass(slots=True)
-class Finished:
-    """One finished request, with token counts and times from the engine's own output.
+@dataclass(slots=True, kw_only=True)
+class Finished(R.RequestFigures):
+    """One finished request: its figures (`RequestFigures`: text, token counts and times
+    from the engine's own output, which become the output row's as they are) and what
+    Generate needs besides.
 
     A request the engine gave up on (the `openai` engine, after its retries) is finished
     with `error_reason` (a dead-letter reason code, schemas/records.py) and `error` (one
@@ -26,23 +28,13 @@ class Finished:
     measure (prefix-cache hits, queue time over HTTP) is None, never a guess."""
 
     request_id: str
-    text: str
-    finish_reason: str | None
-    prompt_tokens: int
-    output_tokens: int
-    cached_tokens: int | None
-    ttft_s: float | None
-    tpot_s: float | None
-    e2e_s: float | None
-    queue_s: float | None
-    finished_at: float
     output_token_ids: list[int] = field(default_factory=list)
     error_reason: str | None = None
     error: str | None = None
     retries: dict[str, int] | None = None
     """Attempts retried before this one ended, by the failed attempt's reason code (an HTTP
     engine's); None where the engine does not retry."""
-    token_count_source: str = R.TOKENS_BY_ENGINE
+    token_count_source: str | None = R.TOKENS_BY_ENGINE
     """Where `prompt_tokens` and `output_tokens` came from (records.TOKEN_COUNT_SOURCES): the
     engine's own counts unless the engine says otherwise (an HTTP server without `usage`)."""
 
@@ -50,7 +42,9 @@ class Finished:
 class EngineSession(Protocol):
     """Everything Generate calls on an engine; tests pass a fake with the same methods.
 
-    A session factory is called as `factory(cfg: EngineConfig, model_path: str)`."""
+    A session factory is called as `factory(cfg, model_path, **start)`: the job's engine
+    config (its engine's config model), the local folder Tokenize read, and the start
+    keywords its engine's `EngineKind.start_kwargs` gave (none for a test double)."""
 
     max_num_seqs: int
     """The most requests the engine runs at once (Generate admits the next batch below it)."""
@@ -84,7 +78,9 @@ class EngineSession(Protocol):
         ...
 
     def info(self) -> dict[str, Any]:
-        """What the engine runs with (device, load_s, KV cache size...), recorded per worker."""
+        """What the engine runs with (device, load_s, KV cache size...), recorded per worker;
+        `weights_path`: the checkpoint folder or file it loaded, for an engine that loads local
+        weights (its quantization record, if `tokenmill quantize` wrote one, is kept too)."""
         ...
 
     def shutdown(self) -> None:

@@ -1,0 +1,32 @@
+"""Job storage: every SQL statement of tokenmill, over SQLite (embedded default) and
+PostgreSQL (production); the same contract tests run against both.
+
+`connect(url)` gives the SQLAlchemy engine for a URL (one per URL per process, the
+schema migrated to head on first use).  Three small stores over that engine hold
+the SQL, each returning plain rows (dicts of a table's columns):
+
+- `JobStore`: job rows and run ownership, runs, cancel requests, the pending-job
+  queue, a named lock;
+- `ResultWriter`: the rows workers write (outputs, dead letters, batch stats,
+  workers: records of schemas/records.py) and the resume and id-claim lookups;
+- `MetricsReader`: what exports, status, reports and comparisons read back.
+"""
+
+from tokenmill.schemas.storage.database import (
+    StorageError,
+    alembic_config,
+    connect,
+    current_revision,
+    head_revision,
+    owner_tag,
+    upgrade,
+    utcnow,
+)
+from tokenmill.schemas.storage.jobs import STALE_AFTER_S, JobBusy, JobStore, is_live
+from tokenmill.schemas.storage.reader import CHUNK_ROWS, MetricsReader
+from tokenmill.schemas.storage.results import ResultWriter
+
+__all__ = [
+    "CHUNK_ROWS", "STALE_AFTER_S", "JobBusy", "JobStore", "MetricsReader", "ResultWriter", "StorageError",
+    "alembic_config", "connect", "current_revision", "head_revision", "is_live", "owner_tag", "upgrade", "utcnow",
+]

@@ -1,0 +1,96 @@
+"""What exports, status, reports and the model tools read back of a job: counts, failure
+reasons, per-request figures, batches, workers, and its rows streamed in input order."""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, Iterator
+
+from sqlalchemy import func, select
+
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.records import METRIC_COLUMNS, REQUEST_COLUMNS, StoredRow, metric_values
+from tokenmill.schemas.storage.database import SqlStore, table
+
+#: Rows per chunk when streaming a job's rows out (exports).
+CHUNK_ROWS = 5000
+
+
+class MetricsReader(SqlStore):
+    """Read-only queries over one job's rows; each returns plain values or dicts of columns."""
+
+    def counts(self, job_id: str) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            ok = conn.execute(select(func.count()).select_from(T.outputs).where(T.outputs.c.job_id == job_id)).scalar()
+            bad = conn.execute(
+                select(func.count()).select_from(T.dead_letters).where(T.dead_letters.c.job_id == job_id)
+            ).scalar()
+        return {"succeeded": int(ok or 0), "failed": int(bad or 0)}
+
+    def failure_reasons(self, job_id: str) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(T.dead_letters.c.reason, func.count())
+                .where(T.dead_letters.c.job_id == job_id)
+                .group_by(T.dead_letters.c.reason)
+            ).all()
+        return {r: int(n) for r, n in rows}
+
+    def output_tokens(self, job_id: str) -> int:
+        with self.engine.connect() as conn:
+            q = select(func.coalesce(func.sum(T.outputs.c.output_tokens), 0)).where(T.outputs.c.job_id == job_id)
+            return int(conn.execute(q).scalar())
+
+    def stream_rows(self, record: type[StoredRow], job_id: str) -> Iterator[list[dict[str, Any]]]:
+        """A job's rows of one table in input order (file, then row), in chunks of CHUNK_ROWS."""
+        tbl = table(record)
+        with self.engine.connect() as conn:
+            res = conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(
+                select(tbl).where(tbl.c.job_id == job_id).order_by(tbl.c.input_file, tbl.c.input_row)
+            )
+            for part in res.mappings().partitions(CHUNK_ROWS):
+                yield [dict(r) for r in part]
+
+    def request_rows(self, job_id: str, columns: tuple[str, ...] = REQUEST_COLUMNS) -> list[dict[str, Any]]:
+        """The job's per-request figures (no output text), ordered by finish time."""
+        cols = [T.outputs.c[k] for k in columns]
+        with self.engine.connect() as conn:
+            q = select(*cols).where(T.outputs.c.job_id == job_id).order_by(T.outputs.c.finished_at, T.outputs.c.id)
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    def request_columns(self, job_id: str, columns: tuple[str, ...] = METRIC_COLUMNS) -> dict[str, Any]:
+        """The job's per-request figures as one float64 numpy array per column (records'
+        `metric_values`: None → NaN, a coded column as its code), streamed in chunks: 8 bytes
+        a value in the reader, not a Python object per row."""
+        import numpy as np  # numpy for the readers only: the CLI's storage import stays light
+
+        out = {k: array("d") for k in columns}
+        with self.engine.connect() as conn:
+            q = select(*[T.outputs.c[k] for k in columns]).where(T.outputs.c.job_id == job_id)
+            for part in conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(q).partitions():
+                for k, vals in zip(columns, zip(*part)):
+                    out[k].extend(metric_values(k, vals))
+        return {k: np.frombuffer(v, dtype=float) if len(v) else np.zeros(0) for k, v in out.items()}
+
+    def batches(self, job_id: str) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            q = select(T.batches).where(T.batches.c.job_id == job_id).order_by(T.batches.c.started_at)
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    def workers(self, job_id: str) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(select(T.workers).where(T.workers.c.job_id == job_id)).mappings()]
+
+    def outputs(self, job_id: str) -> dict[str, dict[str, Any]]:
+        """A job's output texts and references, by id."""
+        o = T.outputs.c
+        with self.engine.connect() as conn:
+            res = conn.execute(select(o.id, o.text, o.reference).where(o.job_id == job_id))
+            return {r.id: {"text": r.text, "reference": r.reference} for r in res}
+
+    def engine_info(self, job_id: str) -> dict[str, Any] | None:
+        """The first worker's `engine_info` of a job (by worker name), or None when it has none."""
+        w = T.workers.c
+        with self.engine.connect() as conn:
+            row = conn.execute(select(w.engine_info).where(w.job_id == job_id).order_by(w.worker)).first()
+        return None if row is None or not row[0] else dict(row[0])
