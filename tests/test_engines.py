@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokenmill.schemas.config import EngineConfig
-from tokenmill.transforms.engines import device, registry, worker
+from tokenmill.transforms.engines import device, registry, vllm_engine, worker
 from tokenmill.transforms.engines import vllm_session as V
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tests.fakes import FakeSession
 
 # ---------------------------------------------------------------- GPU detection
@@ -129,7 +129,7 @@ def empty_registry(monkeypatch):
 
 
 def test_one_session_per_factory_a_new_config_replaces_it_other_factories_untouched(empty_registry):
-    a, b = EngineConfig(max_num_seqs=4), EngineConfig(max_num_seqs=5)
+    a, b = VllmConfig(max_num_seqs=4), VllmConfig(max_num_seqs=5)
     s1 = registry.get_session(a, "/m", FakeSession)
     other = registry.get_session(a, "/m", OtherFake)
     assert registry.get_session(a, "/m", FakeSession) is s1  # reused
@@ -149,8 +149,8 @@ def test_shutdown_all_keep_default_stops_every_session_but_the_default_factorys(
     class DefaultFake(FakeSession):
         pass
 
-    monkeypatch.setattr(registry, "default_factory", lambda: DefaultFake)
-    cfg = EngineConfig()
+    monkeypatch.setattr(V, "VllmSession", DefaultFake)
+    cfg = VllmConfig()
     real = registry.get_session(cfg, "/m")
     fake = registry.get_session(cfg, "/m", FakeSession)
     registry.shutdown_all(keep_default=True)
@@ -176,15 +176,15 @@ def claims(monkeypatch):
             super().__init__(cfg, model_path)
             self.workers = workers
 
-    monkeypatch.setattr(worker, "claim_cpu_slot", lambda n, group: made.append((n, group)) or (0, [0]))
-    monkeypatch.setattr(worker, "_SHARED_CPU", {})
-    monkeypatch.setattr(registry, "default_factory", lambda: DefaultFake)
+    monkeypatch.setattr(vllm_engine, "claim_cpu_slot", lambda n, group: made.append((n, group)) or (0, [0]))
+    monkeypatch.setattr(vllm_engine.ENGINE, "shared_cpu", {})
+    monkeypatch.setattr(V, "VllmSession", DefaultFake)
     return made
 
 
 def test_cpu_workers_of_the_default_engine_claim_one_slot_and_share_the_kv_memory(claims, monkeypatch):
-    monkeypatch.setattr(worker, "has_nvidia_gpu", lambda: False)
-    cfg = EngineConfig(gpu_memory_utilization=0.5)
+    monkeypatch.setattr(vllm_engine, "has_nvidia_gpu", lambda: False)
+    cfg = VllmConfig(gpu_memory_utilization=0.5)
     s = worker.worker_session(cfg, "/m", workers=2, group="job-run")
     assert worker.worker_session(cfg, "/m", workers=2, group="job-run") is s
     assert claims == [(2, "job-run")]  # once per process and run
@@ -194,11 +194,11 @@ def test_cpu_workers_of_the_default_engine_claim_one_slot_and_share_the_kv_memor
 
 
 def test_gpu_workers_fake_factories_and_single_workers_claim_nothing(claims, monkeypatch):
-    cfg = EngineConfig()
-    monkeypatch.setattr(worker, "has_nvidia_gpu", lambda: False)
+    cfg = VllmConfig()
+    monkeypatch.setattr(vllm_engine, "has_nvidia_gpu", lambda: False)
     assert worker.worker_session(cfg, "/m", FakeSession, workers=2, group="g").cfg is cfg
     assert worker.worker_session(cfg, "/m", workers=1, group="g").workers == 1
-    monkeypatch.setattr(worker, "has_nvidia_gpu", lambda: True)
+    monkeypatch.setattr(vllm_engine, "has_nvidia_gpu", lambda: True)
     s = worker.worker_session(cfg, "/m", workers=2, group="gpu")
     assert s.cfg is cfg and s.workers == 1
     assert claims == []
@@ -229,7 +229,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 ])
 def test_engine_kwargs_are_the_config_fields_as_the_hand_written_mapper_gave_them(monkeypatch, fields, on_gpu, expected):
     monkeypatch.setattr(V, "cpu_dtype", lambda model_path, kwargs: "float32")
-    assert V.engine_kwargs(EngineConfig(**fields), "/models/m", on_gpu=on_gpu) == expected
+    assert V.engine_kwargs(VllmConfig(**fields), "/models/m", on_gpu=on_gpu) == expected
 
 
 def test_vllm_metrics_sum_labelled_series():

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tokenmill.schemas.config import EngineConfig
-from tokenmill.transforms.engines import cpu, kv, registry, worker
+from tokenmill.transforms.engines import cpu, kv, registry, vllm_engine, vllm_session, worker
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tests.fakes import FakeSession
 
 SMOL = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
@@ -71,38 +71,38 @@ def test_bad_sizes_are_one_line_errors():
 
 
 def test_the_jobs_own_kv_cache_memory_bytes_wins(smol_folder):
-    cfg = EngineConfig(kv_cache_memory_bytes=1 << 30)
+    cfg = VllmConfig(kv_cache_memory_bytes=1 << 30)
     assert cpu.cpu_kv_cache(cfg, smol_folder, "bfloat16", job_tokens=kv.JobTokens(10, 10), workers=3)[0] == 1 << 30
 
 
 def test_without_the_work_the_default_stays(smol_folder):
-    cfg = EngineConfig(gpu_memory_utilization=0.5)
+    cfg = VllmConfig(gpu_memory_utilization=0.5)
     assert cpu.cpu_kv_cache(cfg, smol_folder, "bfloat16")[0] is None  # vLLM sizes one engine itself
     n, why = cpu.cpu_kv_cache(cfg, smol_folder, "bfloat16", workers=2, total_memory_bytes=8 << 30)
     assert n == 2 << 30 == cpu.kv_share_bytes(cfg, 2, 8 << 30) and why["source"] == "share"  # half of 0.5 × 8 GiB
-    assert cpu.kv_share_bytes(EngineConfig(gpu_memory_utilization=0.4), 2, 10 << 30) == int((10 << 30) * 0.4 / 2)
-    assert cpu.kv_share_bytes(EngineConfig(gpu_memory_utilization=0.01), 8, 1 << 30) == 64 << 20  # never below 64 MiB
+    assert cpu.kv_share_bytes(VllmConfig(gpu_memory_utilization=0.4), 2, 10 << 30) == int((10 << 30) * 0.4 / 2)
+    assert cpu.kv_share_bytes(VllmConfig(gpu_memory_utilization=0.01), 8, 1 << 30) == 64 << 20  # never below 64 MiB
 
 
 def test_the_work_sizes_the_cache_in_the_engines_dtype_and_blocks(smol_folder):
     job = kv.JobTokens(max_seq_tokens=491, total_seq_tokens=46169)
-    n, why = cpu.cpu_kv_cache(EngineConfig(), smol_folder, "bfloat16", job_tokens=job, total_memory_bytes=24 << 30)
+    n, why = cpu.cpu_kv_cache(VllmConfig(), smol_folder, "bfloat16", job_tokens=job, total_memory_bytes=24 << 30)
     assert n == 57856 * BF16_TOKEN and why["source"] == "job" and why["kv_bytes_per_token"] == BF16_TOKEN
     assert why["job_tokens"] == {"max_seq_tokens": 491, "total_seq_tokens": 46169}
-    n32, _ = cpu.cpu_kv_cache(EngineConfig(), smol_folder, "float32", job_tokens=job, total_memory_bytes=24 << 30)
-    n8, _ = cpu.cpu_kv_cache(EngineConfig(kv_cache_dtype="fp8"), smol_folder, "float32", job_tokens=job,
+    n32, _ = cpu.cpu_kv_cache(VllmConfig(), smol_folder, "float32", job_tokens=job, total_memory_bytes=24 << 30)
+    n8, _ = cpu.cpu_kv_cache(VllmConfig(kv_cache_dtype="fp8"), smol_folder, "float32", job_tokens=job,
                              total_memory_bytes=24 << 30)
     assert n32 == 2 * n and n8 == n // 2
-    n512, _ = cpu.cpu_kv_cache(EngineConfig(block_size=16), smol_folder, "bfloat16", job_tokens=job,
+    n512, _ = cpu.cpu_kv_cache(VllmConfig(block_size=16), smol_folder, "bfloat16", job_tokens=job,
                                total_memory_bytes=24 << 30)
     assert n512 == (-(-57711 // 16) + 1) * 16 * BF16_TOKEN  # the job's own block size
 
 
 def test_a_job_wanting_more_than_the_share_keeps_the_default(smol_folder):
     big = kv.JobTokens(max_seq_tokens=2048, total_seq_tokens=10_000_000)
-    n, why = cpu.cpu_kv_cache(EngineConfig(), smol_folder, "bfloat16", job_tokens=big, total_memory_bytes=4 << 30)
+    n, why = cpu.cpu_kv_cache(VllmConfig(), smol_folder, "bfloat16", job_tokens=big, total_memory_bytes=4 << 30)
     assert n is None and why["source"] == "vllm" and why["job"]["source"] == "ceiling"
-    n, why = cpu.cpu_kv_cache(EngineConfig(), smol_folder, "bfloat16", job_tokens=big, workers=2,
+    n, why = cpu.cpu_kv_cache(VllmConfig(), smol_folder, "bfloat16", job_tokens=big, workers=2,
                               total_memory_bytes=4 << 30)
     assert n == 1 << 30 and why["source"] == "share"
 
@@ -121,15 +121,15 @@ class Started(FakeSession):
 @pytest.fixture
 def default_is_started(monkeypatch):
     monkeypatch.setattr(registry, "_SESSIONS", {})
-    monkeypatch.setattr(registry, "default_factory", lambda: Started)
-    monkeypatch.setattr(worker, "_JOB_TOKENS", {})
-    monkeypatch.setattr(worker, "_SHARED_CPU", {})
-    monkeypatch.setattr(worker, "claim_cpu_slot", lambda n, group: (0, [0]))
-    monkeypatch.setattr(worker, "has_nvidia_gpu", lambda: False)
+    monkeypatch.setattr(vllm_session, "VllmSession", Started)
+    monkeypatch.setattr(vllm_engine.ENGINE, "job_tokens", {})
+    monkeypatch.setattr(vllm_engine.ENGINE, "shared_cpu", {})
+    monkeypatch.setattr(vllm_engine, "claim_cpu_slot", lambda n, group: (0, [0]))
+    monkeypatch.setattr(vllm_engine, "has_nvidia_gpu", lambda: False)
 
 
 def test_an_engine_is_started_for_the_first_work_and_reused_for_later_work(default_is_started):
-    cfg, first, later = EngineConfig(), kv.JobTokens(100, 1000), kv.JobTokens(900, 9000)
+    cfg, first, later = VllmConfig(), kv.JobTokens(100, 1000), kv.JobTokens(900, 9000)
     s = worker.worker_session(cfg, "/m", group="run", job_tokens=first)
     assert (s.job_tokens, s.workers) == (first, 1)
     assert worker.worker_session(cfg, "/m", group="run", job_tokens=later) is s  # vLLM queues what does not fit
@@ -141,8 +141,8 @@ def test_an_engine_is_started_for_the_first_work_and_reused_for_later_work(defau
 
 
 def test_other_factories_get_the_config_alone(default_is_started):
-    s = worker.worker_session(EngineConfig(), "/m", FakeSession, workers=2, group="g", job_tokens=kv.JobTokens(1, 1))
-    assert type(s) is FakeSession and worker._JOB_TOKENS == {}
+    s = worker.worker_session(VllmConfig(), "/m", FakeSession, workers=2, group="g", job_tokens=kv.JobTokens(1, 1))
+    assert type(s) is FakeSession and vllm_engine.ENGINE.job_tokens == {}
 
 
 # ---------------------------------------------------------------- the engine core runs the model itself
@@ -213,7 +213,7 @@ def test_an_engine_sized_for_a_small_first_chunk_runs_a_later_longer_one(model_p
     still finish through it, one or two at a time."""
     monkeypatch.setattr(registry, "_SESSIONS", {})  # the suite's shared engine stays as it is
     monkeypatch.setattr(worker, "_JOB_TOKENS", {})
-    cfg = EngineConfig(max_num_seqs=8, max_model_len=512)
+    cfg = VllmConfig(max_num_seqs=8, max_model_len=512)
     s = worker.worker_session(cfg, model_path, group="kv-small-first", job_tokens=kv.JobTokens(40, 80))
     try:
         info = s.info()

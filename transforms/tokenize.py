@@ -110,7 +110,7 @@ class TokenizeFn(MapRows):
 
 class Tokenize(beam.PTransform):
     """`keep_source`: keep each prompt's text or messages on its record too, for an engine
-    that takes text (the `openai` engine); the token ids still size, order and batch it."""
+    that takes text (`EngineKind.takes_text`); the token ids still size, order and batch it."""
 
     def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
                  keep_source: bool = False):

@@ -11,9 +11,11 @@ from typing import Any
 
 import click
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
-from tokenmill.schemas.config import SamplingDefaults
+from tokenmill.schemas.config import EngineConfig, SamplingDefaults, engine_flag
 from tokenmill.schemas.sampling import base_type, is_str_list
+from tokenmill.transforms.engines.kinds import engine_of, kinds
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PARTIAL, EXIT_CANCELLED, EXIT_BUSY, EXIT_QUALITY = 0, 1, 2, 3, 4, 5, 6
 STATUS_EXIT = {"succeeded": EXIT_OK, "partial": EXIT_PARTIAL, "cancelled": EXIT_CANCELLED, "failed": EXIT_FAILED}
@@ -68,20 +70,21 @@ def apply_options(f, opts):
     return f
 
 
+def field_option(name: str, info: FieldInfo, help_text: str, metavar: str | None = None):
+    """The flag of one model field: `--max-tokens` for `max_tokens`, its type from the
+    annotation (a bool is a flag, a list of strings a repeatable option).  Unset, it is
+    None, so it does not override the spec."""
+    flag, tp = "--" + name.replace("_", "-"), base_type(info.annotation)
+    if tp is bool:
+        return click.option(flag, is_flag=True, default=None, help=help_text)
+    if is_str_list(tp):
+        return click.option(flag, multiple=True, help=f"{help_text.rstrip('.')} (repeatable).")
+    return click.option(flag, type=tp, default=None, metavar=metavar, help=help_text)
+
+
 def model_options(model: type[BaseModel]) -> list:
-    """One flag per field of `model`: `--max-tokens` for `max_tokens`, its type from the
-    annotation (a bool is a flag, a list of strings a repeatable option), its help from
-    the field's docstring.  Unset flags are None, so they do not override the spec."""
-    opts = []
-    for name, info in model.model_fields.items():
-        flag, tp, help_text = "--" + name.replace("_", "-"), base_type(info.annotation), info.description or ""
-        if tp is bool:
-            opts.append(click.option(flag, is_flag=True, default=None, help=help_text))
-        elif is_str_list(tp):
-            opts.append(click.option(flag, multiple=True, help=f"{help_text.rstrip('.')} (repeatable)."))
-        else:
-            opts.append(click.option(flag, type=tp, default=None, help=help_text))
-    return opts
+    """One flag per field of `model`, its help from the field's docstring."""
+    return [field_option(name, info, info.description or "") for name, info in model.model_fields.items()]
 
 
 def sampling_options(f):
@@ -89,24 +92,30 @@ def sampling_options(f):
     return apply_options(f, model_options(SamplingDefaults))
 
 
+def engine_fields() -> dict[str, FieldInfo]:
+    """Every engine config field that is a flag (`config.engine_flag`), once: the keys every
+    engine reads first, then each registered engine's own, in registration order."""
+    taken = set(SamplingDefaults.model_fields) | set(SPEC_PATHS)
+    fields: dict[str, FieldInfo] = {}
+    for model in [EngineConfig, *(engine_of(k).config for k in kinds())]:
+        for name, info in model.model_fields.items():
+            if name not in fields and name not in taken and engine_flag(info)[0]:
+                fields[name] = info
+    return fields
+
+
+def _engine_choice_help() -> str:
+    parts = [engine_of(k).summary for k in kinds()]
+    return (", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else parts[0]) + "."
+
+
 def engine_options(f):
-    opts = [
-        click.option("--engine", "engine_kind", type=click.Choice(["vllm", "openai", "llamacpp"]), default=None,
-                     help="vllm (in the worker, default), openai (an OpenAI-compatible server at --base-url) or "
-                     "llamacpp (a llama-server each worker starts on the GGUF --model names)."),
-        click.option("--base-url", default=None, help="--engine openai: the server's API root, e.g. http://HOST:8000/v1."),
-        click.option("--api-key-env", default=None, metavar="VAR",
-                     help="--engine openai: the environment variable holding the API key (never the key)."),
-        click.option("--model", default=None, help="Model short name or local HF folder (default smollm2-135m); "
-                     "with --engine openai, the name the server serves; with --engine llamacpp, a .gguf file or a short name."),
-        click.option("--tokenizer", default=None, help="--engine openai or llamacpp: the local model folder or short name whose "
-                     "tokenizer counts and orders the prompts (default: --model, if it is a local folder)."),
-        click.option("--dtype", default=None, help="Weights/activations dtype (auto picks by measurement on CPU)."),
-        click.option("--quantization", default=None, help="vLLM quantization method of the checkpoint."),
-        click.option("--kv-cache-dtype", default=None, help="KV cache dtype: auto, fp8, ..."),
-        click.option("--max-model-len", type=int, default=None, help="Context length the engine reserves."),
-        click.option("--max-num-seqs", type=int, default=None, help="Sequences in flight in the engine."),
-        click.option("--gpu-memory-utilization", type=float, default=None, help="Share of device memory (of RAM on CPU)."),
+    """`--engine` (the registered kinds) and one flag per engine config field, then how the job is batched and run."""
+    opts = [click.option("--engine", "engine_kind", type=click.Choice(kinds()), default=None, help=_engine_choice_help())]
+    for name, info in engine_fields().items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        opts.append(field_option(name, info, engine_flag(info)[1], extra.get("metavar")))
+    opts += [
         click.option("--ordering", type=click.Choice(["prefix", "length", "none"]), default=None, help="Batch ordering."),
         click.option("--token-budget", type=int, default=None, help="Prompt+output tokens per batch."),
         click.option("--workers", type=int, default=None, help="Worker processes on this machine (DirectRunner, DaskRunner): each runs one engine on its share of the cores."),
@@ -136,14 +145,11 @@ def job_spec_options(f):
     return click.argument("spec_file", required=False, type=click.Path(dir_okay=False))(f)
 
 
-#: Flag (parameter name) → job spec key path, for the flags that are not a sampling key.
+#: Flag (parameter name) → job spec key path, for the flags that are neither a sampling key nor an engine key.
 SPEC_PATHS = {
     "input": "input", "output": "output", "job_id": "job_id", "name": "name", "db_url": "db",
     "s3_endpoint_url": "s3_endpoint_url", "input_format": "input_format",
-    "engine_kind": "engine.kind", "base_url": "engine.base_url", "api_key_env": "engine.api_key_env",
-    "model": "engine.model", "tokenizer": "engine.tokenizer", "dtype": "engine.dtype", "quantization": "engine.quantization",
-    "kv_cache_dtype": "engine.kv_cache_dtype", "max_model_len": "engine.max_model_len",
-    "max_num_seqs": "engine.max_num_seqs", "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "engine_kind": "engine.kind",
     "ordering": "batching.ordering", "token_budget": "batching.token_budget",
     "workers": "runner.num_workers", "runner": "runner.runner", "pipeline_options": "runner.pipeline_options",
 }
@@ -151,7 +157,8 @@ SPEC_PATHS = {
 
 def spec_overrides(kw: dict[str, Any]) -> dict[str, Any]:
     """The job spec key paths the given flags set (`sampling.max_tokens` for `--max-tokens`)."""
-    paths = {**SPEC_PATHS, **{k: f"sampling.{k}" for k in SamplingDefaults.model_fields}}
+    paths = {**SPEC_PATHS, **{k: f"sampling.{k}" for k in SamplingDefaults.model_fields},
+             **{k: f"engine.{k}" for k in engine_fields()}}
     return {paths[k]: v for k, v in kw.items() if k in paths}
 
 

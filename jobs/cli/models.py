@@ -66,10 +66,10 @@ def models_list():
         if name not in seen:
             click.echo(f"{name:<24} (not prepared: tokenmill models prepare {name}) {desc}")
     # GGUF files for --engine llamacpp: the bundled one (by short name) and any in the models folder
-    from tokenmill.jobs.modeltools.prepare import PrepareError, gguf_path
+    from tokenmill.schemas.models import PrepareError, bundled_gguf
 
     try:
-        click.echo(f"{'smollm2-135m':<24} {gguf_path()} (GGUF, --engine llamacpp)")
+        click.echo(f"{'smollm2-135m':<24} {bundled_gguf()} (GGUF, --engine llamacpp)")
     except PrepareError:
         pass
     for f in sorted(models_dir().glob("*.gguf")):

@@ -16,6 +16,7 @@ from tokenmill.jobs.cli.app import main
 from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_BUSY, EXIT_CANCELLED, EXIT_FAILED, EXIT_OK,
     EXIT_PARTIAL, Failure, Progress, build_spec, connect, db_option, emit_json, job_spec_options, json_option,
     spec_overrides)
+from tokenmill.transforms.engines.kinds import engine_of
 
 #: run-pending's exit code: the most serious outcome among the jobs it ran.
 SEVERITY = [("failed", EXIT_FAILED), ("busy", EXIT_BUSY), ("cancelled", EXIT_CANCELLED), ("partial", EXIT_PARTIAL)]
@@ -133,14 +134,6 @@ def check_spec(spec) -> dict[str, Any]:
     return found
 
 
-def _served_by(spec, found: dict[str, Any]) -> str:
-    if spec.engine.kind == "openai":
-        return f"{spec.engine.model} at {spec.engine.base_url} (tokenizer {found['model_path']})"
-    if spec.engine.kind == "llamacpp":
-        return f"{spec.engine.model} on llama-server (tokenizer {found['model_path']})"
-    return str(found["model_path"])
-
-
 @main.command(context_settings=CONTEXT_SETTINGS)
 @job_spec_options
 @json_option
@@ -166,7 +159,7 @@ def validate(spec_file, as_json, **kw):
         return
     click.echo(
         f"ok: job {found['job_id']}: {found['rows']:,} rows in {found['files']} file(s) "
-        f"({found['input_format']} -> {found['output_format']}), model {_served_by(spec, found)}"
+        f"({found['input_format']} -> {found['output_format']}), model {engine_of(spec.engine.kind).describe(spec.engine, found['model_path'])}"
     )
     if found.get("unserved_models"):
         names = ", ".join(f"{m!r} ({n} lines)" for m, n in found["unserved_models"].items())

@@ -22,12 +22,13 @@ def job_values(spec: JobSpec) -> dict[str, Any]:
     caller adds its own (`status` and `submitted_at` on submit; versions, hardware and
     the row count on run)."""
     job_id = spec.derived_job_id()
+    engine = spec.engine.model_dump(mode="json")  # its engine's keys: quantization and KV dtype where it has them
     return {
         "name": spec.name or job_id,
         "spec": stored_spec(spec),
         "model": spec.engine.model,
-        "quantization": spec.engine.quantization,
-        "kv_cache_dtype": spec.engine.kv_cache_dtype,
-        "engine_config": spec.engine.model_dump(mode="json"),
+        "quantization": engine.get("quantization"),
+        "kv_cache_dtype": engine.get("kv_cache_dtype"),
+        "engine_config": engine,
         "runner": spec.runner.runner,
     }

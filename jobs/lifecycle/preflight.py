@@ -1,10 +1,10 @@
 """The checks before a job reads a row, one list for `run`, `validate`, `submit` and `run-pending`.
 
 What can fail before the first row is read is checked here, in this order:
-the model resolves to a local folder (for the `openai` engine: its tokenizer does,
-the API key variable is set, the server answers and serves the model; for the
-`llamacpp` engine: llama-server is built, the GGUF is there, its tokenizer resolves); the engine options (and the checkpoint's
-quantization) suit the device the engine runs on; the runner can start (a
+the engine's own checks (`EngineKind.preflight`: for the `vllm` engine, the model
+resolves to a local folder and its options, and the checkpoint's quantization, suit
+the device the engine runs on; an engine that is sent text resolves its local
+tokenizer and checks its server or binaries); the runner can start (a
 DaskRunner names a scheduler that answers, has workers and the same
 environment); the output path is usable; the input and output buckets exist and
 accept the credentials; the input plans (files, row groups, a prompt column).  `run_job` stops at the first problem,
@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.schemas.config import JobSpec
+from tokenmill.transforms.engines.device import has_nvidia_gpu
+from tokenmill.transforms.engines.kinds import engine_of
 
 
 @dataclass
@@ -40,9 +42,7 @@ class Preflight:
         """Names the engine answers to in an OpenAI batch line's body `model`."""
         if self.model_path is None:
             return ()
-        if self.spec.engine.over_http:  # model_path is only the tokenizer's folder
-            return (self.spec.engine.model,)
-        return (self.spec.engine.model, self.model_path, os.path.basename(self.model_path))
+        return engine_of(self.spec.engine.kind).served_models(self.spec.engine, self.model_path)
 
     def unserved_models(self) -> dict[str, int]:
         """Request lines per body model the job does not serve (they become dead letters)."""
@@ -170,48 +170,6 @@ def check_output_path(output: str) -> None:
         raise ValueError(f"output {output!r} exists and is not a folder")
 
 
-def check_openai_engine(spec: JobSpec, pf: Preflight) -> None:
-    """The `openai` engine: a local tokenizer (it counts and orders the prompts), the API
-    key variable set, the server up and serving `engine.model` (/v1/models)."""
-    from tokenmill.schemas.models import ModelNotFound, resolve_model
-    from tokenmill.transforms.engines.openai_session import check_server
-    from tokenmill.transforms.engines.protocol import EngineStartError
-
-    name = spec.engine.tokenizer or spec.engine.model
-    try:
-        pf.model_path = str(resolve_model(name, need_weights=False))
-    except ModelNotFound as err:
-        pf.problems.append(f"engine kind openai counts tokens with a local tokenizer: {err} "
-                           "(set engine.tokenizer to a local model folder or short name)")
-    try:
-        check_server(spec.engine)
-    except EngineStartError as err:
-        pf.problems.append(str(err))
-
-
-def check_llamacpp_engine(spec: JobSpec, pf: Preflight) -> None:
-    """The `llamacpp` engine: llama-server built, the GGUF there, a local tokenizer of the same model."""
-    from tokenmill.schemas.models import ModelNotFound, resolve_model
-    from tokenmill.transforms.engines.llamacpp_session import binary, gguf_file, tokenizer_name
-    from tokenmill.transforms.engines.protocol import EngineStartError
-
-    for check in (lambda: gguf_file(spec.engine.model), lambda: binary("llama-server")):
-        try:
-            check()
-        except EngineStartError as err:
-            pf.problems.append(str(err))
-    try:
-        name = tokenizer_name(spec.engine)
-    except EngineStartError as err:
-        pf.problems.append(str(err))
-        return
-    try:
-        pf.model_path = str(resolve_model(name, need_weights=False))
-    except ModelNotFound as err:
-        pf.problems.append(f"engine kind llamacpp counts tokens with a local tokenizer: {err} "
-                           "(set engine.tokenizer to a local model folder or short name)")
-
-
 def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) -> Preflight:
     """Run every check, collecting the problems (one line each) instead of stopping at the first.
 
@@ -222,26 +180,13 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) 
     `fake_engine`: the engine is a test double, so no device-specific refusal applies."""
     from apache_beam.io.filesystems import FileSystems
 
-    from tokenmill.schemas.models import ModelNotFound, resolve_model
-    from tokenmill.transforms.engines.checks import check_engine_config
-    from tokenmill.transforms.engines.device import has_nvidia_gpu
-    from tokenmill.transforms.engines.protocol import EngineStartError
     from tokenmill.transforms.read import InputError, check_bucket, plan_input
 
     pf = Preflight(spec=spec, on_gpu=has_nvidia_gpu(), options=pipeline_options(spec))
-    if engine and spec.engine.kind == "openai":
-        check_openai_engine(spec, pf)
-    elif engine and spec.engine.kind == "llamacpp":
-        check_llamacpp_engine(spec, pf)
-    elif engine:
-        try:
-            pf.model_path = str(resolve_model(spec.engine.model, need_weights=spec.engine.load_format != "dummy"))
-        except ModelNotFound as err:
-            pf.problems.append(str(err))
-        try:
-            check_engine_config(spec.engine, on_gpu=pf.on_gpu or fake_engine, model_path=pf.model_path)
-        except EngineStartError as err:
-            pf.problems.append(str(err))
+    if engine:
+        found = engine_of(spec.engine.kind).preflight(spec.engine, on_gpu=pf.on_gpu or fake_engine)
+        pf.model_path = found.model_path
+        pf.problems += found.problems
     if is_dask(spec):
         try:
             check_dask(pf.options, reach=engine)

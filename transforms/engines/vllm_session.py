@@ -12,24 +12,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.schemas.config import HTTP_ENGINE_KEYS, EngineConfig
-from tokenmill.transforms.engines.checks import check_engine_config
+from tokenmill.schemas.errors import first_line
 from tokenmill.transforms.engines import kv
+from tokenmill.transforms.engines.checks import check_engine_config
 from tokenmill.transforms.engines.cpu import (apply_cpu_env, cpu_dtype, cpu_dtype_measurement, cpu_kv_cache,
                                               single_process_omp_env)
 from tokenmill.transforms.engines.device import has_nvidia_gpu
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
-from tokenmill.schemas.errors import first_line
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 
 log = logging.getLogger(__name__)
 
 
-#: EngineConfig fields that are not `EngineArgs`: `model` names the model (the path is
-#: passed instead), `extra` holds further EngineArgs, merged last.
-NOT_ENGINE_ARGS = {"model", "extra", *HTTP_ENGINE_KEYS}
+#: VllmConfig fields that are not `EngineArgs`: `kind` picks the engine, `model` names the
+#: model (the path is passed instead), `extra` holds further EngineArgs, merged last.
+NOT_ENGINE_ARGS = {"kind", "model", "extra"}
 
 
-def engine_kwargs(cfg: EngineConfig, model_path: str, *, on_gpu: bool, resolve_auto: bool = True) -> dict[str, Any]:
+def engine_kwargs(cfg: VllmConfig, model_path: str, *, on_gpu: bool, resolve_auto: bool = True) -> dict[str, Any]:
     """The `vllm.LLM` arguments for this config: its fields (named as vLLM's `EngineArgs`,
     unset ones left to vLLM), the model path, the tokenizer defaulting to it, stats on,
     `cfg.extra`, and on CPU the measured dtype for `auto` (`cpu.cpu_dtype`, measured with
@@ -67,11 +67,11 @@ def _owned_executor(kwargs: dict[str, Any], omp_env: dict[str, str] | None, *, o
     return OwnedUniProcExecutor if omp_env else OwnedMultiprocExecutor
 
 
-def auto_dtype_measurement(cfg: EngineConfig, model_path: str, *, on_measure=None) -> dict[str, Any] | None:
+def auto_dtype_measurement(cfg: VllmConfig, model_path: str, *, on_measure=None) -> dict[str, Any] | None:
     """With `dtype: auto` on a CPU, the measurement the engine's dtype will come from (made now
-    when this CPU and model have none yet: `cpu.cpu_dtype_measurement`); None for another
-    engine kind, a given dtype or a GPU (where `auto` stays vLLM's own choice)."""
-    if cfg.over_http or has_nvidia_gpu():
+    when this CPU and model have none yet: `cpu.cpu_dtype_measurement`); None for a given
+    dtype or a GPU (where `auto` stays vLLM's own choice)."""
+    if has_nvidia_gpu():
         return None
     return _measured_auto(model_path, engine_kwargs(cfg, model_path, on_gpu=False, resolve_auto=False),
                           on_measure=on_measure)
@@ -113,7 +113,7 @@ class VllmSession:
     """`vllm.LLM` driven request by request through its LLMEngine, so the Generate
     step can hand the engine the next batch while the current one's tail decodes."""
 
-    def __init__(self, cfg: EngineConfig, model_path: str, *, job_tokens: kv.JobTokens | None = None,
+    def __init__(self, cfg: VllmConfig, model_path: str, *, job_tokens: kv.JobTokens | None = None,
                  workers: int = 1):
         """`job_tokens`: the work this engine is started for, which sizes its KV cache
         on CPU (`cpu.cpu_kv_cache`); `workers`: CPU engines sharing this host."""
@@ -307,6 +307,7 @@ class VllmSession:
             "kv_bytes_per_token": per_token,
             "kv_cache_bytes": blocks * cc.block_size * per_token,
             "weights_file_bytes": weights,
+            "weights_path": self.model_path,
             "max_model_len": mc.max_model_len,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,

@@ -1,0 +1,153 @@
+"""One registered object per engine: what the launcher and the workers need to know of it.
+
+An engine is a module in this folder (or a plugin's, or a test's) that defines its config
+model (an `EngineConfig` subclass fixing `kind`), its `EngineSession`, and an `EngineKind`
+object, registered through the `tokenmill.engines` entry points (setup.cfg) or with
+`register`.  Everything outside the engine's own modules asks this object, never the
+kind's name: the job spec's validation (its `config`), the CLI's `--engine` choices and
+flags, the preflight, the worker's session and start keywords, the clocks and versions a
+report shows.  The defaults here are those of an engine that runs in the worker on
+token ids and counts its own tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
+
+from tokenmill.schemas import engine_kinds
+from tokenmill.schemas import records as R
+from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, EngineConfig
+from tokenmill.schemas.models import ModelNotFound, resolve_model
+from tokenmill.transforms.engines.kv import JobTokens
+from tokenmill.transforms.engines.protocol import EngineSession
+
+
+@dataclass
+class EngineCheck:
+    """What an engine's preflight found: the local folder Tokenize reads (the model, or
+    only its tokenizer), and the problems (one line each; none: the engine can start)."""
+
+    model_path: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+C = TypeVar("C", bound=EngineConfig)
+
+
+class EngineKind(Generic[C]):
+    """The contract of a registered engine (subclass it, naming its config model: one
+    instance per engine).  Its methods are given the job's engine config, of that model."""
+
+    kind: ClassVar[str]
+    """The `engine.kind` that selects it."""
+    config: ClassVar[type[EngineConfig]]
+    """Its config model (the `engine:` keys)."""
+    display_name: ClassVar[str]
+    """How reports name it ("vLLM")."""
+    summary: ClassVar[str]
+    """`--engine`'s help for it: the kind and, in brackets, what it is."""
+    takes_text: ClassVar[bool] = False
+    """The engine is sent each prompt's text or messages (`add(..., source=...)`), not only
+    token ids: Tokenize keeps them on the record for it."""
+    measures_prefix_cache: ClassVar[bool] = True
+    """The engine reports prefix-cache hits; otherwise a job with no cached-token figure
+    has an unknown hit rate, not zero."""
+    clocks: ClassVar[Mapping[str, str]] = {}
+    """Figures measured on another clock than the default's (jobs/metrics/accounting.CLOCKS)."""
+    packages: ClassVar[tuple[str, ...]] = ()
+    """The distributions whose versions say what ran (reports list them)."""
+    token_count_source: ClassVar[str] = R.TOKENS_BY_ENGINE
+    """Where the rows' token counts come from when the engine says nothing else
+    (records.TOKEN_COUNT_SOURCES).  An engine that counts with a local tokenizer
+    resolves one in its `preflight`; one that asks its server (`/tokenize`) says so here."""
+
+    # -- the worker side
+    def session_factory(self) -> Callable[..., EngineSession]:
+        """The session class (or factory) the worker calls as `factory(cfg, model_path, **start)`."""
+        raise NotImplementedError
+
+    def start_kwargs(self, cfg: C, model_path: str, *, workers: int, group: str,
+                     job_tokens: JobTokens | None) -> dict[str, Any]:
+        """The start keywords for a session made now in this worker: `workers` engines of
+        this job share the host (`group`: the job run), `job_tokens` the work it is for."""
+        return {}
+
+    # -- the launcher side
+    def preflight(self, cfg: C, *, on_gpu: bool) -> EngineCheck:
+        """Every check of this engine before a row is read (`on_gpu`: the device it runs on,
+        or True for a test double that any device runs).  Default: the model is a local
+        folder with weights."""
+        check = EngineCheck()
+        try:
+            check.model_path = str(resolve_model(cfg.model))
+        except ModelNotFound as err:
+            check.problems.append(str(err))
+        return check
+
+    def prepare_launcher(self, cfg: C, model_path: str | None, say: Callable[[str], None]) -> None:
+        """What the launcher does before the pipeline when the workers run on this machine
+        (the vLLM engine measures `dtype: auto` there), telling the terminal with `say(line)`;
+        EngineStartError (one line) when it cannot be done.  Default: nothing."""
+
+    def served_models(self, cfg: C, model_path: str) -> tuple[str, ...]:
+        """The names an OpenAI batch line's body `model` may give for this job's model."""
+        return (cfg.model,)
+
+    def describe(self, cfg: C, model_path: str | None) -> str:
+        """The model as `validate` names it."""
+        return str(model_path)
+
+    def versions(self) -> dict[str, str]:
+        """The versions of `packages` installed here."""
+        out = {}
+        for pkg in self.packages:
+            try:
+                out[pkg] = metadata.version(pkg)
+            except metadata.PackageNotFoundError:
+                pass
+        return out
+
+    def engine_version(self, versions: Mapping[str, str]) -> str | None:
+        """The engine's own version among a job's recorded `versions`."""
+        return next((versions[p] for p in self.packages if p in versions), None)
+
+
+def register(engine: EngineKind[Any]) -> EngineKind[Any]:
+    """Add an engine (a plugin's or a test's); the built-in ones come from the entry points."""
+    return engine_kinds.register(engine)
+
+
+def unregister(kind: str) -> None:
+    engine_kinds.unregister(kind)
+
+
+def engine_of(kind: str) -> EngineKind[Any]:
+    """The registered engine of `kind`; UnknownEngine (one line, naming the registered kinds) otherwise."""
+    return engine_kinds.registered(kind)
+
+
+def kinds() -> list[str]:
+    """The registered kinds, the default first."""
+    return sorted(engine_kinds.registered_kinds(), key=lambda k: k != DEFAULT_ENGINE_KIND)
+
+
+def engine_for(engine_config: Mapping[str, Any]) -> EngineKind[Any] | None:
+    """The engine of a stored engine config (a job row's `engine_config`), or None when its
+    kind is no longer registered (a job run by a plugin since removed)."""
+    try:
+        return engine_of(str(engine_config.get("kind") or DEFAULT_ENGINE_KIND))
+    except engine_kinds.UnknownEngine:
+        return None
+
+
+def local_tokenizer(kind: str, name: str, check: EngineCheck) -> str | None:
+    """The local folder of the tokenizer an engine that is sent text counts and orders the
+    prompts with (no weights needed); a problem on `check` (and None) when there is none."""
+    try:
+        return str(resolve_model(name, need_weights=False))
+    except ModelNotFound as err:
+        check.problems.append(f"engine kind {kind} counts tokens with a local tokenizer: {err} "
+                              "(set engine.tokenizer to a local model folder or short name)")
+        return None

@@ -1,0 +1,37 @@
+"""The `vllm` engine's keys: `vllm.LLM`'s arguments, named exactly as vLLM's `EngineArgs`,
+so a user who knows vLLM knows these; any other `EngineArgs` field goes through `extra`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from tokenmill.schemas.config import EngineConfig, one_of
+
+
+class VllmConfig(EngineConfig):
+    """`engine:` for `kind: vllm` (the default): vLLM in the worker process."""
+
+    kind: Literal["vllm"] = Field("vllm", json_schema_extra={"flag": False})
+    """`vllm`: vLLM in the worker process."""
+    dtype: str = Field("auto", json_schema_extra={
+        "flag_help": "Weights/activations dtype (auto picks by measurement on CPU)."})
+    """`auto`: on a CPU the faster of float32 and bfloat16 in this engine on this model, measured
+    once per CPU (transforms/engines/dtype_probe.py); on a GPU the model's own dtype."""
+    quantization: str | None = Field(None, json_schema_extra={"flag_help": "vLLM quantization method of the checkpoint."})
+    """vLLM's quantization method of the checkpoint."""
+    kv_cache_dtype: str = Field("auto", json_schema_extra={"flag_help": "KV cache dtype: auto, fp8, ..."})
+    """The KV cache dtype."""
+    enable_prefix_caching: bool = Field(True, json_schema_extra={"flag": False})
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, json_schema_extra={
+        "flag_help": "Share of device memory (of RAM on CPU)."})
+    """The share of device memory the engine takes (of RAM on CPU, for its KV cache)."""
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, json_schema_extra={"flag": False})
+    tensor_parallel_size: int = Field(1, ge=1, json_schema_extra={"flag": False})
+    enforce_eager: bool = Field(True, json_schema_extra={"flag": False})
+    speculative_config: dict[str, Any] | None = Field(None, json_schema_extra={"flag": False})
+    load_format: str = Field("auto", json_schema_extra={"flag": False})
+
+    _dtype = field_validator("dtype")(one_of("auto", "float32", "bfloat16", "float16", "half", "float"))
+    _kv_dtype = field_validator("kv_cache_dtype")(one_of("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"))

