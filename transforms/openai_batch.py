@@ -66,7 +66,7 @@ class JsonlShard:
 
 
 @dataclass
-class JsonlPlan(InputPlan):
+class JsonlPlan(InputPlan[JsonlShard]):
     format: str = "openai-jsonl"
     endpoints: dict[str, int] = field(default_factory=dict)
     """Request lines per `url` seen at planning (malformed lines count under `?`)."""
@@ -107,11 +107,10 @@ def plan_jsonl(path: str) -> JsonlPlan:
     total = 0
     for fi, f in enumerate(files):
         compressed = f.endswith(".gz")
-        start = start_off = None
-        count = 0
+        start = start_off = count = 0
         try:
             for i, off, line in scan_lines(f):
-                if start is None:
+                if count == 0:  # the first line of a new shard
                     start, start_off = i, off
                 if line.strip():
                     total += 1
@@ -122,7 +121,7 @@ def plan_jsonl(path: str) -> JsonlPlan:
                 count += 1
                 if count >= SHARD_LINES and not compressed:
                     shards.append(JsonlShard(fi, f, start, count, start_off))
-                    start, count = None, 0
+                    count = 0
         except (OSError, EOFError) as err:
             raise InputError(f"input file {f!r} cannot be read: {first_line(err)}") from None
         if count:

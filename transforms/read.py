@@ -13,7 +13,7 @@ carries it as one `Chunk`: no process holds more than a unit of prompt data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Generic, Iterator, TypeVar
 
 import apache_beam as beam
 
@@ -48,10 +48,14 @@ class Shard:
         return f"{self.file_index}.{self.first_row + self.start}"
 
 
+#: A plan's shard type: `Shard` (row groups of Parquet files) or `openai_batch.JsonlShard`.
+ShardT = TypeVar("ShardT")
+
+
 @dataclass
-class InputPlan:
+class InputPlan(Generic[ShardT]):
     files: list[str]
-    shards: list[Shard]
+    shards: list[ShardT]
     columns: list[str]
     total_rows: int
     format: str = "parquet"

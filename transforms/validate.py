@@ -27,10 +27,8 @@ class RowError(ValueError):
         self.reason = reason
 
 
-def _text(value: Any, what: str) -> str | None:
+def _text(value: Any, what: str) -> str:
     """bytes/str → str; invalid UTF-8 and non-strings raise RowError."""
-    if value is None:
-        return None
     if isinstance(value, (bytes, bytearray)):
         try:
             return bytes(value).decode("utf-8")
@@ -58,8 +56,9 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise RowError(R.BAD_MESSAGES, f"messages[{i}] must be an object with role and content, got {_short(m)}")
-        role = _text(m.get("role"), f"messages[{i}].role")
-        if role not in R.ROLES:
+        role = m.get("role")
+        role = None if role is None else _text(role, f"messages[{i}].role")
+        if role is None or role not in R.ROLES:
             raise RowError(R.BAD_MESSAGES, f"messages[{i}].role must be one of {list(R.ROLES)}, got {role!r}")
         if _is_missing(m.get("content")):
             raise RowError(R.BAD_MESSAGES, f"messages[{i}] has no content")

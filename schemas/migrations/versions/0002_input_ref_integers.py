@@ -12,6 +12,7 @@ Create Date: 2026-11-30
 """
 
 import warnings
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
@@ -36,7 +37,7 @@ def _parse(table: str, ref: str) -> tuple[int, int]:
 
 def _backfill(table: str) -> None:
     keys = OLD_KEYS[table]
-    cols = {c: sa.column(c) for c in (*keys, "input_ref", "input_file", "input_row")}
+    cols: dict[str, sa.ColumnClause[Any]] = {c: sa.column(c) for c in (*keys, "input_ref", "input_file", "input_row")}
     t = sa.table(table, *cols.values())
     conn = op.get_bind()
     find = sa.select(*(cols[k] for k in keys), cols["input_ref"]).where(cols["input_file"].is_(None)).limit(CHUNK_ROWS)
