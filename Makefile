@@ -17,11 +17,12 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-quant bench-tune bench-scale bench-db gpu-check clean help
+.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-quant bench-tune bench-scale bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
-	@echo "make test   - set up everything and run the test suite"
+	@echo "make test   - set up everything, then make lint, then run the test suite"
+	@echo "make lint   - the import contract, ruff and mypy (pyproject.toml); a few seconds"
 	@echo "make bench  - throughput benchmark, then the dtype A/B (docs/BENCHMARKS.md)"
 	@echo "make bench-dtype - the demo job in float32 and bfloat16, A B B A, against dtype auto's choice"
 	@echo "make bench-engines - vLLM, W8A8, llama.cpp GGUFs, openai->vllm serve, llama-server direct (docs/ENGINES.md)"
@@ -121,10 +122,21 @@ demo: prepare
 	@$(BIN)/tokenmill run --input data/sample_prompts.parquet --output runs/demo --job-id demo --name demo --max-tokens 64
 	@$(BIN)/tokenmill report demo --out runs/demo/report --html-only
 
-test: prepare llamacpp airflow llmcompressor
+# The layering contract (lint-imports), ruff and mypy, configured in pyproject.toml; module
+# sizes and repeated blocks are tests (tests/test_layout.py). mypy reads the four folders as
+# `tokenmill.*` through links under build/typecheck (it does not follow the editable install).
+TYPECHECK_LINKS := build/typecheck/tokenmill
+
+lint: install
+	@mkdir -p $(TYPECHECK_LINKS) && for p in jobs pipelines transforms schemas; do ln -sfn ../../../$$p $(TYPECHECK_LINKS)/$$p; done
+	$(BIN)/lint-imports
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint prepare llamacpp airflow llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: lint
 	$(PY) -m pytest -m "not engine and not llamacpp" $(PYTEST_ARGS)
 
 bench: prepare
