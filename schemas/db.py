@@ -1,6 +1,6 @@
 """Database engines: one pooled engine per URL, and the default URL.
 
-Every SQL statement lives in schemas/storage.py, which builds on these.
+Every SQL statement lives in schemas/storage/, which builds on these.
 """
 
 from __future__ import annotations

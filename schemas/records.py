@@ -25,6 +25,8 @@ class _FromInput:
     """A record that knows where in the input it came from (`input_file`, `input_row`)."""
 
     __slots__ = ()
+    input_file: int
+    input_row: int
 
     @property
     def input_ref(self) -> str:

@@ -152,7 +152,9 @@ class BatchRunner:
 
     @staticmethod
     def _gave_up(p: TokenizedPrompt, f: Finished) -> FailedRecord:
-        return FailedRecord(p.input_file, p.input_row, p.id, f.error_reason, f.error or f.error_reason)
+        """The dead letter of a row the engine finished with `error_reason` (never None here)."""
+        reason = f.error_reason or R.ENGINE_ERROR
+        return FailedRecord(p.input_file, p.input_row, p.id, reason, f.error or reason)
 
     def _add(self, s: EngineSession, p: TokenizedPrompt, rid: str) -> FailedRecord | None:
         try:
@@ -242,7 +244,8 @@ class BatchRunner:
                 b = pending.popleft()
                 if self._before_admit is not None:
                     self._before_admit(len(b.prompts))
-                st = {"batch": b, "rows": [], "dead": [], "left": 0, "started": self._clock(), "done_times": [], "idle": 0.0}
+                st: dict[str, Any] = {"batch": b, "rows": [], "dead": [], "left": 0, "started": self._clock(),
+                                      "done_times": [], "idle": 0.0}
                 active[b.batch_id] = st
                 for i, p in enumerate(b.prompts):
                     rid = f"{b.batch_id}.{i}"
@@ -272,9 +275,10 @@ class BatchRunner:
             if underfed and active:
                 next(iter(active.values()))["idle"] += self._clock() - t_step
             for f in finished:
-                bid, p = owner.pop(f.request_id, (None, None))
-                if bid is None:
+                entry = owner.pop(f.request_id, None)
+                if entry is None:
                     continue
+                bid, p = entry
                 st = active[bid]
                 if f.retries is not None:  # an HTTP engine's retries of this row, by reason
                     st.setdefault("retries", Counter()).update(f.retries)
@@ -333,7 +337,9 @@ class BatchRunner:
 
     def _run_sync(self, prompts: list[TokenizedPrompt], bid: str):
         s = self._live_session()
-        owner, rows, dead = {}, [], []
+        owner: dict[str, TokenizedPrompt] = {}
+        rows: list[dict[str, Any]] = []
+        dead: list[FailedRecord] = []
         for i, p in enumerate(prompts):
             rid = f"{bid}.r{time.monotonic_ns()}.{i}"
             bad = self._add(s, p, rid)
@@ -345,11 +351,11 @@ class BatchRunner:
         try:
             while owner:
                 for f in self._step(s, started):
-                    p = owner.pop(f.request_id, None)
-                    if p is not None and f.error_reason is not None:
-                        dead.append(self._gave_up(p, f))
-                    elif p is not None:
-                        rows.append(self._output_row(p, f, bid))
+                    done = owner.pop(f.request_id, None)
+                    if done is not None and f.error_reason is not None:
+                        dead.append(self._gave_up(done, f))
+                    elif done is not None:
+                        rows.append(self._output_row(done, f, bid))
         except Exception:
             s.abort(list(owner))
             raise

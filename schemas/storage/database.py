@@ -45,9 +45,9 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-def aware(t: dt.datetime | None) -> dt.datetime | None:
+def aware(t: dt.datetime) -> dt.datetime:
     """A datetime read back from the database, in UTC (SQLite returns naive datetimes)."""
-    if t is not None and t.tzinfo is None:
+    if t.tzinfo is None:
         return t.replace(tzinfo=dt.timezone.utc)
     return t
 
@@ -81,7 +81,7 @@ def alembic_config(conn: Connection | None):
     return cfg
 
 
-def head_revision() -> str:
+def head_revision() -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(alembic_config(None)).get_current_head()
@@ -93,7 +93,7 @@ def current_revision(conn: Connection) -> str | None:
     return MigrationContext.configure(conn).get_current_revision()
 
 
-def upgrade(engine: Engine) -> str:
+def upgrade(engine: Engine) -> str | None:
     """Bring the schema to head; refuse a database from a newer tokenmill."""
     from alembic import command
     from alembic.script import ScriptDirectory

@@ -35,8 +35,8 @@ def is_live(job: dict[str, Any], now: dt.datetime | None = None) -> bool:
     if job.get("status") != "running":
         return False
     now = now or utcnow()
-    hb = aware(job.get("heartbeat_at"))
-    fresh = hb is not None and (now - hb).total_seconds() < STALE_AFTER_S
+    hb = job.get("heartbeat_at")
+    fresh = hb is not None and (now - aware(hb)).total_seconds() < STALE_AFTER_S
     return fresh and pid_alive(job.get("owner"))
 
 

@@ -39,7 +39,7 @@ class MetricsReader(SqlStore):
     def output_tokens(self, job_id: str) -> int:
         with self.engine.connect() as conn:
             q = select(func.coalesce(func.sum(T.outputs.c.output_tokens), 0)).where(T.outputs.c.job_id == job_id)
-            return int(conn.execute(q).scalar())
+            return int(conn.execute(q).scalar() or 0)
 
     def stream_rows(self, record: type[StoredRow], job_id: str) -> Iterator[list[dict[str, Any]]]:
         """A job's rows of one table in input order (file, then row), in chunks of CHUNK_ROWS."""
