@@ -24,7 +24,8 @@ import pytest
 
 from tests.conftest import write_parquet
 from tests.helpers import assert_one_line_error, cli, job_spec
-from tokenmill.schemas.config import EngineConfig
+from tokenmill.transforms.engines.kinds import engine_of
+from tokenmill.transforms.engines.llamacpp_session import LlamaCppConfig
 
 MAX_MODEL_LEN = 1024
 
@@ -45,16 +46,18 @@ def _is_server(p: psutil.Process) -> bool:
 
 
 def test_llamacpp_config_refuses_http_keys_and_defaults_to_the_bundled_model():
-    cfg = EngineConfig(kind="llamacpp")
-    assert cfg.over_http and cfg.model == "smollm2-135m"
-    with pytest.raises(ValueError, match="base_url and api_key_env are for kind openai"):
-        EngineConfig(kind="llamacpp", base_url="http://127.0.0.1:1/v1")
+    cfg = LlamaCppConfig(kind="llamacpp")
+    assert engine_of("llamacpp").takes_text and cfg.model == "smollm2-135m"
+    from tokenmill.schemas.config import SpecError, load_spec
+
+    with pytest.raises(SpecError, match="engine.base_url: unknown key"):
+        load_spec({"input": "a", "output": "b", "engine": {"kind": "llamacpp", "base_url": "http://127.0.0.1:1/v1"}})
 
 
 def test_server_args_bind_slots_context_and_threads(tmp_path):
     from tokenmill.transforms.engines.llamacpp_session import server_args
 
-    cfg = EngineConfig(kind="llamacpp", max_in_flight=4, max_model_len=512, extra={"server_args": ["--mlock"]})
+    cfg = LlamaCppConfig(kind="llamacpp", max_in_flight=4, max_model_len=512, extra={"server_args": ["--mlock"]})
     args = server_args(cfg, tmp_path / "m.gguf", 8099, 2)
     flag = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("-")}
     assert flag["-np"] == "4" and flag["-c"] == str(4 * 512) and flag["-t"] == "2" and flag["-tb"] == "2"
@@ -66,13 +69,13 @@ def test_tokenizer_of_a_gguf(tmp_path):
     from tokenmill.schemas.models import quantization_record_path
     from tokenmill.transforms.engines.llamacpp_session import EngineStartError, tokenizer_name
 
-    assert tokenizer_name(EngineConfig(kind="llamacpp")) == "smollm2-135m"
-    assert tokenizer_name(EngineConfig(kind="llamacpp", model="x.gguf", tokenizer="/m/tok")) == "/m/tok"
+    assert tokenizer_name(LlamaCppConfig(kind="llamacpp")) == "smollm2-135m"
+    assert tokenizer_name(LlamaCppConfig(kind="llamacpp", model="x.gguf", tokenizer="/m/tok")) == "/m/tok"
     g = tmp_path / "q.gguf"
     with pytest.raises(EngineStartError, match="needs engine.tokenizer"):
-        tokenizer_name(EngineConfig(kind="llamacpp", model=str(g)))
+        tokenizer_name(LlamaCppConfig(kind="llamacpp", model=str(g)))
     quantization_record_path(g).write_text(json.dumps({"tokenizer": "smollm2-135m"}))
-    assert tokenizer_name(EngineConfig(kind="llamacpp", model=str(g))) == "smollm2-135m"
+    assert tokenizer_name(LlamaCppConfig(kind="llamacpp", model=str(g))) == "smollm2-135m"
 
 
 def test_a_missing_or_foreign_gguf_fails_validate_in_one_line(tmp_path):
@@ -145,11 +148,11 @@ server = pytest.mark.llamacpp
 
 @pytest.fixture(scope="module")
 def gguf() -> Path:
-    from tokenmill.jobs.modeltools.prepare import gguf_path
+    from tokenmill.schemas.models import bundled_gguf
     from tokenmill.transforms.engines.llamacpp_session import binary
 
     binary("llama-server")  # built (make test builds it), or fail here with the make step named
-    return gguf_path()
+    return bundled_gguf()
 
 
 def _sample_rows(n: int, max_tokens: int) -> list[dict]:
@@ -261,10 +264,9 @@ def test_the_job_stores_the_servers_build_and_arguments(gguf, tmp_path, sqlite_u
 
 OWNER = """
 import json, sys, time
-from tokenmill.schemas.config import EngineConfig
-from tokenmill.transforms.engines.llamacpp_session import LlamaCppSession
+from tokenmill.transforms.engines.llamacpp_session import LlamaCppConfig, LlamaCppSession
 
-s = LlamaCppSession(EngineConfig(kind="llamacpp", max_in_flight=1, max_model_len=256), "")
+s = LlamaCppSession(LlamaCppConfig(kind="llamacpp", max_in_flight=1, max_model_len=256), "")
 print("SERVER", s.server.proc.pid, flush=True)
 time.sleep(600)
 """
@@ -298,7 +300,7 @@ def test_the_server_dies_with_its_owner_killed_by_sigkill(gguf, tmp_path):
 def test_the_server_outlives_the_thread_that_started_it_and_stops_on_kill_and_shutdown(gguf):
     from tokenmill.transforms.engines.llamacpp_session import LlamaCppSession
 
-    cfg = EngineConfig(kind="llamacpp", max_in_flight=1, max_model_len=256)
+    cfg = LlamaCppConfig(kind="llamacpp", max_in_flight=1, max_model_len=256)
     made: list[LlamaCppSession] = []
     t = threading.Thread(target=lambda: made.append(LlamaCppSession(cfg, "")))  # a Beam bundle thread, retired
     t.start()
@@ -337,7 +339,7 @@ def test_gguf_quantize_writes_each_scheme_that_the_engine_then_serves(gguf, tmp_
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".part") == []
     res = cli("quantize", "--model", "smollm2-135m", "--scheme", "gguf-q8_0", "--out", tmp_path / "m-gguf-q8_0.gguf")
     assert_one_line_error(res, 2, "exists")
-    s = LlamaCppSession(EngineConfig(kind="llamacpp", model=str(tmp_path / "m-gguf-q8_0.gguf"), max_in_flight=1,
+    s = LlamaCppSession(LlamaCppConfig(kind="llamacpp", model=str(tmp_path / "m-gguf-q8_0.gguf"), max_in_flight=1,
                                      max_model_len=256), "")
     try:
         s.add("a", [1, 2, 3], {"max_tokens": 4, "temperature": 0.0}, source="Hello")
@@ -389,7 +391,7 @@ def test_the_openai_engine_against_a_llama_server_it_does_not_own(gguf, tmp_path
     from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.transforms.engines.llamacpp_session import LlamaServer
 
-    srv = LlamaServer(EngineConfig(kind="llamacpp", model="served-smollm2", max_in_flight=2, max_model_len=512),
+    srv = LlamaServer(LlamaCppConfig(kind="llamacpp", model="served-smollm2", max_in_flight=2, max_model_len=512),
                       gguf, [0])
     try:
         rows = [{"id": "chat", "messages": '[{"role": "user", "content": "What is the capital of France?"}]',

@@ -15,7 +15,7 @@ from sqlalchemy import text
 from tokenmill.jobs.lifecycle.runner import JobError, run_job
 from tokenmill.schemas import records as R
 from tokenmill.schemas import storage as S
-from tokenmill.schemas.config import EngineConfig, load_spec
+from tokenmill.schemas.config import load_spec
 from tokenmill.schemas.records import Batch, TokenizedPrompt
 from tokenmill.transforms.engines import openai_session as O
 from tokenmill.transforms.engines.protocol import EngineStartError
@@ -40,10 +40,10 @@ def server(monkeypatch):
         yield s
 
 
-def engine_cfg(server: FaultServer, **kw) -> EngineConfig:
+def engine_cfg(server: FaultServer, **kw) -> O.OpenAIConfig:
     keys = dict(kind="openai", base_url=server.base_url, model="test-model", api_key_env=KEY_VAR,
                 max_in_flight=4, request_timeout_s=2.0, max_retries=2)
-    return EngineConfig(**{**keys, **kw})
+    return O.OpenAIConfig(**{**keys, **kw})
 
 
 def prompt(i: int, source) -> TokenizedPrompt:
@@ -51,7 +51,7 @@ def prompt(i: int, source) -> TokenizedPrompt:
                            max_tokens=8, source=source)
 
 
-def run_rows(cfg: EngineConfig, sources: list) -> tuple[dict, dict]:
+def run_rows(cfg: O.OpenAIConfig, sources: list) -> tuple[dict, dict]:
     """Every source through BatchRunner and one OpenAISession: (answered rows, dead letters) by id."""
     from tokenmill.schemas.config import BatchingConfig, SamplingDefaults
 
@@ -250,8 +250,10 @@ def test_spec_keys_and_their_refusals():
 
     with pytest.raises(SpecError, match="kind openai needs base_url"):
         load_spec({**base, "engine": {"kind": "openai"}})
-    with pytest.raises(SpecError, match="are for kind openai"):
+    with pytest.raises(SpecError, match="engine.base_url: unknown key"):  # a key of another engine
         load_spec({**base, "engine": {"base_url": "http://x/v1"}})
+    with pytest.raises(SpecError, match="engine.dtype: unknown key"):
+        load_spec({**base, "engine": {"kind": "openai", "base_url": "http://x/v1", "dtype": "float32"}})
     with pytest.raises(SpecError) as err:  # a key pasted where the variable's name goes is not echoed
         load_spec({**base, "engine": {"kind": "openai", "base_url": "http://x/v1", "api_key_env": KEY}})
     assert KEY not in str(err.value) and "api_key_env" in str(err.value)
@@ -265,9 +267,10 @@ def test_spec_keys_and_their_refusals():
         load_spec({**base, "db": "postgresql://u:hunter2@h/db", "engine": {**http, "request_timeout_s": 600}})
     assert "hunter2" not in str(err.value)
     # the vLLM engine is never handed the openai keys
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
-    kw = engine_kwargs(EngineConfig(dtype="float32"), "/m", on_gpu=True)
+    kw = engine_kwargs(VllmConfig(dtype="float32"), "/m", on_gpu=True)
     assert not {"kind", "base_url", "api_key_env", "max_in_flight", "request_timeout_s", "max_retries"} & set(kw)
 
 
