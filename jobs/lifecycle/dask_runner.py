@@ -162,6 +162,7 @@ class _Visitor(PipelineVisitor):
         else:
             op = TE.TRANSLATIONS.get(node.transform.__class__, TE.NoOp)(node, bag_kwargs=self.bag_kwargs)
         bags = [b for b in (self.bag_of(i) for i in node.inputs if not isinstance(i, pvalue.PBegin)) if b is not None]
+        input_bag: t.Any  # Flatten takes every input's bag, the others one (or None)
         if isinstance(op, TE.Flatten):
             input_bag = bags
         else:

@@ -64,6 +64,8 @@ def submit(eng: Engine, spec: JobSpec) -> Submitted:
     if S.JobStore(eng).submit(values):
         return Submitted(job_id, "pending")
     job = S.JobStore(eng).get(job_id)
+    if job is None:  # removed since the insert found it
+        raise QueueBusy(f"job {job_id!r} changed while it was being queued; try again")
     if job["status"] == "pending":
         return Submitted(job_id, "already pending")
     if job["status"] == "running" and S.is_live(job):

@@ -156,7 +156,7 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
         quantize_s = time.perf_counter() - t
         log_text = (work / "llama-quantize.log").read_text(errors="replace")
         build = build_info()
-        record = {
+        record: dict[str, Any] = {
             "source": str(src), "scheme": scheme, "method": method, "type": GGUF_SCHEMES[scheme], "group_size": None,
             "tokenizer": tokenizer, "recipe": recipe,
             "calibration": cal.describe() if cal else None,

@@ -301,7 +301,7 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
         for extra in ("chat_template.jinja", "generation_config.json"):
             if (src / extra).is_file() and not (tmp / extra).exists():
                 shutil.copy2(src / extra, tmp / extra)
-        record = {
+        record: dict[str, Any] = {
             "source": str(src), "scheme": scheme, "method": method, "group_size": g, "ignore": list(IGNORE),
             "recipe": recipe,
             "calibration": cal.describe() if cal else ({"source": calibration, "rows": rows, "used": False} if calibration else None),
