@@ -20,11 +20,11 @@ from typing import Any, Callable
 import apache_beam as beam
 
 from tokenmill.schemas.config import JobSpec
+from tokenmill.transforms.batching import TakePart
 from tokenmill.transforms.chunks import DEAD
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
 from tokenmill.transforms.engines.kinds import engine_of
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
-from tokenmill.transforms.batching import TakePart
 from tokenmill.transforms.read import InputPlan, PlanUnits, ReadPrompts, plan_units, plan_work
 from tokenmill.transforms.resume import SkipDone
 from tokenmill.transforms.tokenize import DEFAULT_BLOCK_SIZE, Tokenize

@@ -14,14 +14,24 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ByteSize, ConfigDict, Field, SerializeAsAny, ValidationError, WrapValidator,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from tokenmill.schemas.engine_kinds import UnknownEngine, registered, registered_kinds
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.sampling import RowSampling
+
 
 class SpecError(ValueError):
     """A job spec that cannot run: the message says which key and what was expected."""

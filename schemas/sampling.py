@@ -144,8 +144,9 @@ def request_keys(sampling: dict[str, Any], model: type[BaseModel] = RowSampling)
     for key, info in model.model_fields.items():
         value = sampling.get(key)
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        off = extra.get("off") or []
-        if value is None or value == [] or any(value is o or (type(value) is type(o) and value == o) for o in off):
+        off = extra.get("off")
+        if value is None or value == [] or (isinstance(off, list) and any(
+                type(value) is type(o) and value == o for o in off)):
             continue
         out[key] = value
     return out

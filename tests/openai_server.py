@@ -13,7 +13,8 @@ answered; without N every attempt fails):
     slow      a 0.05 s pause between chunks (no failure)
     nousage   no usage chunk, whatever stream_options asks (no failure)
 
-`attempts` counts the requests each prompt got; `auth` the Authorization headers seen.
+`attempts` counts the requests each prompt got; `auth` the Authorization headers seen;
+`bodies` the request bodies, in the order they came.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class FaultServer:
         self.attempts: Counter[str] = Counter()
         self.answered = 0
         self.auth: list[str | None] = []
+        self.bodies: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -114,6 +116,7 @@ class FaultServer:
         if not self._authorized(request):
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         body = await request.json()
+        self.bodies.append(body)
         chat = request.path.endswith("/chat/completions")
         text = body["messages"][-1]["content"] if chat else body["prompt"]
         if body.get("model") != self.model:

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.fakes import FakeSession
 from tokenmill.transforms.engines import device, registry, vllm_engine, worker
 from tokenmill.transforms.engines import vllm_session as V
 from tokenmill.transforms.engines.vllm_config import VllmConfig
-from tests.fakes import FakeSession
 
 # ---------------------------------------------------------------- GPU detection
 

@@ -13,9 +13,23 @@ from typing import Any
 import click
 
 from tokenmill.jobs.cli.app import main
-from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_BUSY, EXIT_CANCELLED, EXIT_FAILED, EXIT_OK,
-    EXIT_PARTIAL, Failure, Progress, build_spec, connect, db_option, emit_json, job_spec_options, json_option,
-    spec_overrides)
+from tokenmill.jobs.cli.common import (
+    CONTEXT_SETTINGS,
+    EXIT_BUSY,
+    EXIT_CANCELLED,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_PARTIAL,
+    Failure,
+    Progress,
+    build_spec,
+    connect,
+    db_option,
+    emit_json,
+    job_spec_options,
+    json_option,
+    spec_overrides,
+)
 from tokenmill.transforms.engines.kinds import engine_of
 
 #: run-pending's exit code: the most serious outcome among the jobs it ran.
@@ -38,9 +52,9 @@ def submit(spec_file, as_json, **kw):
       tokenmill submit job.yaml --job-id nightly-2026-11-29
       tokenmill submit --input prompts.parquet --output out/ --max-tokens 64 --json
     """
-    from tokenmill.jobs.lifecycle.queue import QueueBusy, QueueError, submit as submit_job
-
     from tokenmill.jobs.lifecycle.preflight import preflight
+    from tokenmill.jobs.lifecycle.queue import QueueBusy, QueueError
+    from tokenmill.jobs.lifecycle.queue import submit as submit_job
 
     spec = build_spec(spec_file, spec_overrides(kw))
     eng = connect(kw.get("db_url") or spec.db)
@@ -76,7 +90,8 @@ def run_pending(db_url, limit, quiet, as_json):
     Example:
       tokenmill run-pending --db postgresql://tokenmill@db/tokenmill
     """
-    from tokenmill.jobs.lifecycle.queue import QueueBusy, run_pending as run_queue
+    from tokenmill.jobs.lifecycle.queue import QueueBusy
+    from tokenmill.jobs.lifecycle.queue import run_pending as run_queue
     from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.db import default_db_url
 

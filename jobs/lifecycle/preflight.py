@@ -101,8 +101,8 @@ def check_dask(options, *, reach: bool = True) -> None:
     with `reach`, the scheduler answers, has workers, and it and every worker can import
     tokenmill (they unpickle the pipeline's steps).  ValueError (one line) otherwise."""
     try:
-        from apache_beam.runners.dask.dask_runner import DaskOptions
         import distributed
+        from apache_beam.runners.dask.dask_runner import DaskOptions
     except ImportError as err:
         raise ValueError(f"runner DaskRunner needs dask.distributed ({err}); install tokenmill[dask]") from None
     from tokenmill.schemas.errors import first_line

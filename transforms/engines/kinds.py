@@ -54,6 +54,9 @@ class EngineKind(Generic[C]):
     measures_prefix_cache: ClassVar[bool] = True
     """The engine reports prefix-cache hits; otherwise a job with no cached-token figure
     has an unknown hit rate, not zero."""
+    measures_cpu_dtype: ClassVar[bool] = False
+    """On a CPU, `dtype: auto` is the faster dtype measured on this machine (vLLM's; `tune`
+    screens candidate dtypes by that measurement)."""
     clocks: ClassVar[Mapping[str, str]] = {}
     """Figures measured on another clock than the default's (jobs/metrics/accounting.CLOCKS)."""
     packages: ClassVar[tuple[str, ...]] = ()

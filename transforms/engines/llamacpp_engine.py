@@ -10,8 +10,14 @@ from typing import Any, Callable
 from tokenmill.transforms.engines.cpu import claim_cpu_slot
 from tokenmill.transforms.engines.kinds import EngineCheck, EngineKind, local_tokenizer
 from tokenmill.transforms.engines.kv import JobTokens
-from tokenmill.transforms.engines.llamacpp_session import (LlamaCppConfig, LlamaCppSession, binary, build_info,
-                                                           gguf_file, tokenizer_name)
+from tokenmill.transforms.engines.llamacpp_session import (
+    LlamaCppConfig,
+    LlamaCppSession,
+    binary,
+    build_info,
+    gguf_file,
+    tokenizer_name,
+)
 from tokenmill.transforms.engines.openai_engine import CLIENT_CLOCKS
 from tokenmill.transforms.engines.protocol import EngineSession, EngineStartError
 

