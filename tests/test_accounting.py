@@ -6,9 +6,11 @@ from types import SimpleNamespace
 import pytest
 
 from tokenmill.jobs.metrics import hardware as H
+from tokenmill.jobs.metrics.accounting import CLOCKS, job_metrics, percentile
+from tokenmill.jobs.metrics.catalog import get_path
 from tokenmill.jobs.metrics.pricing import gpu_price, price_table, worker_rate
+from tokenmill.jobs.metrics.report import compare_metrics
 from tokenmill.schemas.secrets import mask_url
-from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path, job_metrics, percentile
 
 
 def _rows():

@@ -16,6 +16,7 @@ from tests.conftest import TEST_ENGINE, write_parquet
 from tests.fakes import FakeSession
 from tests.helpers import cli, one_error_line
 from tokenmill.jobs.modeltools import tune as T
+from tokenmill.jobs.modeltools.tune import halving
 from tokenmill.schemas import storage as S
 
 # ---------------------------------------------------------------- the search on known figures
@@ -96,7 +97,7 @@ def test_the_promise_check_fails_a_tuner_that_picks_wrong(monkeypatch):
     for name, fn, on in [("pick", costlier, args), ("pick", ungated, one), ("halve", ungated_halve, args),
                          ("halve", costlier_half, args)]:
         with monkeypatch.context() as mp:
-            mp.setattr(T, name, fn)
+            mp.setattr(halving, name, fn)  # where the search looks them up
             wrong = _result(*on)
         assert wrong.table != _result(*on).table  # the wrong rule changed what the tune did
         with pytest.raises(AssertionError):
@@ -108,7 +109,7 @@ def test_the_promise_check_fails_a_tuner_that_picks_wrong(monkeypatch):
     assert kept.log.verdict.winner == "ref"
     assert_the_tuner_kept_its_promise(kept)
     with monkeypatch.context() as mp:
-        mp.setattr(T, "beats", lambda a, b: T.mean(a) < T.mean(b))
+        mp.setattr(halving, "beats", lambda a, b: T.mean(a) < T.mean(b))
         noisy = _result(["a", "b"], [8], tie)
     assert noisy.log.verdict.winner == "a"
     with pytest.raises(AssertionError):
@@ -201,7 +202,7 @@ def _spread(xs):
 
 
 def assert_the_tuner_kept_its_promise(res) -> None:
-    """The tuner's promise (docs/TUNE.md, jobs/modeltools/tune.py), recomputed here from
+    """The tuner's promise (docs/TUNE.md, jobs/modeltools/tune/), recomputed here from
     what it measured rather than taken from its verdict: at every rung but the last, the
     cheaper half (by mean cost, rounded up) of the candidates that passed the gate goes
     on, with any passing candidate whose cost runs overlap the last one kept; at the last
@@ -304,7 +305,7 @@ def test_candidates_from_the_space(tmp_path):
                                    T.space_changes(sp))
     labels = [c.label for c in cands]
     # float32 × 8 is the spec as given: not a candidate of its own
-    assert T._label({"engine.speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}) == \
+    assert T.describe_changes({"engine.speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}) == \
         "speculative_config=ngram"
     assert labels == ["dtype=float32 max_num_seqs=32", "dtype=bfloat16 max_num_seqs=8",
                       "dtype=bfloat16 max_num_seqs=32", "no_such_key=1", "ordering=length"]
@@ -381,7 +382,7 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     first = T.tune(spec, budget_minutes=1e-6, **kw)
     assert first.log.stopped and first.recommendation.startswith("No recommendation")
     eng = S.connect(sqlite_url)
-    ran = [j["id"] for j in S.list_jobs(eng, 100)]
+    ran = [j["id"] for j in S.JobStore(eng).recent(100)]
     assert ran == [f"tune-{first.tune_id}-ref-n8-r0"]
 
     # Ctrl-C while the fourth run starts: what ran is kept
@@ -399,7 +400,7 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
         mp.setattr(runner, "run_job", interrupted)
         with pytest.raises(KeyboardInterrupt):
             T.tune(spec, **kw)
-    assert len(S.list_jobs(eng, 100)) == 3
+    assert len(S.JobStore(eng).recent(100)) == 3
 
     res = T.tune(spec, **kw)
     assert res.tune_id == first.tune_id and res.log.sizes == [8, 16] and res.log.stopped is None
@@ -417,11 +418,11 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     assert res.recommendation.startswith("Use dtype=float32 max_num_seqs=16: $")
     # every run is an ordinary job of the tune; the one run before was read back, not rerun;
     # one eval-set job for the reference and each candidate judged
-    jobs = {j["id"]: j for j in S.list_jobs(eng, 100)}
+    jobs = {j["id"]: j for j in S.JobStore(eng).recent(100)}
     assert len(jobs) == 2 * 4 + 2 * 2 + 4 and all(j.startswith(f"tune-{res.tune_id}-") for j in jobs)
     assert sum(j.endswith("-eval") for j in jobs) == 4
     assert all(j["status"] == "succeeded" for j in jobs.values())
-    assert all(len(S.job_runs(eng, j)) == 1 for j in jobs)
+    assert all(len(S.JobStore(eng).runs(j)) == 1 for j in jobs)
     # the outputs
     from tokenmill.schemas.config import load_spec_file
 
@@ -438,7 +439,7 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     text = (out / "tune-table.txt").read_text()
     assert "failed the gate" in text and f"{win['cheaper_than_reference']:.2f}×" in text
     tie = {**win, "beats_reference": False}
-    assert T._vs_ref(tie).endswith("× (tie)") and not T._vs_ref(win).endswith("(tie)")
+    assert T.vs_reference(tie).endswith("× (tie)") and not T.vs_reference(win).endswith("(tie)")
     assert pq.read_metadata(out / "samples" / "sample.parquet").num_rows == 16
 
     assert_the_tuner_kept_its_promise(res)
@@ -446,7 +447,7 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     # the same arguments again: everything is read back
     again = T.tune(spec, **kw)
     assert again.log.verdict.winner == res.log.verdict.winner
-    assert all(len(S.job_runs(eng, j)) == 1 for j in jobs) and len(S.list_jobs(eng, 100)) == len(jobs)
+    assert all(len(S.JobStore(eng).runs(j)) == 1 for j in jobs) and len(S.JobStore(eng).recent(100)) == len(jobs)
 
 
 def test_cli_tune_refuses_a_bad_gate_and_a_spec_that_cannot_run(tmp_path, sqlite_url):

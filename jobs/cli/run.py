@@ -9,8 +9,22 @@ import click
 from tabulate import simple_separated_format, tabulate
 
 from tokenmill.jobs.cli.app import VERBOSE, main
-from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_BUSY, EXIT_FAILED, STATUS_EXIT, Failure, Progress,
-    build_spec, connect, db_option, emit_json, job_spec_options, json_option, spec_overrides)
+from tokenmill.jobs.cli.common import (
+    CONTEXT_SETTINGS,
+    EXIT_BUSY,
+    EXIT_FAILED,
+    STATUS_EXIT,
+    Failure,
+    Progress,
+    build_spec,
+    connect,
+    db_option,
+    emit_json,
+    job_spec_options,
+    json_option,
+    spec_overrides,
+)
+from tokenmill.jobs.metrics.catalog import values
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -100,8 +114,7 @@ def run(spec_file, quiet, as_json, **kw):
 
 
 def job_summary_row(job: dict[str, Any]) -> dict[str, Any]:
-    m = job.get("metrics") or {}
-    th = m.get("throughput", {})
+    """A job's line in `tokenmill jobs`: the job row's counts and the jobs view's figures."""
     return {
         "id": job["id"],
         "name": job.get("name"),
@@ -110,56 +123,14 @@ def job_summary_row(job: dict[str, Any]) -> dict[str, Any]:
         "total": job.get("total"),
         "succeeded": job.get("succeeded"),
         "failed": job.get("failed"),
-        "output_tok_per_s": th.get("output_tok_per_s"),
-        "cost_per_1m_output_tokens": (m.get("cost") or {}).get("per_1m_output_tokens"),
+        **values("jobs", job.get("metrics")),
         "started_at": job.get("started_at"),
         "finished_at": job.get("finished_at"),
     }
 
 
-def headline_metrics(m: dict[str, Any]) -> dict[str, Any]:
-    """The figures `status` adds to the counts (full set: `tokenmill report`)."""
-    from tokenmill.jobs.metrics.pricing import price_line
-
-    lat, th, cost = m.get("latency_s") or {}, m.get("throughput") or {}, m.get("cost") or {}
-
-    def stat(clock: str, s: str):
-        return (lat.get(clock) or {}).get(s)
-
-    return {
-        "ttft_p50_s": stat("ttft", "p50"),
-        "ttft_p95_s": stat("ttft", "p95"),
-        "ttft_p99_s": stat("ttft", "p99"),
-        "tpot_p50_s": stat("tpot", "p50"),
-        "tpot_p95_s": stat("tpot", "p95"),
-        "e2e_p95_s": stat("e2e", "p95"),
-        "e2e_p99_s": stat("e2e", "p99"),
-        "total_tok_per_s": th.get("total_tok_per_s"),
-        "requests_per_s": th.get("requests_per_s"),
-        "generation_wall_s": th.get("generation_wall_s"),
-        "model_load_s": th.get("model_load_s"),
-        "prefix_cache_hit_rate": (m.get("prefix_cache") or {}).get("hit_rate"),
-        "failures_by_reason": (m.get("failures") or {}).get("by_reason") or None,
-        "dtype": (m.get("engine") or {}).get("dtype"),
-        "dtype_auto": (m.get("engine") or {}).get("dtype_auto"),
-        "rows_by_token_count_source": {k: v["rows"] for k, v in
-                                       ((m.get("tokens") or {}).get("by_count_source") or {}).items()} or None,
-        "cost_per_1m_total_tokens": cost.get("per_1m_total_tokens"),
-        "cost_per_successful_request": cost.get("per_successful_request"),
-        "cost_basis": "generation only" if cost else None,
-        "prices": [price_line(e) for e in cost.get("prices_used") or []] or None,
-        "cost_held_per_1m_output_tokens": (cost.get("held") or {}).get("per_1m_output_tokens"),
-        "cost_held_per_1m_total_tokens": (cost.get("held") or {}).get("per_1m_total_tokens"),
-        "cost_held_per_successful_request": (cost.get("held") or {}).get("per_successful_request"),
-        "cost_held_basis": "all held time: start-up, model load, generation, export" if cost.get("held") else None,
-        "runs": th.get("runs"),
-        "gpus": (m.get("devices") or {}).get("gpus"),
-        "nvml_errors": (m.get("devices") or {}).get("nvml_errors") or None,
-    }
-
-
 def _dtype_auto_line(d: dict[str, Any] | None) -> str | None:
-    from tokenmill.jobs.metrics.report import describe_dtype
+    from tokenmill.jobs.metrics.report import describe_dtype  # storage and numpy: not at CLI start
 
     return describe_dtype(None, d) if d else None
 
@@ -171,7 +142,7 @@ def job_status(job: dict[str, Any]) -> dict[str, Any]:
     row["reconciled"] = None if total is None or succeeded is None else total == (succeeded or 0) + (failed or 0)
     row["failure_rate"] = (failed or 0) / total if total else None
     row["error"] = job.get("error")
-    row.update(headline_metrics(job.get("metrics") or {}))
+    row.update(values("status", job.get("metrics")))  # the full set: `tokenmill report`
     return row
 
 
@@ -199,11 +170,11 @@ def status(job_id, db_url, as_json):
     from tokenmill.schemas import storage as S
 
     eng = connect(db_url)
-    job = S.get_job(eng, job_id)
+    job = S.JobStore(eng).get(job_id)
     if job is None:
         raise Failure(f"no job with id {job_id!r}")
     if job["status"] == "running":  # live counts while it runs
-        job.update(S.counts(eng, job_id))
+        job.update(S.MetricsReader(eng).counts(job_id))
     row = job_status(job)
     if as_json:
         emit_json(row)
@@ -227,7 +198,7 @@ def jobs_cmd(limit, db_url, as_json):
     """
     from tokenmill.schemas import storage as S
 
-    rows = [job_summary_row(j) for j in S.list_jobs(connect(db_url), limit)]
+    rows = [job_summary_row(j) for j in S.JobStore(connect(db_url)).recent(limit)]
     if as_json:
         emit_json(rows)
         return
@@ -259,7 +230,7 @@ def cancel(job_id, db_url):
 
     eng = connect(db_url)
     try:
-        job = S.request_cancel(eng, job_id)
+        job = S.JobStore(eng).request_cancel(job_id)
     except S.StorageError as err:
         raise Failure(str(err)) from None
     click.echo(f"job {job_id}: {'cancel requested' if job['status'] == 'running' else job['status']}")

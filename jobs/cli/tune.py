@@ -22,7 +22,7 @@ from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_USAGE, Failure, db
 @click.option("--budget-minutes", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
               help="Wall time of the candidates' jobs; no rung starts that would not fit.")
 @click.option("--space", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Search space YAML (default: the one shipped, jobs/modeltools/tune_space.yaml).")
+              help="Search space YAML (default: the one shipped, jobs/modeltools/tune/tune_space.yaml).")
 @click.option("--repeats", type=click.IntRange(min=2), default=2, show_default=True,
               help="Runs of every candidate at every sample size (interleaved); their spread is the noise.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sample draw.")

@@ -21,6 +21,7 @@ from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.db import default_db_url
 from tokenmill.jobs.lifecycle.jobrow import job_values
 from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight
+from tokenmill.jobs.metrics.catalog import values
 from tokenmill.schemas.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -44,27 +45,17 @@ class JobResult:
     note: str | None = None
 
     def summary(self) -> dict[str, Any]:
-        th = self.metrics.get("throughput", {})
-        tok = self.metrics.get("tokens", {})
+        """What `tokenmill run` prints (and `--json` writes): the counts, and the summary view's
+        figures (metrics.catalog.VIEWS)."""
         return {
             "job_id": self.job_id,
             "status": self.status,
             "rows_in": self.total,
             "succeeded": self.succeeded,
             "failed": self.failed,
-            "prompt_tokens": tok.get("prompt"),
-            "output_tokens": tok.get("output"),
-            "total_tokens": tok.get("total"),
             "wall_s": round(self.wall_s, 2),
-            "model_load_s": th.get("model_load_s"),
-            "generation_wall_s": th.get("generation_wall_s"),
-            "output_tok_per_s": th.get("output_tok_per_s"),
-            "total_tok_per_s": th.get("total_tok_per_s"),
-            "prefix_cache_hit_rate": self.metrics.get("prefix_cache", {}).get("hit_rate"),
-            "cost_per_1m_output_tokens": self.metrics.get("cost", {}).get("per_1m_output_tokens"),
-            "cost_held_per_1m_output_tokens": (self.metrics.get("cost", {}).get("held") or {}).get("per_1m_output_tokens"),
+            **values("summary", self.metrics),
             "outputs": self.files.get("outputs"),
-            "dtype_auto": (self.metrics.get("engine") or {}).get("dtype_auto"),
             "note": self.note,
         }
 

