@@ -5,10 +5,10 @@ import json
 import pytest
 from sqlalchemy import update
 
-from tokenmill.jobs.cli import EXIT_QUALITY
-from tokenmill.jobs.modeltools.compare import CompareError, compare_rows, format_comparison, is_correct, word_similarity
 from tests.conftest import TEST_ENGINE
 from tests.helpers import cli, job_spec
+from tokenmill.jobs.cli import EXIT_QUALITY
+from tokenmill.jobs.modeltools.compare import CompareError, compare_rows, format_comparison, is_correct, word_similarity
 
 
 @pytest.mark.parametrize("out,ref,ok", [

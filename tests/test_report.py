@@ -7,14 +7,14 @@ import re
 import pytest
 from sqlalchemy import select
 
-from tokenmill.jobs.metrics import report as R
-from tokenmill.schemas import storage as S
-from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.schemas import tables as T
-from tokenmill.schemas.records import OutputRow
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
 from tests.helpers import assert_one_line_error, cli, job_spec
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.jobs.metrics import report as R
+from tokenmill.schemas import storage as S
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.records import OutputRow
 
 N = 40
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from tokenmill.jobs.cli.app import main
-from tokenmill.jobs.cli.common import (CONTEXT_SETTINGS, EXIT_USAGE, Failure, db_option, emit_json, json_option)
+from tokenmill.jobs.cli.common import CONTEXT_SETTINGS, EXIT_USAGE, Failure, db_option, emit_json, json_option
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
@@ -45,7 +45,8 @@ def tune(spec_file, sample, out, gate, budget_minutes, space, repeats, seed, eva
       tokenmill tune job.yaml --sample 64 --out tune/ --budget-minutes 20
       tokenmill run tune/winner.yaml
     """
-    from tokenmill.jobs.modeltools.tune import TuneError, format_table, tune as do_tune
+    from tokenmill.jobs.modeltools.tune import TuneError, format_table
+    from tokenmill.jobs.modeltools.tune import tune as do_tune
     from tokenmill.schemas.config import SpecError, read_spec_file
 
     try:
