@@ -14,9 +14,9 @@ from typing import Any
 import apache_beam as beam
 
 from tokenmill.schemas import records as R
+from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import FailedRecord, PromptRecord, TokenizedPrompt
 from tokenmill.transforms.chunks import MapRows, with_dead
-from tokenmill.schemas.errors import first_line
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's KV block size on CUDA; the job passes the engine's real one (128 on CPU)
 _TOKENIZERS: dict[str, Any] = {}
