@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.schemas.config import EngineConfig
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 
 
-def prompt_rows(workload, model_path: str, engine: EngineConfig) -> list[dict[str, Any]]:
+def prompt_rows(workload, model_path: str, engine: VllmConfig) -> list[dict[str, Any]]:
     """The workload's prompts tokenized exactly as tokenmill's Tokenize step does."""
     import pyarrow.parquet as pq
 
@@ -83,7 +83,7 @@ def raw(session, rows: list[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------- tokenmill
 
 
-def tokenmill(workload, engine: EngineConfig, work: Path, *, label: str, ordering: str = "prefix",
+def tokenmill(workload, engine: VllmConfig, work: Path, *, label: str, ordering: str = "prefix",
               num_workers: int = 1, session=None, batching: dict | None = None,
               count_load: bool | None = None) -> dict[str, Any]:
     """`count_load`: leave the job's engine start (its `model_load_s`) out of the

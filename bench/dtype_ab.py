@@ -67,12 +67,12 @@ def cpu_features() -> str:
 
 def auto_choice() -> dict[str, Any]:
     """What `dtype: auto` chooses here for the demo's engine (measured now if not yet)."""
-    from tokenmill.schemas.config import EngineConfig
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.schemas.models import resolve_model
     from tokenmill.transforms.engines.vllm_session import auto_dtype_measurement
 
     path = str(resolve_model("smollm2-135m"))
-    m = auto_dtype_measurement(EngineConfig(), path)
+    m = auto_dtype_measurement(VllmConfig(), path)
     return {k: m.get(k) for k in ("choice", "reason", "output_tok_per_s", "ratio", "quality", "measured_at", "key")}
 
 

@@ -274,11 +274,11 @@ class Bench:
         self.model_path = str(resolve_model(args.model))
         # what `dtype: auto` runs here, resolved where the engine resolves it (named on a CPU,
         # so the results say it; left to vLLM, the model's own dtype, on a GPU)
-        from tokenmill.schemas.config import EngineConfig
         from tokenmill.transforms.engines.device import has_nvidia_gpu
+        from tokenmill.transforms.engines.vllm_config import VllmConfig
         from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
-        self.vllm_dtype = engine_kwargs(EngineConfig(model=args.model, dtype=args.vllm_dtype), self.model_path,
+        self.vllm_dtype = engine_kwargs(VllmConfig(model=args.model, dtype=args.vllm_dtype), self.model_path,
                                         on_gpu=has_nvidia_gpu())["dtype"]
         self.models: dict[str, str] = {}
         self.servers: dict[str, VllmServer] = {}
@@ -318,22 +318,22 @@ class Bench:
     # -- engine configurations
     def vllm_config(self, wl: str, model: str):
         from bench.throughput import SCALES as TS
-        from tokenmill.schemas.config import EngineConfig
+        from tokenmill.transforms.engines.vllm_config import VllmConfig
 
         if wl == "a":
-            return EngineConfig(model=model, dtype=self.vllm_dtype, seed=0, **VLLM_A)
+            return VllmConfig(model=model, dtype=self.vllm_dtype, seed=0, **VLLM_A)
         kv = TS[self.args.scale]["b_kv_mib"] * MiB
-        return EngineConfig(model=model, dtype=self.vllm_dtype, seed=0, kv_cache_memory_bytes=kv, **VLLM_B)
+        return VllmConfig(model=model, dtype=self.vllm_dtype, seed=0, kv_cache_memory_bytes=kv, **VLLM_B)
 
     def llamacpp_config(self, wl: str, q: str, slots: int):
-        from tokenmill.schemas.config import EngineConfig
+        from tokenmill.transforms.engines.llamacpp_session import LlamaCppConfig
 
-        return EngineConfig(kind="llamacpp", model=self.models[q], tokenizer=self.args.model, max_in_flight=slots,
-                            max_model_len=VLLM_A["max_model_len"] if wl == "a" else VLLM_B["max_model_len"])
+        return LlamaCppConfig(kind="llamacpp", model=self.models[q], tokenizer=self.args.model, max_in_flight=slots,
+                              max_model_len=VLLM_A["max_model_len"] if wl == "a" else VLLM_B["max_model_len"])
 
     def arm_setup(self, arm: str, wl: str) -> dict[str, Any]:
         """The arm's engine config, workers and what its parallelism is, in words."""
-        from tokenmill.schemas.config import EngineConfig
+        from tokenmill.transforms.engines.openai_session import OpenAIConfig
 
         workers = 2 if wl == "b" else 1
         slots = self.args.slots
@@ -345,7 +345,7 @@ class Bench:
             par = f"{workers} worker(s), each its own llama-server with {slots} slots on its share of the cores"
         elif arm == "openai_vllm":
             v = self.vllm_config(wl, self.model_path)
-            cfg = EngineConfig(kind="openai", base_url=f"{self.servers[wl].root}/v1", model=SERVED,
+            cfg = OpenAIConfig(kind="openai", base_url=f"{self.servers[wl].root}/v1", model=SERVED,
                                tokenizer=self.args.model, max_in_flight=v.max_num_seqs, max_model_len=v.max_model_len)
             par = (f"{workers} worker(s), {v.max_num_seqs} requests in flight each, against one vLLM API server "
                    f"(max_num_seqs {v.max_num_seqs * workers})")

@@ -198,7 +198,7 @@ def main() -> None:
     from tokenmill.jobs.modeltools.quantize import quantize
     from tokenmill.schemas.models import quantization_record, resolve_model
     from tokenmill.transforms.engines.checks import _cpu_has_avx512
-    from tokenmill.schemas.config import EngineConfig
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.transforms.engines.cpu import cpu_dtype
     from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
@@ -210,7 +210,7 @@ def main() -> None:
     inputs = {"eval": ROOT / "data" / "eval_set.parquet", "chat": chat}
     src = resolve_model(args.model)
     cfg, _ = K.load_config(str(src))
-    auto_dtype = cpu_dtype(str(src), engine_kwargs(EngineConfig(model=str(src)), str(src), on_gpu=False,
+    auto_dtype = cpu_dtype(str(src), engine_kwargs(VllmConfig(model=str(src)), str(src), on_gpu=False,
                                                    resolve_auto=False))
 
     if args.calibrate_on == "eval":  # the eval job's own prompts: what its accuracy is measured on

@@ -89,7 +89,7 @@ def shared_token_share(rows: list[dict[str, Any]], block: int) -> float:
 
 
 def run(args) -> dict[str, Any]:
-    from tokenmill.schemas.config import EngineConfig
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.schemas.models import resolve_model
     from tokenmill.transforms.engines.checks import effective_block_size
     from tokenmill.transforms.engines.device import has_nvidia_gpu
@@ -112,9 +112,9 @@ def run(args) -> dict[str, Any]:
     base = dict(model=args.model, load_format=args.load_format, enforce_eager=not on_gpu, seed=0)
     if args.tokenizer:
         base["tokenizer"] = args.tokenizer
-    eng_ac = EngineConfig(**base, max_num_seqs=128, max_model_len=2048,
+    eng_ac = VllmConfig(**base, max_num_seqs=128, max_model_len=2048,
                           **({} if on_gpu else {"kv_cache_memory_bytes": 2048 * MiB}))
-    eng_b = EngineConfig(**base, max_num_seqs=16, max_model_len=sc["b_max_model_len"],
+    eng_b = VllmConfig(**base, max_num_seqs=16, max_model_len=sc["b_max_model_len"],
                          kv_cache_memory_bytes=sc["b_kv_mib"] * MiB)
     block = effective_block_size(eng_b, on_gpu=on_gpu)
     out: dict[str, Any] = {

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tokenmill.schemas.config import EngineConfig
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tokenmill.transforms.engines import cpu
 from tokenmill.transforms.engines import dtype_probe as P
 from tests.conftest import TEST_ENGINE
@@ -136,7 +136,7 @@ def test_the_cpu_identity_names_the_model_and_hashes_the_flags():
 def test_the_probe_times_both_dtypes_in_the_real_engine_and_float32_agrees_with_itself(model_path):
     from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
-    cfg = EngineConfig(**{**TEST_ENGINE, "dtype": "auto"})
+    cfg = VllmConfig(**{**TEST_ENGINE, "dtype": "auto"})
     kw = engine_kwargs(cfg, model_path, on_gpu=False, resolve_auto=False)
     cpu.apply_cpu_env()
     res = P.measure(kw, env=cpu.single_process_omp_env() or {}, prompts=8, output_tokens=4, warmup_prompts=2)

@@ -26,10 +26,10 @@ ENGINE = dict(TEST_ENGINE, kv_cache_memory_bytes=128 << 20)
 
 OWNER = """
 import json, sys, time
-from tokenmill.schemas.config import EngineConfig
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tokenmill.transforms.engines.vllm_session import VllmSession
 
-s = VllmSession(EngineConfig(model=sys.argv[1], **json.loads(sys.argv[2])), sys.argv[1])
+s = VllmSession(VllmConfig(model=sys.argv[1], **json.loads(sys.argv[2])), sys.argv[1])
 print("ENGINE", json.dumps({"engine_pids": [p.pid for p in s._procs], "executor": s.executor}), flush=True)
 time.sleep(600)
 """
@@ -75,7 +75,7 @@ def test_engine_processes_exit_when_their_owner_is_killed(tmp_path, model_path, 
 #: non-daemonic multiprocessing child (as vLLM's engine core is); the process exits.
 EXIT_ORDER = """
 import multiprocessing, time
-from tokenmill.schemas.config import EngineConfig
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tokenmill.transforms.engines import registry
 from tests.fakes import FakeSession
 
@@ -92,8 +92,8 @@ class ChildSession(FakeSession):
         self.child.join()
 
 
-registry.get_session(EngineConfig(), "/m", FakeSession)
-registry.get_session(EngineConfig(), "/m", ChildSession)
+registry.get_session(VllmConfig(), "/m", FakeSession)
+registry.get_session(VllmConfig(), "/m", ChildSession)
 """
 
 

@@ -204,12 +204,12 @@ def test_w4a16_checkpoint_needs_avx512_on_cpu(tmp_path, model_path, monkeypatch)
 
 
 def test_fp8_kv_cache_needs_avx512_on_cpu(monkeypatch):
-    from tokenmill.schemas.config import EngineConfig
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.transforms.engines import checks as E
 
     monkeypatch.setattr(E, "_cpu_has_avx512", lambda: False)
     with pytest.raises(E.EngineStartError, match="kv_cache_dtype 'fp8' on CPU needs AVX-512 or AMX"):
-        E.check_engine_config(EngineConfig(kv_cache_dtype="fp8"), on_gpu=False)
-    E.check_engine_config(EngineConfig(kv_cache_dtype="fp8"), on_gpu=True)  # GPUs have it
+        E.check_engine_config(VllmConfig(kv_cache_dtype="fp8"), on_gpu=False)
+    E.check_engine_config(VllmConfig(kv_cache_dtype="fp8"), on_gpu=True)  # GPUs have it
     monkeypatch.setattr(E, "_cpu_has_avx512", lambda: True)
-    E.check_engine_config(EngineConfig(kv_cache_dtype="fp8"), on_gpu=False)
+    E.check_engine_config(VllmConfig(kv_cache_dtype="fp8"), on_gpu=False)
