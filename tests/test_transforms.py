@@ -15,7 +15,8 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas import storage as S
-from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
+from tokenmill.schemas.config import BatchingConfig, SamplingDefaults
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tokenmill.schemas.records import Chunk, DeadLetterRow, FailedRecord, OutputRow, PromptRecord, TokenizedPrompt
 from tokenmill.transforms.chunks import DEAD
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
@@ -156,7 +157,7 @@ def test_take_part_gives_each_part_a_contiguous_segment_of_the_unit_order():
 
 
 def _generate_config(**batching) -> GenerateConfig:
-    return GenerateConfig(job_id="j", run_id="r", model_name="fake", model_path="", engine=EngineConfig(max_num_seqs=4),
+    return GenerateConfig(job_id="j", run_id="r", model_name="fake", model_path="", engine=VllmConfig(max_num_seqs=4),
                           sampling=SamplingDefaults(max_tokens=3), batching=BatchingConfig(**batching))
 
 
