@@ -256,7 +256,7 @@ def test_the_job_stores_the_servers_build_and_arguments(gguf, tmp_path, sqlite_u
     spec = job_spec(inp, tmp_path / "out", job_id="llama-info",
                     engine={"kind": "llamacpp", "max_in_flight": 2, "max_model_len": 256})
     assert run_job(spec, db_url=sqlite_url).status == "succeeded"
-    info = S.engine_info(S.connect(sqlite_url), "llama-info")
+    info = S.MetricsReader(S.connect(sqlite_url)).engine_info("llama-info")
     assert info["engine"] == "llamacpp" and info["gguf"] == str(gguf)
     assert info["server_version"].startswith("version:") and "-DGGML_AMX_INT8=OFF" in info["build_flags"]
     assert "-np" in info["server_args"] and info["server_props"]["total_slots"] == 2

@@ -19,7 +19,7 @@ from tokenmill.schemas.config import load_spec
 from tokenmill.schemas.records import Batch, TokenizedPrompt
 from tokenmill.transforms.engines import openai_session as O
 from tokenmill.transforms.engines.protocol import EngineStartError
-from tokenmill.transforms.generate import BatchRunner, GenerateConfig
+from tokenmill.transforms.batch_runner import BatchRunner, GenerateConfig
 from tests.conftest import write_parquet
 from tests.helpers import assert_one_line_error, cli, job_spec
 from tests.openai_server import FaultServer, answer_for
@@ -240,7 +240,7 @@ def test_run_against_a_down_server_fails_before_any_row_is_read(tmp_path, one_ro
               "--base-url", down, "--model", "m", "--db", sqlite_url, "--job-id", "down", catch_exceptions=False)
     assert_one_line_error(res, 1, "cannot be reached")
     eng = S.connect(sqlite_url)
-    assert S.get_job(eng, "down") is None  # refused before the job was claimed
+    assert S.JobStore(eng).get("down") is None  # refused before the job was claimed
 
 
 def test_spec_keys_and_their_refusals():
@@ -317,7 +317,7 @@ def test_end_to_end_every_id_once_with_reasons_and_no_key_anywhere(server, tmp_p
         content = src["prompt"] if src.get("prompt") else json.loads(src["messages"])[0]["content"]
         want = {"[[429*1]]": 2, "[[500]]": 3, "[[drop*2]]": 3, "[[trunc]]": 3}
         assert server.attempts[content] == next((n for m, n in want.items() if content.startswith(m)), 1), content
-    m = S.get_job(S.connect(pg_url), "oai-e2e")["metrics"]
+    m = S.JobStore(S.connect(pg_url)).get("oai-e2e")["metrics"]
     assert m["clocks"]["ttft_s"].startswith("client clock") and m["latency_s"]["queue"]["n"] == 0
     assert m["prefix_cache"]["hit_rate"] is None and m["tokens"]["cached"] is None  # unknown, not 0
     # retried attempts by reason, stored with the batches: 4 rows × (429 once; 500 twice more; two drops; two truncated)
@@ -336,7 +336,7 @@ def test_end_to_end_every_id_once_with_reasons_and_no_key_anywhere(server, tmp_p
         assert "jobs" in names and '"test-model"' in dump
         assert KEY not in dump, dump[max(0, dump.find(KEY) - 300):dump.find(KEY) + 100]
         assert KEY_VAR in dump
-    assert S.get_job(eng, "oai-e2e")["spec"]["engine"]["api_key_env"] == KEY_VAR
+    assert S.JobStore(eng).get("oai-e2e")["spec"]["engine"]["api_key_env"] == KEY_VAR
     captured = capfd.readouterr()
     assert KEY not in caplog.text and KEY not in captured.out + captured.err
     assert KEY not in "".join(p.read_text(errors="replace") for p in (tmp_path / "out").rglob("*") if p.is_file()
@@ -374,7 +374,7 @@ def test_a_job_counts_its_rows_by_where_their_token_counts_came_from(server, tmp
     with eng.connect() as conn:  # the database's outputs table holds the same
         stored = dict(conn.execute(text("SELECT id, token_count_source FROM outputs WHERE job_id = 'oai-src'")).all())
     assert stored == {k: v[0] for k, v in want.items()}
-    m = S.get_job(eng, "oai-src")["metrics"]
+    m = S.JobStore(eng).get("oai-src")["metrics"]
     assert m["tokens"]["by_count_source"] == {
         "engine": {"rows": 8, "prompt": sum(v[1] for k, v in want.items() if k not in local), "output": 32},
         "local_tokenizer+stream_chunks": {"rows": 4, "prompt": sum(v[1] for k, v in want.items() if k in local),
@@ -413,10 +413,10 @@ def test_a_server_that_dies_mid_job_leaves_the_unanswered_rows_for_the_resume(se
         run_job(spec, db_url=pg_url)
     killer.join()
     eng = S.connect(pg_url)
-    first = S.counts(eng, "oai-resume")
+    first = S.MetricsReader(eng).counts("oai-resume")
     # what finished batches answered is kept; nothing is dead-lettered for the outage
     assert first["succeeded"] < 24 and first["failed"] == 0
-    assert S.get_job(eng, "oai-resume")["status"] == "failed"
+    assert S.JobStore(eng).get("oai-resume")["status"] == "failed"
     with FaultServer(api_key=KEY, port=server.port) as again:
         res = run_job(spec, db_url=pg_url)
     assert res.status == "succeeded" and (res.succeeded, res.failed) == (24, 0)
@@ -444,14 +444,14 @@ def test_kill_9_of_a_run_then_resume_answers_each_id_once(server, tmp_path, sqli
     eng = S.connect(sqlite_url)
     deadline = time.monotonic() + 300  # a bound against a hung test, not a speed assertion
     while time.monotonic() < deadline and proc.poll() is None:
-        if S.get_job(eng, "oai-kill") is not None and S.counts(eng, "oai-kill")["succeeded"] >= 8:
+        if S.JobStore(eng).get("oai-kill") is not None and S.MetricsReader(eng).counts("oai-kill")["succeeded"] >= 8:
             break
         time.sleep(0.05)
     assert proc.poll() is None, f"the run ended before the kill: {proc.communicate()[1][-2000:]}"
     os.killpg(proc.pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
     assert KEY not in err
-    before = {r["id"] for r in S.request_rows(eng, "oai-kill", ("id",))}
+    before = {r["id"] for r in S.MetricsReader(eng).request_rows("oai-kill", ("id",))}
     assert 8 <= len(before) < n
     rerun = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]

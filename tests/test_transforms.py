@@ -99,11 +99,11 @@ def test_claim_ids_records_the_first_row_of_each_id_whatever_order_units_run_in(
     with _pipeline() as p:
         total = p | PlanUnits(work) | ClaimIds(sqlite_url, "j", ["id"])
         assert_that(total, equal_to([7]))
-    assert S.id_claims(S.connect(sqlite_url), "j", "abcdz") == {"a": (0, 0), "b": (0, 1), "c": (0, 3), "d": (0, 6)}
+    assert S.ResultWriter(S.connect(sqlite_url)).id_claims("j", "abcdz") == {"a": (0, 0), "b": (0, 1), "c": (0, 3), "d": (0, 6)}
 
 
 def test_dedup_ids_keeps_the_claiming_row_of_an_id_and_dead_letters_the_rest(sqlite_url):
-    S.claim_ids(S.connect(sqlite_url), "j", [("a", 0, 5), ("a", 0, 2), ("b", 1, 0)])
+    S.ResultWriter(S.connect(sqlite_url)).claim_ids("j", [("a", 0, 5), ("a", 0, 2), ("b", 1, 0)])
     recs = [PromptRecord(id="a", input_file=0, input_row=5, prompt="late"),
             PromptRecord(id="a", input_file=0, input_row=2, prompt="early"),
             PromptRecord(id="b", input_file=1, input_row=0, prompt="only")]
@@ -119,9 +119,9 @@ def test_dedup_ids_keeps_the_claiming_row_of_an_id_and_dead_letters_the_rest(sql
 
 def test_skip_done_drops_answered_ids_and_dead_lettered_rows(sqlite_url):
     eng = S.connect(sqlite_url)
-    S.insert_rows(eng, OutputRow, [OutputRow(job_id="j", id="a", input_file=0, input_row=0).as_dict()])
-    S.insert_rows(eng, DeadLetterRow, [DeadLetterRow(job_id="j", input_file=0, input_row=1, id="b",
-                                                     reason=R.EMPTY_PROMPT, message="empty").as_dict()])
+    S.ResultWriter(eng).insert_rows(OutputRow, [OutputRow(job_id="j", id="a", input_file=0, input_row=0).as_dict()])
+    S.ResultWriter(eng).insert_rows(DeadLetterRow, [DeadLetterRow(job_id="j", input_file=0, input_row=1, id="b",
+                                                                       reason=R.EMPTY_PROMPT, message="empty").as_dict()])
     recs = [PromptRecord(id=i, input_file=0, input_row=n, prompt="q") for n, i in enumerate("abc")]
     recs.append(PromptRecord(id="a", input_file=0, input_row=3, prompt="other job's id"))
     with _pipeline() as p:
@@ -225,5 +225,5 @@ def test_a_batch_and_dead_letters_are_committed_idempotently(sqlite_url):
         with _pipeline() as p:
             _ = p | "dead" >> beam.Create(dead) | "w" >> WriteDeadLetters(sqlite_url, "j")
     eng = S.connect(sqlite_url)
-    assert S.counts(eng, "j") == {"succeeded": 3, "failed": 2}
-    assert [b["batch_id"] for b in S.job_batches(eng, "j")] == ["b0"]
+    assert S.MetricsReader(eng).counts("j") == {"succeeded": 3, "failed": 2}
+    assert [b["batch_id"] for b in S.MetricsReader(eng).batches("j")] == ["b0"]

