@@ -118,7 +118,7 @@ def start_cluster(logs: Path, n_workers: int = 2, nanny: bool = True) -> DaskClu
                 break
             except OSError:
                 if sched.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"dask scheduler did not start:\n{cluster.tail()}")
+                    raise RuntimeError(f"dask scheduler did not start:\n{cluster.tail()}") from None
                 time.sleep(0.2)
         for i in range(n_workers):
             cluster.workers.append(_spawn(

@@ -30,8 +30,8 @@ from sqlalchemy import create_engine, text
 from bench.common import RESULTS, utc_now, utc_stamp
 from tokenmill.jobs.metrics.hardware import cpu_flags
 from tokenmill.schemas import storage as S
-from tokenmill.transforms.engines.device import cpu_model
 from tokenmill.schemas.records import BatchStats, OutputRow
+from tokenmill.transforms.engines.device import cpu_model
 from tokenmill.transforms.write import commit_batch
 
 PG_URL = os.environ.get("TOKENMILL_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")

@@ -67,8 +67,8 @@ def cpu_features() -> str:
 
 def auto_choice() -> dict[str, Any]:
     """What `dtype: auto` chooses here for the demo's engine (measured now if not yet)."""
-    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.schemas.models import resolve_model
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.transforms.engines.vllm_session import auto_dtype_measurement
 
     path = str(resolve_model("smollm2-135m"))

@@ -435,7 +435,12 @@ class Bench:
         from bench.arms import _rates, prompt_rows
         from tokenmill.jobs.metrics.accounting import dist
         from tokenmill.jobs.metrics.pricing import price_table, worker_rate
-        from tokenmill.transforms.engines.llamacpp_session import LlamaServer, check_llamacpp, client_config, worker_cores
+        from tokenmill.transforms.engines.llamacpp_session import (
+            LlamaServer,
+            check_llamacpp,
+            client_config,
+            worker_cores,
+        )
         from tokenmill.transforms.engines.openai_session import OpenAISession
 
         cfg = setup["cfg"]

@@ -62,7 +62,7 @@ except ModuleNotFoundError:  # a bare clone on a GPU host: its folders are token
     sys.modules["tokenmill"] = _pkg
 
 from bench.common import RESULTS, utc_now, utc_stamp  # noqa: E402
-from tokenmill.transforms.engines.meter import _max, _mean  # noqa: E402  (the meter's own reductions: None-skipping)
+from tokenmill.transforms.engines.meter import max_of, mean_of  # noqa: E402  (the meter's own reductions: None-skipping)
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_NO_GPU, EXIT_CANNOT_RUN = 0, 1, 2, 3, 4
 MIB = 1 << 20
@@ -153,16 +153,16 @@ def meter_checks(idle: dict[str, Any], busy: dict[str, Any], smi_idle: list[dict
     mb = busy.get("measure") or {}
     for label, g, smi in (("idle", gi, smi_idle), ("busy", gb, smi_busy)):
         out.append(within(f"device memory used, max, GiB ({label})", _gib(g.get("memory_used_bytes_max")),
-                          _gib(_max([s["memory_used_bytes"] for s in smi])), MEMORY_TOL))
+                          _gib(max_of([s["memory_used_bytes"] for s in smi])), MEMORY_TOL))
     procs_note = "" if smi_process_memory_bytes is not None else \
         "nvidia-smi lists no process with this pid (a container's own PID namespace?)"
     out.append(within("this process's GPU memory, max, GiB (busy)", _gib(gb.get("process_memory_bytes_max")),
                       _gib(smi_process_memory_bytes), MEMORY_TOL, procs_note))
     for label, g, smi in (("idle", gi, smi_idle), ("busy", gb, smi_busy)):
         out.append(within(f"mean power, W ({label})", g.get("power_w_mean"),
-                          _mean([s["power_w"] for s in smi]), POWER_TOL))
+                          mean_of([s["power_w"] for s in smi]), POWER_TOL))
     window = mb.get("window_s")
-    smi_power = _mean([s["power_w"] for s in smi_busy])
+    smi_power = mean_of([s["power_w"] for s in smi_busy])
     energy = gb.get("energy_j")
     counter_note = "" if energy is not None else "NVML's energy counter is not supported on this device"
     out.append(within("energy counter, J (busy) vs nvidia-smi mean power × window", energy,
@@ -170,8 +170,8 @@ def meter_checks(idle: dict[str, Any], busy: dict[str, Any], smi_idle: list[dict
     out.append(within("energy counter, J (busy) vs the meter's mean power × window", energy,
                       gb.get("energy_j_from_power"), ENERGY_TOL, counter_note))
     for who, busy_u, idle_u in (("tokenmill", gb.get("util_pct_mean"), gi.get("util_pct_mean")),
-                                ("nvidia-smi", _mean([s["util_pct"] for s in smi_busy]),
-                                 _mean([s["util_pct"] for s in smi_idle]))):
+                                ("nvidia-smi", mean_of([s["util_pct"] for s in smi_busy]),
+                                 mean_of([s["util_pct"] for s in smi_idle]))):
         out.append(check(f"utilization, mean % (busy; {who})", busy_u, BUSY_UTIL_MIN,
                          busy_u is not None and busy_u >= BUSY_UTIL_MIN, f">= {BUSY_UTIL_MIN:.0f}"))
         out.append(check(f"utilization, mean % (idle; {who})", idle_u, IDLE_UTIL_MAX,

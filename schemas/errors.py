@@ -5,7 +5,7 @@ from __future__ import annotations
 LIMIT = 300
 
 
-def first_line(err: BaseException, limit: int = LIMIT) -> str:
+def first_line(err: BaseException | str, limit: int = LIMIT) -> str:
     """The first non-empty line of an exception's message (its type name when it has
     none), at most `limit` characters.  Beam's BeamIOError keeps the useful message
     in `exception_details`; that one is preferred."""

@@ -177,7 +177,7 @@ class StoredRow:
     job_id: str = column("str:128", key=True)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in field_names(type(self))}
+        return {k: getattr(self, k) for k in field_names(type(self))}  # type: ignore[arg-type]  # a record class is hashable
 
 
 @dataclass(kw_only=True)
@@ -340,11 +340,11 @@ def export_schema(record: type[StoredRow]) -> pa.Schema:
     """The Arrow schema of the record's exported file."""
     types = {f.name: _ARROW[f.metadata["sql"].split(":")[0]] for f in dataclasses.fields(record)}
     types["input_ref"] = pa.string()
-    return pa.schema([(n, types[n]) for n in _export_names(record)])
+    return pa.schema([(n, types[n]) for n in _export_names(record)])  # type: ignore[arg-type]  # a record class is hashable
 
 
 def exported(record: type[StoredRow], row: dict[str, Any]) -> dict[str, Any]:
     """A stored row (a dict of the table's columns) as the exported files show it."""
-    out = {k: row.get(k) for k in _export_names(record) if k != "input_ref"}
+    out = {k: row.get(k) for k in _export_names(record) if k != "input_ref"}  # type: ignore[arg-type]  # a record class is hashable
     out["input_ref"] = format_ref(row["input_file"], row["input_row"])
     return out

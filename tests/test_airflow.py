@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.schemas import storage as S
 from tests.conftest import TEST_ENGINE, write_parquet
+from tokenmill.schemas import storage as S
 
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW_VENV = Path(os.environ.get("TOKENMILL_AIRFLOW_VENV", ROOT / ".venv-airflow"))

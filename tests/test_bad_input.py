@@ -15,12 +15,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.schemas import storage as S
-from tokenmill.jobs.lifecycle.runner import JobError, run_job
-from tokenmill.schemas import records as R
 from tests.conftest import TEST_ENGINE, write_parquet
 from tests.fakes import FakeSession, PoisonedVllm
 from tests.helpers import cli, job_spec, one_error_line, stale_output_job
+from tokenmill.jobs.lifecycle.runner import JobError, run_job
+from tokenmill.schemas import records as R
+from tokenmill.schemas import storage as S
 
 HANG_MAX_TOKENS = 777  # the fake engine never finishes such a request
 CRASH_MAX_TOKENS = 666  # the fake engine dies on such a request

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
+from tests.conftest import TEST_ENGINE, write_parquet
+from tests.helpers import cli, job_spec, one_error_line
 from tokenmill.jobs.modeltools import calibration as C
 from tokenmill.jobs.modeltools.quantize import LLMC_PYTHON_ENV, quantize
 from tokenmill.jobs.modeltools.schemes import QuantizeError, QuantizeFailed, check_method
-from tests.conftest import TEST_ENGINE, write_parquet
-from tests.helpers import cli, job_spec, one_error_line
 
 QUESTIONS = ["What is the capital of France?", "Add 2 and 3.", "Name a primary colour.",
              "Explain, in two sentences, why the sky looks blue in daytime but red at sunset.",

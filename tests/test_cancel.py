@@ -7,11 +7,11 @@ import time
 
 import pyarrow.parquet as pq
 
-from tokenmill.schemas import storage as S
-from tokenmill.jobs.lifecycle.runner import run_job
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
 from tests.helpers import cli, job_spec
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.schemas import storage as S
 
 ROWS = 200
 

@@ -3,8 +3,8 @@
 import pytest
 from sqlalchemy import text
 
-from tokenmill.schemas import storage as S
 from tests.conftest import PG_URL
+from tokenmill.schemas import storage as S
 
 pytestmark = pytest.mark.postgres
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from tokenmill.transforms.engines.vllm_config import VllmConfig
+from tests.conftest import TEST_ENGINE
 from tokenmill.transforms.engines import cpu
 from tokenmill.transforms.engines import dtype_probe as P
-from tests.conftest import TEST_ENGINE
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 
 GREEDY = {"float32": [[1, 2, 3]], "bfloat16": [[1, 2, 4]]}
 

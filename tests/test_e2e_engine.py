@@ -8,11 +8,11 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.schemas import storage as S
 from bench.datasets import SYSTEM_PROMPTS
-from tokenmill.jobs.lifecycle.runner import run_job
 from tests.conftest import TEST_ENGINE, write_parquet
 from tests.helpers import job_spec
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.schemas import storage as S
 
 pytestmark = pytest.mark.engine
 

@@ -10,12 +10,12 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.jobs.lifecycle import export as X
-from tokenmill.jobs.lifecycle.runner import JobError, run_job
-from tokenmill.schemas import storage as S
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
 from tests.helpers import job_spec, stale_output_job
+from tokenmill.jobs.lifecycle import export as X
+from tokenmill.jobs.lifecycle.runner import JobError, run_job
+from tokenmill.schemas import storage as S
 
 ROWS = 200
 

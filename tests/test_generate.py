@@ -1,13 +1,13 @@
 """BatchRunner with a fake engine: feeding across batch tails, poison isolation, rejected rows."""
 
 
+from tests.fakes import FakeSession
 from tokenmill.schemas import records as R
 from tokenmill.schemas.config import BatchingConfig, SamplingDefaults
-from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tokenmill.schemas.records import TokenizedPrompt
-from tokenmill.transforms.batching import pack
 from tokenmill.transforms.batch_runner import BatchRunner, GenerateConfig
-from tests.fakes import FakeSession
+from tokenmill.transforms.batching import pack
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 
 
 def cfg(**batching):

@@ -7,7 +7,6 @@ the llamacpp engine serves."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

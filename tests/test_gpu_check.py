@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check as G
-from tokenmill.transforms.engines.meter import WorkerMeter
 from tests.fakes import FakeNvmlHost
+from tokenmill.transforms.engines.meter import WorkerMeter
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from tests.fakes import FakeSession
 from tokenmill.transforms.engines import cpu, kv, registry, vllm_engine, vllm_session, worker
 from tokenmill.transforms.engines.vllm_config import VllmConfig
-from tests.fakes import FakeSession
 
 SMOL = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
         "intermediate_size": 1536, "num_hidden_layers": 30, "vocab_size": 49152, "dtype": "bfloat16"}

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.jobs.modeltools import kvplan as K
 from tests.helpers import cli, job_spec
+from tokenmill.jobs.modeltools import kvplan as K
 
 SMOL = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
         "intermediate_size": 1536, "num_hidden_layers": 30, "vocab_size": 49152, "tie_word_embeddings": True,

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.transforms.openai_batch import LineError, line_row, parse_request, plan_jsonl
-from tokenmill.transforms.validate import validate_row
 from tests.conftest import TEST_ENGINE
 from tests.fakes import FakeSession
 from tests.helpers import job_spec
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.transforms.openai_batch import LineError, line_row, parse_request, plan_jsonl
+from tokenmill.transforms.validate import validate_row
 
 
 def chat_line(cid, content, model="smollm2-135m", **body):

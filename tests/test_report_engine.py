@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from tokenmill.jobs.lifecycle.runner import run_job
 from tests.conftest import TEST_ENGINE, write_parquet
 from tests.helpers import cli, job_spec
+from tokenmill.jobs.lifecycle.runner import run_job
 
 pytestmark = pytest.mark.engine
 

@@ -15,8 +15,8 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.schemas import storage as S
 from tests.conftest import TEST_ENGINE, write_parquet
+from tokenmill.schemas import storage as S
 
 pytestmark = pytest.mark.engine
 ROWS = 600

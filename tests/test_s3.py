@@ -22,11 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 
-from tokenmill.schemas import storage as S
-from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.schemas import records as R
 from tests.fakes import FakeSession
 from tests.helpers import assert_one_line_error, cli, job_spec
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.schemas import records as R
+from tokenmill.schemas import storage as S
 
 pytestmark = pytest.mark.s3
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect, select
 
-from tokenmill.schemas import storage as S
-from tokenmill.jobs.lifecycle.export import OutputPathError, check_output_root, join
-from tokenmill.jobs.lifecycle.runner import JobError, run_job
-from tokenmill.schemas import tables as T
 from tests.conftest import PG_URL, write_parquet
 from tests.fakes import FakeSession
 from tests.helpers import cli, job_spec
+from tokenmill.jobs.lifecycle.export import OutputPathError, check_output_root, join
+from tokenmill.jobs.lifecycle.runner import JobError, run_job
+from tokenmill.schemas import storage as S
+from tokenmill.schemas import tables as T
 
 FAKE_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYFAKESECRET"
 FAKE_KEY_ID = "AKIAFAKEKEYID0000000"

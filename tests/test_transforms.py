@@ -13,14 +13,16 @@ import apache_beam as beam
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
+from tests.conftest import write_parquet
+from tests.fakes import FakeSession
 from tokenmill.schemas import records as R
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import BatchingConfig, SamplingDefaults
-from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tokenmill.schemas.records import Chunk, DeadLetterRow, FailedRecord, OutputRow, PromptRecord, TokenizedPrompt
+from tokenmill.transforms.batching import TakePart
 from tokenmill.transforms.chunks import DEAD
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
-from tokenmill.transforms.batching import TakePart
+from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
 from tokenmill.transforms.openai_batch import plan_jsonl
 from tokenmill.transforms.read import PlanUnits, ReadPrompts, plan_input, plan_units, plan_work
@@ -28,8 +30,6 @@ from tokenmill.transforms.resume import SkipDone
 from tokenmill.transforms.tokenize import Tokenize
 from tokenmill.transforms.validate import Validate
 from tokenmill.transforms.write import WriteDeadLetters, commit_batch
-from tests.conftest import write_parquet
-from tests.fakes import FakeSession
 
 
 def _pipeline():

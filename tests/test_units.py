@@ -2,9 +2,10 @@
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from tests.test_batching import tp
 from tokenmill.transforms.batching import segment
 from tokenmill.transforms.read import MAX_UNIT_ROWS, plan_input, plan_units, plan_work, read_unit
-from tests.test_batching import tp
 
 
 def write(path, n, row_group_size, start=0):

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
+from tests.helpers import cli, job_spec
 from tokenmill.schemas import records as R
 from tokenmill.schemas.records import Chunk, FailedRecord, PromptRecord
 from tokenmill.transforms.validate import validate_row
-from tests.helpers import cli, job_spec
 
 
 def row(**kw):

