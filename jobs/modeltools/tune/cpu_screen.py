@@ -10,6 +10,7 @@ from tokenmill.jobs.modeltools.tune.space import Candidate, work_key
 from tokenmill.schemas.config import load_spec
 from tokenmill.transforms.engines.cpu import cpu_dtype_measurement
 from tokenmill.transforms.engines.device import has_nvidia_gpu
+from tokenmill.transforms.engines.kinds import engine_of
 from tokenmill.transforms.engines.vllm_session import engine_kwargs
 
 #: On a CPU, a candidate whose dtype this machine measured at least this many times slower
@@ -20,7 +21,7 @@ SLOW_DTYPE = 4.0
 
 def screens_cpu_dtype(spec) -> bool:
     """Whether the job's engine resolves `dtype: auto` by measuring on this machine's CPU."""
-    return spec.engine.kind == "vllm" and not has_nvidia_gpu()
+    return engine_of(spec.engine.kind).measures_cpu_dtype and not has_nvidia_gpu()
 
 
 def measure_cpu_dtypes(spec, model_path: str) -> dict[str, Any]:
