@@ -22,6 +22,7 @@ import apache_beam as beam
 from tokenmill.schemas.config import JobSpec
 from tokenmill.transforms.batching import TakePart
 from tokenmill.transforms.chunks import DEAD
+from tokenmill.transforms.counting import TokenCounter
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
 from tokenmill.transforms.engines.kinds import engine_of
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
@@ -45,6 +46,9 @@ class PipelineParts:
     model_name: str
     model_path: str
     db_url: str
+    counter: TokenCounter | None = None
+    """How Tokenize counts the prompts (the engine's preflight says); None: with the
+    tokenizer at `model_path`."""
     session_factory: Callable[..., Any] | None = None
     block_size: int | None = None
     """The engine's KV block size; prefix keys align to it."""
@@ -72,7 +76,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
         dedup = valid.ok | "DedupIds" >> DedupIds(parts.db_url, parts.job_id, claimed)
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(
-        parts.model_path, spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks,
+        parts.counter or TokenCounter.local(parts.model_path), spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks,
         keep_source=engine_of(spec.engine.kind).takes_text,
     )
     dead["Tokenize"] = tok[DEAD]

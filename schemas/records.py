@@ -67,7 +67,17 @@ TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS = "local_tokenizer+stream_chunks"
 Tokenize step made with the job's own tokenizer and chat template (the server's may
 differ), output_tokens the number of streamed chunks that carried text (a server that
 puts several tokens in a chunk makes it an undercount).  Both are estimates."""
-TOKEN_COUNT_SOURCES = (TOKENS_BY_ENGINE, TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS)
+TOKENS_BY_SERVER_TOKENIZER_AND_STREAM_CHUNKS = "server_tokenizer+stream_chunks"
+"""The HTTP server sent no `usage`, but has a `/tokenize`: prompt_tokens is what the
+server's own tokenizer (and chat template) counted in the Tokenize step, output_tokens
+the streamed text chunks (an estimate, as above)."""
+TOKENS_BY_ESTIMATE_AND_STREAM_CHUNKS = "estimate+stream_chunks"
+"""The HTTP server sent no `usage`, has no `/tokenize`, and the job was given no local
+tokenizer: prompt_tokens is estimated from the text's length (transforms/counting.py,
+one token per 4 bytes of UTF-8), output_tokens the streamed text chunks."""
+#: Appended to only: a source's position is its code in the metrics (_CODES).
+TOKEN_COUNT_SOURCES = (TOKENS_BY_ENGINE, TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS,
+                       TOKENS_BY_SERVER_TOKENIZER_AND_STREAM_CHUNKS, TOKENS_BY_ESTIMATE_AND_STREAM_CHUNKS)
 
 
 @dataclass(slots=True)

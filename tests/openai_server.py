@@ -15,6 +15,12 @@ answered; without N every attempt fails):
 
 `attempts` counts the requests each prompt got; `auth` the Authorization headers seen;
 `bodies` the request bodies, in the order they came.
+
+`tokenize="vllm"` adds vLLM's `POST /tokenize` (`{"model", "prompt" | "messages"}`),
+`tokenize="llama.cpp"` llama-server's (`{"content"}`, and `POST /apply-template`): one
+token per word, as `usage` counts (the last message's words, for a conversation); a
+text holding `[[badtok]]` is refused (HTTP 400), one holding `[[tok500]]` answered with
+HTTP 500, and `tokenize_500=N` answers the first N /tokenize calls with HTTP 500.  `tokenized` counts the texts /tokenize answered.
 """
 
 from __future__ import annotations
@@ -39,9 +45,11 @@ def answer_for(text: str) -> list[str]:
 
 class FaultServer:
     def __init__(self, model: str = "test-model", api_key: str | None = None, hang_s: float = 30.0,
-                 port: int | None = None):
+                 port: int | None = None, tokenize: str | None = None, tokenize_500: int = 0):
         """`port`: listen there (a server restarted where the last one was); default a free one."""
         self.model, self.api_key, self.hang_s = model, api_key, hang_s
+        self.tokenize, self.tokenize_500 = tokenize, tokenize_500
+        self.tokenized: Counter[str] = Counter()
         self.attempts: Counter[str] = Counter()
         self.answered = 0
         self.auth: list[str | None] = []
@@ -72,6 +80,10 @@ class FaultServer:
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/v1/chat/completions", self._complete)
             app.router.add_post("/v1/completions", self._complete)
+            if self.tokenize:
+                app.router.add_post("/tokenize", self._tokenize)
+                if self.tokenize == "llama.cpp":
+                    app.router.add_post("/apply-template", self._apply_template)
             self._runner = web.AppRunner(app, shutdown_timeout=0.5)
             self._loop.run_until_complete(self._runner.setup())
             self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
@@ -111,6 +123,31 @@ class FaultServer:
         if not self._authorized(request):
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        if not self._authorized(request):
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        body = await request.json()
+        if self.tokenize == "vllm":
+            if body.get("model") != self.model or not ("prompt" in body or "messages" in body):
+                return web.json_response({"error": {"message": "bad request"}}, status=400)
+            text = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
+        elif "content" not in body:
+            return web.json_response({"error": {"message": "content missing"}}, status=400)
+        else:
+            text = re.sub(r"^<\|\w+\|>", "", body["content"].rsplit("\n", 1)[-1])  # an applied template's last message
+        if "[[badtok]]" in text:
+            return web.json_response({"error": {"message": "cannot tokenize"}}, status=400)
+        if self.tokenize_500 > 0 or "[[tok500]]" in text:
+            self.tokenize_500 = max(0, self.tokenize_500 - 1)
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        self.tokenized[text] += 1
+        tokens = [1000 + len(w) for w in text.split()]
+        return web.json_response({"count": len(tokens), "tokens": tokens, "max_model_len": 2048})
+
+    async def _apply_template(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        return web.json_response({"prompt": "\n".join(f"<|{m['role']}|>{m['content']}" for m in body["messages"])})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):

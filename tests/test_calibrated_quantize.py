@@ -94,7 +94,7 @@ def test_rows_the_job_would_dead_letter_and_duplicates_are_not_usable(tmp_path, 
 
 def test_calibration_prompts_are_the_jobs_own_token_ids_drawn_reproducibly_across_lengths(tmp_path, model_path):
     from tokenmill.schemas.records import PromptRecord
-    from tokenmill.transforms.tokenize import encode, load_tokenizer
+    from tokenmill.transforms.counting import encode, load_tokenizer
 
     rows = [{"id": f"z{i}", "prompt": "word " * (1 + i)} for i in range(200)]
     cal = write_parquet(tmp_path / "cal.parquet", rows)

@@ -41,7 +41,7 @@ def test_imatrix_context_holds_two_chunks_of_the_text():
 
 def test_the_calibration_text_is_the_jobs_prompts_with_their_special_tokens(model_path):
     from tokenmill.schemas.records import PromptRecord
-    from tokenmill.transforms.tokenize import encode, load_tokenizer
+    from tokenmill.transforms.counting import encode, load_tokenizer
 
     tok = load_tokenizer(model_path)
     ids = [encode(tok, PromptRecord(id=r["id"], input_file=0, input_row=0, messages=r["messages"])) for r in chat_rows(2)]

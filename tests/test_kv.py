@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.fakes import FakeSession
-from tokenmill.transforms.engines import cpu, kv, registry, vllm_engine, vllm_session, worker
+from tokenmill.transforms.engines import cpu, kinds, kv, registry, vllm_engine, vllm_session, worker
 from tokenmill.transforms.engines.vllm_config import VllmConfig
 
 SMOL = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
@@ -212,7 +212,7 @@ def test_an_engine_sized_for_a_small_first_chunk_runs_a_later_longer_one(model_p
     """The cache holds one 512-token sequence (the floor); eight 420-token sequences
     still finish through it, one or two at a time."""
     monkeypatch.setattr(registry, "_SESSIONS", {})  # the suite's shared engine stays as it is
-    monkeypatch.setattr(worker, "_JOB_TOKENS", {})
+    monkeypatch.setattr(kinds.engine_of("vllm"), "job_tokens", {})
     cfg = VllmConfig(max_num_seqs=8, max_model_len=512)
     s = worker.worker_session(cfg, model_path, group="kv-small-first", job_tokens=kv.JobTokens(40, 80))
     try:

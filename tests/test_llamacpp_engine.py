@@ -167,8 +167,8 @@ def test_a_job_on_llama_server_answers_every_row_once_greedy_equal_to_the_server
 
     from tokenmill.schemas.models import resolve_model
     from tokenmill.schemas.records import PromptRecord
+    from tokenmill.transforms.counting import TokenCounter, encode, load_tokenizer, probe_server
     from tokenmill.transforms.engines.llamacpp_session import free_port
-    from tokenmill.transforms.tokenize import encode, load_tokenizer
 
     rows = _sample_rows(16, 16)
     rows.append({"id": "raw", "messages": None, "prompt": "The three primary colors are", "max_tokens": 12})
@@ -216,6 +216,9 @@ def test_a_job_on_llama_server_answers_every_row_once_greedy_equal_to_the_server
             time.sleep(0.2)
         differ = []
         tok = load_tokenizer(str(resolve_model("smollm2-135m", need_weights=False)))
+        # the server's own /tokenize, as `engine.token_count: server` asks it (llama-server's shape)
+        assert probe_server(base, "any", None) == "llama.cpp"
+        server_count = TokenCounter("server", root=base, model="any", style="llama.cpp").open()
         for r in rows:
             body = {"max_tokens": r["max_tokens"], "temperature": 0.0}
             if r["messages"]:
@@ -230,6 +233,7 @@ def test_a_job_on_llama_server_answers_every_row_once_greedy_equal_to_the_server
             # tokenmill's tokenizer (the HF folder of the same model) counts what the server counts
             rec = PromptRecord(id=r["id"], input_file=0, input_row=0, prompt=r["prompt"], messages=r["messages"])
             assert len(encode(tok, rec)) == usage["prompt_tokens"], r["id"]
+            assert server_count.encode(rec) == encode(tok, rec), r["id"]
             if text != g["text"]:
                 differ.append((r["id"], text, g["text"]))
             assert g["output_tokens"] == usage["completion_tokens"] and g["prompt_tokens"] == usage["prompt_tokens"]

@@ -207,7 +207,7 @@ def _validate(base_url: str, one_row, tmp_path, *extra, model: str = "test-model
 def test_preflight_accepts_a_good_server_and_refuses_each_bad_config_in_one_line(server, one_row, tmp_path, monkeypatch):
     ok = _validate(server.base_url, one_row, tmp_path, "--api-key-env", KEY_VAR)
     assert ok.exit_code == 0, ok.output
-    assert f"model test-model at {server.base_url} (tokenizer " in ok.output
+    assert f"model test-model at {server.base_url} (tokens counted by the local tokenizer " in ok.output
     # a server that is down
     with FaultServer() as other:
         down = other.base_url
@@ -216,10 +216,17 @@ def test_preflight_accepts_a_good_server_and_refuses_each_bad_config_in_one_line
     # a model the server does not list
     res = _validate(server.base_url, one_row, tmp_path, "--api-key-env", KEY_VAR, model="no-such-model")
     assert_one_line_error(res, 1, "does not serve model 'no-such-model'", "test-model")
-    # no local tokenizer: the server's model name is not a folder here
-    res = cli("validate", "--input", str(one_row), "--output", str(tmp_path / "o"), "--engine", "openai",
-              "--base-url", server.base_url, "--model", "test-model", "--api-key-env", KEY_VAR, catch_exceptions=False)
-    assert_one_line_error(res, 1, "counts tokens with a local tokenizer", "engine.tokenizer")
+    # no local tokenizer, no /tokenize on this server: counted by the stated estimate...
+    def untokenized(*extra):
+        return cli("validate", "--input", str(one_row), "--output", str(tmp_path / "o"), "--engine", "openai",
+                   "--base-url", server.base_url, "--model", "test-model", "--api-key-env", KEY_VAR, *extra,
+                   catch_exceptions=False)
+    res = untokenized()
+    assert res.exit_code == 0 and "tokens estimated at one per 4 bytes" in res.output, res.output
+    # ...unless the job insists on a tokenizer or on the server's counts
+    assert_one_line_error(untokenized("--token-count", "tokenizer"), 1, "no local tokenizer 'test-model'",
+                          "engine.tokenizer")
+    assert_one_line_error(untokenized("--token-count", "server"), 1, "/tokenize does not answer with token ids")
     # the key's variable is not set
     monkeypatch.delenv(KEY_VAR)
     res = _validate(server.base_url, one_row, tmp_path, "--api-key-env", KEY_VAR)
@@ -347,7 +354,7 @@ def test_a_job_counts_its_rows_by_where_their_token_counts_came_from(server, tmp
     """A server that sends `usage` for some rows and none for others (every third): each row
     exported and stored says which, and the job's figures count the rows each way."""
     from tokenmill.schemas.records import PromptRecord
-    from tokenmill.transforms.tokenize import encode, load_tokenizer
+    from tokenmill.transforms.counting import encode, load_tokenizer
 
     prompts = {f"id{i}": ("[[nousage]] " if i % 3 == 0 else "") + f"row {i}: tell me something" for i in range(12)}
     inp = write_parquet(tmp_path / "in.parquet", [{"id": k, "prompt": p} for k, p in prompts.items()])

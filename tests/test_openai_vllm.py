@@ -19,7 +19,7 @@ from tests.conftest import TEST_ENGINE, write_parquet
 from tests.helpers import job_spec
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas.records import PromptRecord
-from tokenmill.transforms.tokenize import encode, load_tokenizer
+from tokenmill.transforms.counting import encode, load_tokenizer
 
 pytestmark = pytest.mark.engine
 
@@ -99,3 +99,29 @@ def test_a_job_through_vllms_own_openai_server(vllm_server, tmp_path, sqlite_url
         "model": SERVED, "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 16, "temperature": 0.0}).json()
     assert direct["choices"][0]["message"]["content"] == out["chat"]["text"]
+
+
+def test_a_server_model_not_on_local_disk_is_counted_by_the_servers_own_tokenize(vllm_server, tmp_path, sqlite_url):
+    """`--engine openai --model smollm2-served` with no `--tokenizer`, as a new user tries it:
+    the preflight finds the server's /tokenize and the job counts with it, token for token
+    what the local tokenizer of the same model makes."""
+    from tokenmill.jobs.lifecycle.preflight import preflight
+
+    base, model = vllm_server
+    rows = [{"id": "chat", "messages": '[{"role": "user", "content": "Name a colour."}]', "prompt": None},
+            {"id": "raw", "messages": None, "prompt": "One, two, three,"}]
+    inp = write_parquet(tmp_path / "in.parquet", rows)
+    spec = job_spec(inp, tmp_path / "out", job_id="oai-vllm-tok", sampling={"max_tokens": 8, "temperature": 0.0},
+                    engine={"kind": "openai", "base_url": base, "model": SERVED, "max_in_flight": 2,
+                            "max_model_len": TEST_ENGINE["max_model_len"]})
+    pf = preflight(spec)
+    assert pf.problems == [] and (pf.counter.source, pf.counter.style) == ("server", "vllm"), pf.problems
+    tok, server_count = load_tokenizer(model), pf.counter.open()
+    for src in rows:
+        rec = PromptRecord(id=src["id"], input_file=0, input_row=0, prompt=src["prompt"],
+                           messages=json.loads(src["messages"]) if src["messages"] else None)
+        assert server_count.encode(rec) == encode(tok, rec), src["id"]
+    res = run_job(spec, db_url=sqlite_url)
+    assert res.status == "succeeded" and (res.succeeded, res.failed) == (2, 0), res
+    out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
+    assert {r["token_count_source"] for r in out} == {"engine"}  # vLLM's usage still wins

@@ -21,6 +21,7 @@ from tokenmill.schemas.config import BatchingConfig, SamplingDefaults
 from tokenmill.schemas.records import Chunk, DeadLetterRow, FailedRecord, OutputRow, PromptRecord, TokenizedPrompt
 from tokenmill.transforms.batching import TakePart
 from tokenmill.transforms.chunks import DEAD
+from tokenmill.transforms.counting import TokenCounter
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
 from tokenmill.transforms.engines.vllm_config import VllmConfig
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
@@ -135,7 +136,7 @@ def test_tokenize_counts_tokens_keys_prefixes_and_dead_letters_prompts_too_long(
             PromptRecord(id="b", input_file=0, input_row=1, messages=[system, {"role": "user", "content": "Grass colour?"}]),
             PromptRecord(id="c", input_file=0, input_row=2, prompt="word " * 400)]
     with _pipeline() as p:
-        out = p | beam.Create([_chunk(recs)]) | Tokenize(model_path, max_model_len=256, default_max_tokens=8, block_size=16,
+        out = p | beam.Create([_chunk(recs)]) | Tokenize(TokenCounter.local(model_path), max_model_len=256, default_max_tokens=8, block_size=16,
                                                prefix_blocks=4)
         # a and b share their system prompt: one prefix key, both prompts long, the job's max_tokens
         shape = (_items(out.ok) | beam.Map(lambda t: (t.id, t.prefix_key, len(t.token_ids) > 100, t.max_tokens))

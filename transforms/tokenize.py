@@ -2,7 +2,9 @@
 
 The engine later receives these token ids as they are (`TokensPrompt`), so the
 prompt it serves is exactly the one counted here, and `prompt_tokens` in the
-outputs still comes from the engine's own output.
+outputs still comes from the engine's own output.  An engine sent text is counted
+the way its `counting.TokenCounter` says (a local tokenizer, the server's, or an
+estimate).
 """
 
 from __future__ import annotations
@@ -17,19 +19,9 @@ from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import FailedRecord, PromptRecord, TokenizedPrompt
 from tokenmill.transforms.chunks import MapRows, with_dead
+from tokenmill.transforms.counting import CountRefused, Encoder, TokenCounter
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's KV block size on CUDA; the job passes the engine's real one (128 on CPU)
-_TOKENIZERS: dict[str, Any] = {}
-
-
-def load_tokenizer(model_path: str):
-    tok = _TOKENIZERS.get(model_path)
-    if tok is None:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        _TOKENIZERS[model_path] = tok
-    return tok
 
 
 def prefix_key(token_ids, block_size: int = DEFAULT_BLOCK_SIZE, blocks: int = 4) -> str:
@@ -42,17 +34,8 @@ def prefix_key(token_ids, block_size: int = DEFAULT_BLOCK_SIZE, blocks: int = 4)
     return hashlib.blake2b(array("i", head).tobytes(), digest_size=8).hexdigest()
 
 
-def encode(tokenizer, rec: PromptRecord) -> list[int]:
-    if rec.messages is not None:
-        ids = tokenizer.apply_chat_template(rec.messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer(rec.prompt, add_special_tokens=True)["input_ids"])
-
-
 def tokenize_record(
-    tokenizer,
+    encoder: Encoder,
     rec: PromptRecord,
     *,
     max_model_len: int,
@@ -63,7 +46,11 @@ def tokenize_record(
 ) -> TokenizedPrompt | FailedRecord:
     max_tokens = rec.sampling.get("max_tokens", default_max_tokens)
     try:
-        ids = encode(tokenizer, rec)
+        ids = encoder.encode(rec)
+    except RuntimeError:  # the server that counts for the job does not answer: the step fails, the rows wait for a resume
+        raise
+    except CountRefused as err:
+        return FailedRecord(rec.input_file, rec.input_row, rec.id, R.BAD_REQUEST, first_line(err))
     except Exception as err:  # a template that rejects the conversation, for example
         return FailedRecord(rec.input_file, rec.input_row, rec.id, R.BAD_MESSAGES, f"chat template failed: {first_line(err)}")
     limit = max_model_len - max_tokens
@@ -89,9 +76,9 @@ def tokenize_record(
 
 
 class TokenizeFn(MapRows):
-    def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
+    def __init__(self, counter: TokenCounter, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
                  keep_source: bool = False):
-        self._model_path = model_path
+        self._counter = counter
         self._kw: dict[str, Any] = dict(
             max_model_len=max_model_len,
             default_max_tokens=default_max_tokens,
@@ -99,23 +86,24 @@ class TokenizeFn(MapRows):
             prefix_blocks=prefix_blocks,
             keep_source=keep_source,
         )
-        self._tok = None
+        self._encoder: Encoder | None = None
 
     def setup(self):
-        self._tok = load_tokenizer(self._model_path)
+        self._encoder = self._counter.open()
 
     def map_row(self, rec: PromptRecord):
-        return tokenize_record(self._tok, rec, **self._kw)
+        assert self._encoder is not None
+        return tokenize_record(self._encoder, rec, **self._kw)
 
 
 class Tokenize(beam.PTransform):
     """`keep_source`: keep each prompt's text or messages on its record too, for an engine
     that takes text (`EngineKind.takes_text`); the token ids still size, order and batch it."""
 
-    def __init__(self, model_path: str, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
-                 keep_source: bool = False):
+    def __init__(self, counter: TokenCounter, max_model_len: int, default_max_tokens: int, block_size: int,
+                 prefix_blocks: int, keep_source: bool = False):
         super().__init__()
-        self._fn = TokenizeFn(model_path, max_model_len, default_max_tokens, block_size, prefix_blocks, keep_source)
+        self._fn = TokenizeFn(counter, max_model_len, default_max_tokens, block_size, prefix_blocks, keep_source)
 
     def expand(self, chunks):
         return chunks | with_dead(self._fn, "ChatTemplateAndCount")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import click
 from pydantic import BaseModel
@@ -79,6 +79,8 @@ def field_option(name: str, info: FieldInfo, help_text: str, metavar: str | None
         return click.option(flag, is_flag=True, default=None, help=help_text)
     if is_str_list(tp):
         return click.option(flag, multiple=True, help=f"{help_text.rstrip('.')} (repeatable).")
+    if get_origin(tp) is Literal:
+        tp = click.Choice([str(v) for v in get_args(tp)])
     return click.option(flag, type=tp, default=None, metavar=metavar, help=help_text)
 
 

@@ -33,6 +33,8 @@ class Preflight:
     options: Any = None
     """The Beam PipelineOptions the job runs with (runner, S3 endpoint and region)."""
     model_path: str | None = None
+    counter: Any = None
+    """How the prompts are counted (counting.TokenCounter), as the engine's preflight found."""
     plan: Any = None
     """The input plan (read.InputPlan, or openai_batch.JsonlPlan with its endpoints and models)."""
     problems: list[str] = field(default_factory=list)
@@ -185,7 +187,7 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) 
     pf = Preflight(spec=spec, on_gpu=has_nvidia_gpu(), options=pipeline_options(spec))
     if engine:
         found = engine_of(spec.engine.kind).preflight(spec.engine, on_gpu=pf.on_gpu or fake_engine)
-        pf.model_path = found.model_path
+        pf.model_path, pf.counter = found.model_path, found.token_counter
         pf.problems += found.problems
     if is_dask(spec):
         try:

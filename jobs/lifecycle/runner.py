@@ -154,7 +154,7 @@ def run_job(
         f"{'s' if spec.runner.num_workers > 1 else ''}); the engine loads first")
     try:
         _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory,
-                          effective_block_size(spec.engine, on_gpu=on_gpu))
+                          effective_block_size(spec.engine, on_gpu=on_gpu), pf.counter)
         status = "done"
     except KeyboardInterrupt:
         error = "interrupted"
@@ -231,7 +231,8 @@ def _mark_failed(output: str, manifest: dict[str, Any], reason: str) -> None:
         log.warning("job %s: could not mark %s as failed: %s", manifest.get("job_id"), output, first_line(err))
 
 
-def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None) -> None:
+def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None,
+                      counter=None) -> None:
     """Run the pipeline; when one of its worker processes died (kill -9, the OOM killer), run it
     again, up to `runner.worker_retries` times, in the same run (the launcher held its devices
     all along): the new pipeline resumes from the database, so only the dead worker's batches
@@ -240,7 +241,7 @@ def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_fa
 
     for attempt in range(spec.runner.worker_retries + 1):
         try:
-            _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size)
+            _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size, counter)
             return
         except Exception as err:
             if attempt == spec.runner.worker_retries or not worker_died(err):
@@ -249,7 +250,8 @@ def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_fa
                         job_id, first_line(err), attempt + 1, spec.runner.worker_retries)
 
 
-def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None) -> None:
+def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None,
+                  counter=None) -> None:
     import apache_beam as beam
 
     from tokenmill.jobs.lifecycle.direct_runner import watch_sdk_workers
@@ -267,6 +269,7 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
         db_url=db_url,
         session_factory=session_factory,
         block_size=block_size,
+        counter=counter,
     )
     p = beam.Pipeline(options=pipeline_options(spec))
     build_pipeline(p, spec, parts)

@@ -85,9 +85,10 @@ def request_columns(rows: Sequence[dict[str, Any]] | Mapping[str, np.ndarray]) -
 
 COUNT_SOURCE_DEFINITION = (
     "answered rows and their prompt/output tokens by outputs.token_count_source: engine = the engine's own counts "
-    "(vLLM's request output, the server's usage); local_tokenizer+stream_chunks = the server sent no usage: "
-    "prompt tokens counted by the job's tokenizer and chat template, output tokens = streamed text chunks "
-    "(estimates); not_recorded = rows stored before tokenmill recorded the source")
+    "(vLLM's request output, the server's usage); <prompt count>+stream_chunks = the server sent no usage: "
+    "prompt tokens counted before sending (local_tokenizer: the job's tokenizer and chat template; "
+    "server_tokenizer: the server's /tokenize; estimate: 1 token per 4 bytes of text), output tokens = "
+    "streamed text chunks (estimates); not_recorded = rows stored before tokenmill recorded the source")
 
 
 def count_sources(cols: Mapping[str, np.ndarray]) -> dict[str, dict[str, int]]:
@@ -186,7 +187,7 @@ def job_metrics(
             "mean_request_output_tok_per_s": float(per_req.mean()) if per_req.size else None,
             "counts": ("tokens from the engine's outputs" if by_engine == n else
                        f"tokens from the engine's outputs for {by_engine:,} of {n:,} rows, the others as "
-                       f"tokens.by_count_source says (local_tokenizer+stream_chunks: estimates)")
+                       f"tokens.by_count_source says (…+stream_chunks: estimates)")
                       + " over generation wall time (model load excluded), the generation wall summed over the "
                         "job's runs",
         },

@@ -140,7 +140,7 @@ def _failed_by_reason(m: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _rows_by_source(m: dict[str, Any]) -> list[tuple[str, str]]:
     rows = figure("rows_by_token_count_source").value(m) or {}
-    return [("rows by token-count source (local_tokenizer+stream_chunks: estimates)",
+    return [("rows by token-count source (…+stream_chunks: estimates)",
              ", ".join(f"{k} {fmt(n)}" for k, n in rows.items()) or "-")]
 
 

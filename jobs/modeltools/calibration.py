@@ -128,8 +128,8 @@ def build(source: str, model_path: str, *, samples: int = DEFAULT_SAMPLES, max_s
     """Draw `samples` calibration prompts from `source` as the job would tokenize them for
     `model_path`; CalibrationError (one line) when the set cannot be made."""
     from tokenmill.schemas.records import FailedRecord
+    from tokenmill.transforms.counting import encode, load_tokenizer
     from tokenmill.transforms.read import InputError, plan_input, read_unit
-    from tokenmill.transforms.tokenize import encode, load_tokenizer
     from tokenmill.transforms.validate import validate_row
 
     if samples < MIN_SAMPLES:

@@ -235,8 +235,8 @@ def _imatrix(src: Path, imatrix_tool: Path, quantize_tool: Path, cal, tok_dir: P
              cores: list[int], work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run llama-imatrix on the calibration prompts into `work/imatrix.gguf`, on `src` or,
     when `src` is quantized, an F16 GGUF made from it; (the run, what it was computed on)."""
+    from tokenmill.transforms.counting import load_tokenizer
     from tokenmill.transforms.engines.llamacpp_session import log_tail
-    from tokenmill.transforms.tokenize import load_tokenizer
 
     tok = load_tokenizer(str(tok_dir))
     (work / "calibration.txt").write_text(calibration_text(cal.token_ids, tok))

@@ -20,6 +20,7 @@ from tokenmill.schemas import engine_kinds
 from tokenmill.schemas import records as R
 from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, EngineConfig
 from tokenmill.schemas.models import ModelNotFound, resolve_model
+from tokenmill.transforms.counting import TokenCounter
 from tokenmill.transforms.engines.kv import JobTokens
 from tokenmill.transforms.engines.protocol import EngineSession
 
@@ -31,6 +32,14 @@ class EngineCheck:
 
     model_path: str | None = None
     problems: list[str] = field(default_factory=list)
+    counter: TokenCounter | None = None
+    """How Tokenize counts the prompts; None: with the tokenizer at `model_path`."""
+
+    @property
+    def token_counter(self) -> TokenCounter | None:
+        if self.counter is not None:
+            return self.counter
+        return TokenCounter.local(self.model_path) if self.model_path is not None else None
 
 
 C = TypeVar("C", bound=EngineConfig)

@@ -5,9 +5,11 @@ Each request is one streamed HTTP call, run on one of `max_in_flight` threads:
 chat prompts go to `{base_url}/chat/completions`, raw prompts to
 `{base_url}/completions`, with `stream_options: {include_usage: true}` so the
 server's own token counts come with the last chunk.  A server that sends no `usage`
-leaves estimates: the prompt's length from the job's own tokenizer (the Tokenize
-step) and the number of streamed text chunks, and the row's `token_count_source`
-says so ("local_tokenizer+stream_chunks", not "engine").  TTFT, TPOT and E2E are
+leaves estimates: the prompt's length as the Tokenize step counted it (a local
+tokenizer, the server's /tokenize, or a stated estimate: `token_count`,
+transforms/counting.py) and the number of streamed text chunks, and the row's
+`token_count_source` says which ("local_tokenizer+stream_chunks",
+"server_tokenizer+stream_chunks", "estimate+stream_chunks"; not "engine").  TTFT, TPOT and E2E are
 measured here, on the client's clock (a monotonic clock in the worker), from the
 answered attempt: they include the network and the server's queue.
 
@@ -96,6 +98,16 @@ class OpenAIConfig(HttpClientConfig):
         "metavar": "VAR", "flag_help": "--engine openai: the environment variable holding the API key (never the key)."})
     """The environment variable that holds the API key (read by each worker; the key itself
     is never in the spec).  Unset: no key is sent."""
+
+    token_count: Literal["auto", "server", "tokenizer", "estimate"] = Field("auto", json_schema_extra={
+        "flag_help": "--engine openai: how prompts are counted before they are sent: auto (the "
+                     "tokenizer when given, else the server's /tokenize, else the model as a local folder, "
+                     "else an estimate), server, tokenizer or estimate."})
+    """How the prompts are counted (and ordered, and batched) before they are sent
+    (transforms/counting.py): `auto` uses `tokenizer` when it is set, else the server's own
+    `/tokenize` when it has one, else `model` as a local tokenizer folder, else an estimate
+    (one token per 4 bytes of text); `server`, `tokenizer` and `estimate` insist on one.
+    The server's `usage` counts still win where it sends them."""
 
     @field_validator("api_key_env")
     @classmethod
@@ -204,12 +216,16 @@ def _retry_after(r: httpx.Response) -> float | None:
 class OpenAISession:
     """An OpenAI-compatible server driven as an `EngineSession` (see the module docstring)."""
 
-    def __init__(self, cfg: OpenAIConfig, model_path: str = ""):
-        """`model_path`: the local tokenizer's folder (Tokenize counted the prompts with it)."""
+    def __init__(self, cfg: OpenAIConfig, model_path: str = "", *,
+                 count_source: str = R.TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS):
+        """`model_path`: the local tokenizer's folder, when Tokenize counted the prompts with
+        one; `count_source`: the token_count_source of a row the server sends no `usage` for
+        (how Tokenize counted them: counting.ROW_SOURCES)."""
         t = time.perf_counter()
         self.cfg = cfg
         self.max_num_seqs = cfg.max_in_flight
         check_server(cfg)
+        self.count_source = count_source
         self._http = _client(cfg, api_key(cfg), cfg.request_timeout_s, cfg.max_in_flight)
         self.load_s = time.perf_counter() - t
         self._done: queue.Queue[Finished] = queue.Queue()
@@ -404,7 +420,7 @@ class OpenAISession:
             raise _Retry(R.BAD_RESPONSE, "the stream ended without [DONE] (truncated)")
         end = time.perf_counter()
         try:
-            # without `usage`: the local tokenizer's prompt length and the text chunks, said per row
+            # without `usage`: Tokenize's prompt length and the text chunks, said per row (count_source)
             prompt_tokens = int(usage["prompt_tokens"]) if usage else prompt_len
             output_tokens = int(usage["completion_tokens"]) if usage else chunks
             cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
@@ -417,5 +433,5 @@ class OpenAISession:
             request_id=request_id, text="".join(pieces), finish_reason=finish,
             prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached_tokens=cached,
             ttft_s=ttft, tpot_s=tpot, e2e_s=end - t0, queue_s=None, finished_at=time.time(),
-            token_count_source=R.TOKENS_BY_ENGINE if usage else R.TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS,
+            token_count_source=R.TOKENS_BY_ENGINE if usage else self.count_source,
         )

@@ -1,0 +1,140 @@
+"""How a job counts its prompts before they are sent (transforms/counting.py): the server's
+own /tokenize (vLLM's and llama-server's shapes, on the test server), a local tokenizer, or
+the stated estimate; which one `engine.token_count: auto` picks; and each row saying which
+its counts came from when the server sends no `usage`."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import write_parquet
+from tests.helpers import job_spec
+from tests.openai_server import FaultServer
+from tokenmill.jobs.lifecycle.runner import JobError, run_job
+from tokenmill.schemas import records as R
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.records import PromptRecord
+from tokenmill.transforms import counting as C
+from tokenmill.transforms.engines import openai_engine
+from tokenmill.transforms.engines.openai_session import OpenAIConfig
+from tokenmill.transforms.engines.protocol import EngineStartError
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}]
+
+
+def rec(prompt: str | None = None, messages=None) -> PromptRecord:
+    return PromptRecord(id="a", input_file=0, input_row=0, prompt=prompt, messages=messages)
+
+
+@pytest.fixture(autouse=True)
+def _no_wait(monkeypatch):
+    monkeypatch.setattr(C, "RETRY_WAIT_S", 0.0)
+
+
+def test_the_servers_root_is_its_api_root_without_v1():
+    assert C.server_root("http://h:8000/v1") == C.server_root("http://h:8000/v1/") == "http://h:8000"
+    assert C.server_root("https://h/api") == "https://h/api"
+
+
+def test_the_estimate_is_one_token_per_four_bytes_and_keeps_shared_prefixes_alike():
+    e = C.EstimateEncoder()
+    assert len(e.encode(rec("abcdefgh"))) == 2 and len(e.encode(rec("abcdefghi"))) == 3
+    assert len(e.encode(rec("é" * 4))) == 2  # bytes of UTF-8, not characters
+    one, two = e.encode(rec("shared prefix text, then A")), e.encode(rec("shared prefix text, then B"))
+    assert one[:6] == two[:6] and one != two
+    assert e.encode(rec(messages=CHAT)) == e.encode(rec("system: Be brief.\nuser: What is two plus two?\n"))
+
+
+@pytest.mark.parametrize("style", ["vllm", "llama.cpp"])
+def test_the_servers_tokenize_is_found_and_counts_prompts_and_conversations(style):
+    with FaultServer(tokenize=style) as server:
+        root = C.server_root(server.base_url)
+        assert C.probe_server(root, "test-model", None) == style
+        enc = C.TokenCounter("server", root=root, model="test-model", style=style).open()
+        assert len(enc.encode(rec("one two three"))) == 3
+        assert len(enc.encode(rec(messages=CHAT))) == 5  # the test server counts the last message's words
+        with pytest.raises(ValueError, match=r"refused the prompt: HTTP 400"):
+            enc.encode(rec("[[badtok]] no"))  # the row's fault: Tokenize makes it a dead letter
+    with FaultServer() as bare:
+        assert C.probe_server(C.server_root(bare.base_url), "test-model", None) is None
+
+
+def test_a_tokenize_that_fails_is_retried_then_fails_the_step():
+    with FaultServer(tokenize="vllm", tokenize_500=2) as server:
+        enc = C.TokenCounter("server", root=C.server_root(server.base_url), model="test-model", style="vllm").open()
+        assert len(enc.encode(rec("a b"))) == 2 and server.tokenized == {"a b": 1}  # after two 500s
+        server.tokenize_500 = 100
+        with pytest.raises(RuntimeError, match=r"did not answer after 4 attempts \(HTTP 500\)"):
+            enc.encode(rec("a b c"))
+
+
+def _cfg(server: FaultServer, **kw) -> OpenAIConfig:
+    return OpenAIConfig(kind="openai", base_url=server.base_url, model=kw.pop("model", "test-model"), **kw)
+
+
+def test_auto_picks_the_tokenizer_given_then_the_server_then_the_model_folder_then_the_estimate(model_path):
+    def local(name):
+        return model_path if name == "smollm2-135m" else None
+
+    with FaultServer(tokenize="vllm") as tok_server, FaultServer() as bare, FaultServer(model="smollm2-135m") as named:
+        pick = openai_engine.token_counter
+        assert pick(_cfg(tok_server, tokenizer="smollm2-135m"), local) == C.TokenCounter.local(model_path)
+        got = pick(_cfg(tok_server), local)
+        assert (got.source, got.style, got.model, got.row_source) == (
+            "server", "vllm", "test-model", R.TOKENS_BY_SERVER_TOKENIZER_AND_STREAM_CHUNKS)
+        assert pick(_cfg(named, model="smollm2-135m"), local) == C.TokenCounter.local(model_path)  # a local name
+        assert pick(_cfg(bare), local).row_source == R.TOKENS_BY_ESTIMATE_AND_STREAM_CHUNKS
+        # asked for, and not there: one line
+        with pytest.raises(EngineStartError, match="engine.token_count server: .*/tokenize does not answer"):
+            pick(_cfg(bare, token_count="server"), local)
+        with pytest.raises(EngineStartError, match="engine.token_count tokenizer: no local tokenizer 'test-model'"):
+            pick(_cfg(tok_server, token_count="tokenizer"), local)
+        assert pick(_cfg(tok_server, token_count="estimate", tokenizer="smollm2-135m"), local).source == "estimate"
+
+
+@pytest.mark.parametrize("tokenize, source", [("vllm", R.TOKENS_BY_SERVER_TOKENIZER_AND_STREAM_CHUNKS),
+                                              (None, R.TOKENS_BY_ESTIMATE_AND_STREAM_CHUNKS)])
+def test_a_job_on_a_server_model_with_no_local_tokenizer_says_how_each_row_was_counted(
+        tokenize, source, tmp_path, sqlite_url):
+    """The real pipeline, no `engine.tokenizer`: rows with the server's `usage` say "engine",
+    the others the way Tokenize counted them (the server's /tokenize, or the estimate), and a
+    prompt the server's tokenizer refuses is a dead letter with its reason."""
+    prompts = {"u": "one two three four", "n": "[[nousage]] five six seven", "chat": None}
+    rows = [{"id": k, "prompt": p, "messages": None} for k, p in prompts.items() if p]
+    rows.append({"id": "chat", "prompt": None, "messages": '[{"role": "user", "content": "[[nousage]] hi there"}]'})
+    if tokenize:
+        rows.append({"id": "bad", "prompt": "[[badtok]] x", "messages": None})
+    inp = write_parquet(tmp_path / "in.parquet", rows)
+    with FaultServer(tokenize=tokenize) as server:
+        spec = job_spec(inp, tmp_path / "out", job_id=f"count-{tokenize}", sampling={"max_tokens": 8},
+                        engine={"kind": "openai", "base_url": server.base_url, "model": "test-model"})
+        res = run_job(spec, db_url=sqlite_url)
+        asked = {t: n for t, n in server.tokenized.items() if t != C.PROBE_TEXT}  # Tokenize's, not the probes'
+        assert asked == ({"one two three four": 1, "[[nousage]] five six seven": 1, "[[nousage]] hi there": 1}
+                         if tokenize else {})  # once a row (the refused one not counted)
+    assert (res.succeeded, res.failed) == (3, 1 if tokenize else 0), res
+    out = {r["id"]: r for r in pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()}
+    assert out["u"]["token_count_source"] == R.TOKENS_BY_ENGINE and out["u"]["prompt_tokens"] == 4
+    est = C.EstimateEncoder()
+    want_n = 4 if tokenize else len(est.encode(rec(prompts["n"])))
+    want_chat = 3 if tokenize else len(est.encode(rec(messages=[{"role": "user", "content": "[[nousage]] hi there"}])))
+    assert (out["n"]["token_count_source"], out["n"]["prompt_tokens"]) == (source, want_n)
+    assert (out["chat"]["token_count_source"], out["chat"]["prompt_tokens"]) == (source, want_chat)
+    if tokenize:
+        dead = pq.read_table(tmp_path / "out" / "dead_letters.parquet").to_pylist()
+        assert [(d["id"], d["reason"]) for d in dead] == [("bad", R.BAD_REQUEST)]
+        assert "refused the prompt: HTTP 400" in dead[0]["message"]
+    m = S.JobStore(S.connect(sqlite_url)).get(f"count-{tokenize}")["metrics"]
+    assert {k: v["rows"] for k, v in m["tokens"]["by_count_source"].items()} == {"engine": 1, source: 2}
+
+
+def test_a_server_whose_tokenize_stops_answering_fails_the_job_and_leaves_the_rows(tmp_path, sqlite_url):
+    inp = write_parquet(tmp_path / "in.parquet", [{"id": "a", "prompt": "[[tok500]] a b"}])
+    with FaultServer(tokenize="vllm") as server:
+        spec = job_spec(inp, tmp_path / "out", job_id="count-down", sampling={"max_tokens": 8},
+                        engine={"kind": "openai", "base_url": server.base_url, "model": "test-model",
+                                "token_count": "server"})
+        with pytest.raises(JobError, match="did not answer after 4 attempts"):
+            run_job(spec, db_url=sqlite_url)
+    assert S.MetricsReader(S.connect(sqlite_url)).counts("count-down")["succeeded"] == 0

@@ -1,0 +1,211 @@
+"""How a job counts its prompts' tokens before any engine work (the Tokenize step).
+
+An engine that runs the model in the worker (vLLM) is given the token ids counted here,
+so the count is exact.  An engine that is sent text (an OpenAI-compatible server) counts
+the prompt itself and says so in `usage`; the count here still sizes, orders and batches
+the prompts, and stands in for the server's where it sends no `usage`.  Three ways:
+
+- `local`: a tokenizer folder on this machine (Hugging Face files), with its chat template;
+- `server`: the server's own tokenizer, `POST /tokenize` at the server's root (vLLM and
+  SGLang: `{"model", "prompt" | "messages"}`; llama-server: `{"content"}`, with its chat
+  template applied by `POST /apply-template`);
+- `estimate`: one token per `ESTIMATE_BYTES` bytes of UTF-8 text (a stated estimate:
+  English text runs at about 4 bytes a token in most tokenizers, other scripts differ).
+
+Each output row without the server's own counts says which (records.TOKEN_COUNT_SOURCES).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import httpx
+
+from tokenmill.schemas import records as R
+from tokenmill.schemas.errors import first_line
+from tokenmill.schemas.records import PromptRecord
+
+#: UTF-8 bytes counted as one token by the `estimate` counter.
+ESTIMATE_BYTES = 4
+#: How long one /tokenize call may take, and how often a failed one is tried again.
+TOKENIZE_TIMEOUT_S = 30.0
+TOKENIZE_RETRIES = 3
+#: The wait before retry n of a failed /tokenize: RETRY_WAIT_S * 2**n.
+RETRY_WAIT_S = 0.5
+#: What `probe_server` asks the server to tokenize.
+PROBE_TEXT = "Hello"
+
+Source = Literal["local", "server", "estimate"]
+Style = Literal["vllm", "llama.cpp"]
+
+#: The token_count_source of a row whose server sent no `usage`, by counter.
+ROW_SOURCES: dict[str, str] = {
+    "local": R.TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS,
+    "server": R.TOKENS_BY_SERVER_TOKENIZER_AND_STREAM_CHUNKS,
+    "estimate": R.TOKENS_BY_ESTIMATE_AND_STREAM_CHUNKS,
+}
+
+
+class CountRefused(ValueError):
+    """The server's tokenizer refused this row's prompt (HTTP 4xx): the row's own fault."""
+
+
+class Encoder(Protocol):
+    def encode(self, rec: PromptRecord) -> list[int]:
+        """The prompt's token ids (chat template applied to messages); ValueError when the
+        row itself cannot be counted (a conversation its template rejects)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TokenCounter:
+    """Where the Tokenize step counts tokens (picklable: it travels to the workers)."""
+
+    source: Source
+    model_path: str | None = None
+    """`local`: the tokenizer's folder."""
+    root: str | None = None
+    """`server`: the server's root URL (its OpenAI API root without `/v1`)."""
+    model: str | None = None
+    """`server`: the model name the server serves."""
+    style: Style | None = None
+    """`server`: the shape of its /tokenize (see the module docstring)."""
+    api_key_env: str | None = None
+    """`server`: the environment variable holding the API key, if it needs one."""
+
+    @classmethod
+    def local(cls, model_path: str) -> "TokenCounter":
+        return cls("local", model_path=model_path)
+
+    @property
+    def row_source(self) -> str:
+        """The token_count_source of a row whose counts the server did not send."""
+        return ROW_SOURCES[self.source]
+
+    def describe(self) -> str:
+        if self.source == "local":
+            return f"tokens counted by the local tokenizer {self.model_path}"
+        if self.source == "server":
+            return f"tokens counted by the server's tokenizer ({self.root}/tokenize, {self.style})"
+        return f"tokens estimated at one per {ESTIMATE_BYTES} bytes of UTF-8 text (no tokenizer)"
+
+    def open(self) -> Encoder:
+        if self.source == "local":
+            return LocalEncoder(load_tokenizer(str(self.model_path)))
+        if self.source == "server":
+            key = os.environ.get(self.api_key_env) if self.api_key_env else None
+            return ServerEncoder(_client(str(self.root), key), str(self.model), self.style or "vllm")
+        return EstimateEncoder()
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def load_tokenizer(model_path: str):
+    tok = _TOKENIZERS.get(model_path)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        _TOKENIZERS[model_path] = tok
+    return tok
+
+
+def encode(tokenizer, rec: PromptRecord) -> list[int]:
+    if rec.messages is not None:
+        ids = tokenizer.apply_chat_template(rec.messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(rec.prompt, add_special_tokens=True)["input_ids"])
+
+
+class LocalEncoder:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def encode(self, rec: PromptRecord) -> list[int]:
+        return encode(self.tokenizer, rec)
+
+
+class EstimateEncoder:
+    """One pseudo-token per `ESTIMATE_BYTES` bytes of the prompt's UTF-8 text (messages as
+    "role: content" lines): the same text gives the same ids, so shared prefixes still group."""
+
+    def encode(self, rec: PromptRecord) -> list[int]:
+        text = rec.prompt if rec.messages is None else "".join(f"{m['role']}: {m['content']}\n" for m in rec.messages)
+        data = (text or "").encode()
+        return [int.from_bytes(data[i:i + ESTIMATE_BYTES], "little") & 0x7FFFFFFF
+                for i in range(0, len(data), ESTIMATE_BYTES)]
+
+
+class ServerEncoder:
+    """The server's own tokenizer over HTTP (a 4xx: the row's fault, CountRefused; no answer
+    after the retries: RuntimeError, which fails the step and leaves the rows to a resume)."""
+
+    def __init__(self, client: httpx.Client, model: str, style: Style):
+        self.client, self.model, self.style = client, model, style
+
+    def encode(self, rec: PromptRecord) -> list[int]:
+        if self.style == "vllm":
+            body: dict[str, Any] = {"model": self.model}
+            if rec.messages is None:
+                body.update(prompt=rec.prompt, add_special_tokens=True)
+            else:
+                body.update(messages=rec.messages, add_generation_prompt=True, add_special_tokens=False)
+            return _tokens(self._post("/tokenize", body))
+        text = rec.prompt
+        if rec.messages is not None:
+            text = str(self._post("/apply-template", {"messages": rec.messages}).get("prompt", ""))
+        return _tokens(self._post("/tokenize", {"content": text, "add_special": True}))
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        for attempt in range(TOKENIZE_RETRIES + 1):
+            try:
+                r = self.client.post(path, json=body)
+            except httpx.HTTPError as err:
+                problem = f"{type(err).__name__}: {first_line(err)}"
+            else:
+                if r.status_code == 200:
+                    return r.json()
+                if 400 <= r.status_code < 500 and r.status_code != 429:
+                    raise CountRefused(f"the server's {path} refused the prompt: HTTP {r.status_code} {r.text[:160]}")
+                problem = f"HTTP {r.status_code}"
+            if attempt < TOKENIZE_RETRIES:
+                time.sleep(RETRY_WAIT_S * 2 ** attempt)
+        raise RuntimeError(f"the server's {path} did not answer after {TOKENIZE_RETRIES + 1} attempts ({problem})")
+
+
+def _tokens(answer: dict[str, Any]) -> list[int]:
+    tokens = answer.get("tokens")
+    if not isinstance(tokens, list):
+        raise RuntimeError(f"the server's /tokenize answered without a token list: {str(answer)[:120]}")
+    return [int(t["id"]) if isinstance(t, dict) else int(t) for t in tokens]
+
+
+def _client(root: str, key: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=root, headers=headers, timeout=TOKENIZE_TIMEOUT_S)
+
+
+def server_root(base_url: str) -> str:
+    """The server's root from its OpenAI API root (`http://h:8000/v1` → `http://h:8000`)."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+def probe_server(root: str, model: str, key: str | None) -> Style | None:
+    """Which /tokenize the server at `root` has (vLLM-style first, then llama-server's),
+    or None when it has none that answers with token ids."""
+    with _client(root, key) as client:
+        for style, body in (("vllm", {"model": model, "prompt": PROBE_TEXT}), ("llama.cpp", {"content": PROBE_TEXT})):
+            try:
+                r = client.post("/tokenize", json=body, timeout=10.0)
+                if r.status_code == 200 and _tokens(r.json()):
+                    return style  # type: ignore[return-value]
+            except (httpx.HTTPError, ValueError, RuntimeError, TypeError):
+                continue
+    return None
