@@ -211,21 +211,27 @@ BASE_KWARGS = {
     "model": "/models/m", "tokenizer": "/models/m", "dtype": "auto", "kv_cache_dtype": "auto",
     "enable_prefix_caching": True, "max_num_seqs": 256, "max_model_len": 2048, "gpu_memory_utilization": 0.5,
     "tensor_parallel_size": 1, "enforce_eager": True, "seed": 0, "load_format": "auto", "disable_log_stats": False,
+    "pipeline_parallel_size": 1,
 }
+# On a GPU (issue 25): CUDA graphs on and 0.9 of the device's memory unless the job says otherwise.
+GPU_KWARGS = {**BASE_KWARGS, "gpu_memory_utilization": 0.9, "enforce_eager": False}
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 
 
 @pytest.mark.parametrize("fields,on_gpu,expected", [
-    ({}, True, BASE_KWARGS),
+    ({}, True, GPU_KWARGS),
+    ({"gpu_memory_utilization": 0.5, "enforce_eager": True}, True, BASE_KWARGS),  # set: kept on a GPU too
+    ({"gpu_memory_utilization": 0.3, "enforce_eager": False}, False,
+     {**BASE_KWARGS, "dtype": "float32", "gpu_memory_utilization": 0.3, "enforce_eager": False}),
     ({}, False, {**BASE_KWARGS, "dtype": "float32"}),  # CPU: `auto` is the measured dtype
     ({"dtype": "bfloat16", "model": "other-name"}, False, {**BASE_KWARGS, "dtype": "bfloat16"}),
     ({"tokenizer": "/tok", "quantization": "awq", "max_num_batched_tokens": 4096, "kv_cache_memory_bytes": 1 << 30,
       "speculative_config": SPEC, "block_size": 32, "enable_prefix_caching": False, "seed": 7, "max_num_seqs": 16,
       "kv_cache_dtype": "fp8", "tensor_parallel_size": 2, "load_format": "dummy"}, True,
-     {**BASE_KWARGS, "tokenizer": "/tok", "quantization": "awq", "max_num_batched_tokens": 4096,
+     {**GPU_KWARGS, "tokenizer": "/tok", "quantization": "awq", "max_num_batched_tokens": 4096,
       "kv_cache_memory_bytes": 1 << 30, "speculative_config": SPEC, "block_size": 32, "enable_prefix_caching": False,
       "seed": 7, "max_num_seqs": 16, "kv_cache_dtype": "fp8", "tensor_parallel_size": 2, "load_format": "dummy"}),
-    ({"extra": {"swap_space": 2, "max_num_seqs": 8}}, True, {**BASE_KWARGS, "swap_space": 2, "max_num_seqs": 8}),
+    ({"extra": {"swap_space": 2, "max_num_seqs": 8}}, True, {**GPU_KWARGS, "swap_space": 2, "max_num_seqs": 8}),
 ])
 def test_engine_kwargs_are_the_config_fields_as_the_hand_written_mapper_gave_them(monkeypatch, fields, on_gpu, expected):
     monkeypatch.setattr(V, "cpu_dtype", lambda model_path, kwargs: "float32")

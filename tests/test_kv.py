@@ -181,9 +181,8 @@ def test_an_engine_core_process_on_cpu_gets_an_executor_that_exits_with_its_owne
     omp = {"OMP_NUM_THREADS": "1"}
     assert V._owned_executor({}, omp, on_gpu=False) is OwnedUniProcExecutor
     assert V._owned_executor({}, None, on_gpu=False) is OwnedMultiprocExecutor
-    # the job's executor, vLLM's choice on GPU, an engine core inside its owner: left alone
+    # the job's executor, an engine core inside its owner: left alone (on a GPU: tests/test_gpu_engine.py)
     assert V._owned_executor({"distributed_executor_backend": "mp"}, None, on_gpu=False) is None
-    assert V._owned_executor({}, None, on_gpu=True) is None
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     assert V._owned_executor({}, omp, on_gpu=False) is None
 

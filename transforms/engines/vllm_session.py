@@ -37,11 +37,14 @@ NOT_ENGINE_ARGS = {"kind", "model", "extra"}
 def engine_kwargs(cfg: VllmConfig, model_path: str, *, on_gpu: bool, resolve_auto: bool = True) -> dict[str, Any]:
     """The `vllm.LLM` arguments for this config: its fields (named as vLLM's `EngineArgs`,
     unset ones left to vLLM), the model path, the tokenizer defaulting to it, stats on,
-    `cfg.extra`, and on CPU the measured dtype for `auto` (`cpu.cpu_dtype`, measured with
+    `cfg.extra`, the device's defaults for `gpu_memory_utilization` and `enforce_eager`
+    (VllmConfig), and on CPU the measured dtype for `auto` (`cpu.cpu_dtype`, measured with
     these arguments; `resolve_auto=False` leaves `auto`)."""
     kw: dict[str, Any] = {"model": model_path, "tokenizer": model_path}
     kw.update(cfg.model_dump(exclude=NOT_ENGINE_ARGS, exclude_none=True))
     kw["disable_log_stats"] = False  # per-request metrics (TTFT, queue time) need stats on
+    kw["gpu_memory_utilization"] = cfg.memory_share(on_gpu=on_gpu)
+    kw.setdefault("enforce_eager", not on_gpu)
     kw.update(cfg.extra)
     if resolve_auto and not on_gpu and kw.get("dtype", "auto") == "auto":
         kw["dtype"] = cpu_dtype(model_path, kw)
@@ -63,12 +66,17 @@ def _owned_executor(kwargs: dict[str, Any], omp_env: dict[str, str] | None, *, o
     (`executors.exit_with_owner`), or None to leave the choice to the job or vLLM: on
     CPU, with the engine core a process of its own and no executor chosen by the job,
     vLLM's `UniProcExecutor` when the core runs the model itself (`omp_env`), else its
-    `MultiprocExecutor` (what vLLM-CPU picks there).  On GPU vLLM's own choice
-    (one process or several, Ray) stays.  Imports vLLM."""
-    if on_gpu or "distributed_executor_backend" in kwargs or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "1":
+    `MultiprocExecutor` (what vLLM-CPU picks there).  On GPU what vLLM picks on one
+    host: `UniProcExecutor` for an engine on one device, `MultiprocExecutor` for
+    tensor or pipeline parallel (a job that names an executor, Ray, keeps it).
+    Imports vLLM."""
+    if "distributed_executor_backend" in kwargs or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "1":
         return None
     from tokenmill.transforms.engines.executors import OwnedMultiprocExecutor, OwnedUniProcExecutor
 
+    if on_gpu:
+        world = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+        return OwnedUniProcExecutor if world == 1 else OwnedMultiprocExecutor
     return OwnedUniProcExecutor if omp_env else OwnedMultiprocExecutor
 
 
@@ -128,6 +136,10 @@ class VllmSession:
         check_engine_config(cfg, on_gpu=on_gpu)
         if not on_gpu:
             apply_cpu_env()
+        else:
+            # the engine core and its workers start by spawn: forking a process that holds
+            # threads (Beam's bundle threads, the meter) and maybe a CUDA context is unsafe
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         import psutil
