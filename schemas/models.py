@@ -1,7 +1,9 @@
 """Where models live on disk, and how a short name maps to a folder.
 
 Nothing here touches a model hub: a model is a local Hugging Face folder,
-either under the models folder by short name or given as a path.
+either under the models folder by short name or given as a path, or a URL
+(`s3://…`, any fsspec URL) that each host syncs into its models cache once
+(schemas/model_sync.py).
 """
 
 from __future__ import annotations
@@ -59,7 +61,17 @@ def has_weights(path: Path) -> bool:
 
 
 def resolve_model(name: str, *, need_weights: bool = True) -> Path:
-    """Map a short name or a path to a local model folder, or raise ModelNotFound (one line)."""
+    """Map a short name, a path or a model URL to a local model folder, or raise ModelNotFound (one line).
+
+    A URL resolves to this host's synced copy, fetched now if there is none (with the
+    default S3 client: a job syncs first with its own endpoint, see model_sync)."""
+    from tokenmill.schemas import model_sync
+
+    if model_sync.is_model_url(name):
+        folder = model_sync.synced_folder(name) if model_sync.is_synced(name) else model_sync.sync_model(name)
+        if need_weights and not has_weights(folder):
+            raise ModelNotFound(f"model {name!r} has a config.json but no weights (*.safetensors)")
+        return folder.resolve()
     candidates = []
     p = Path(name).expanduser()
     if p.is_absolute() or name.startswith((".", "~")) or os.sep in name:

@@ -10,6 +10,7 @@ requests are done, then emitted.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -62,6 +63,8 @@ class GenerateFn(beam.DoFn):
     def setup(self):
         self._worker = f"{socket.gethostname()}:{os.getpid()}"
         self._recorded = False
+        if self._factory is None:  # a given factory is a stand-in: what it needs is its own
+            self.cfg = dataclasses.replace(self.cfg, model_path=check_worker(self.cfg))
 
     def _first_session(self, chunk: Chunk) -> EngineSession:
         """The engine, started (or reused) on the first work item: its rows' sizes size the
@@ -183,6 +186,58 @@ class GenerateFn(beam.DoFn):
             rows, dead, stats = out
             commit_batch(self.cfg.db_url, self.cfg.job_id, rows, dead, stats)
         return _outputs(out)
+
+
+class WorkerCheckError(RuntimeError):
+    """What a worker needs to generate is missing on its host (one line naming the host)."""
+
+
+#: (engine config, the launcher's model folder) → this process's model folder: a worker
+#: checks once, whatever the number of bundles (runners may give each a fresh DoFn).
+_CHECKED: dict[tuple[str, str], str] = {}
+
+
+def check_worker(cfg: GenerateConfig) -> str:
+    """The engine's preflight, run where the worker runs, before it generates: the model
+    files, the binaries, the server, on this host and its device (the launcher checked its
+    own).  A model given as a URL is synced into this host's cache first, with the job's S3
+    endpoint.  Returns the model folder this host uses: the launcher's when it is here too,
+    else the one the model resolves to on this host; WorkerCheckError otherwise."""
+    key = (cfg.engine.model_dump_json(), cfg.model_path)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    from tokenmill.schemas.model_sync import is_model_url, sync_model
+    from tokenmill.schemas.models import ModelNotFound
+    from tokenmill.transforms.engines.device import has_nvidia_gpu
+    from tokenmill.transforms.engines.kinds import engine_of
+
+    problems: list[str] = []
+    path = cfg.model_path
+    url = cfg.engine.model
+    try:
+        if is_model_url(url):
+            path = str(sync_model(url, _s3_client() if url.startswith("s3://") else None))
+        found = engine_of(cfg.engine.kind).preflight(cfg.engine, on_gpu=has_nvidia_gpu())
+        problems = found.problems
+        if not problems and found.model_path and not (path and os.path.exists(path)):
+            path = found.model_path  # a short name resolves in this host's own models folder
+    except ModelNotFound as err:
+        problems = [str(err)]
+    if problems:
+        raise WorkerCheckError(f"worker on host {socket.gethostname()}: {'; '.join(problems)}")
+    _CHECKED[key] = path
+    return path
+
+
+def _s3_client():
+    """The S3 client of the job's options on this worker: an SDK worker's Beam filesystems
+    hold them (sdk_worker_main sets them; Beam has no public getter), else boto3's default
+    chain (AWS_ENDPOINT_URL_S3), which is what Beam's S3 filesystem reads there too."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from tokenmill.transforms.read import s3_client
+
+    return s3_client(getattr(FileSystems, "_pipeline_options", None))
 
 
 def _outputs(out):

@@ -4,9 +4,11 @@ What can fail before the first row is read is checked here, in this order:
 the engine's own checks (`EngineKind.preflight`: for the `vllm` engine, the model
 resolves to a local folder and its options, and the checkpoint's quantization, suit
 the device the engine runs on; an engine that is sent text resolves its local
-tokenizer and checks its server or binaries); the runner can start (a
+tokenizer and checks its server or binaries; a model given as a URL is listed,
+then synced into this host's cache); the runner can start (a
 DaskRunner names a scheduler that answers, has workers and the same
-environment); the output path is usable; the input and output buckets exist and
+environment); the database is one every worker shares (a SQLite file, or a
+server at localhost, is refused when workers may run on other hosts); the output path is usable; the input and output buckets exist and
 accept the credentials; the input plans (files, row groups, a prompt column).  `run_job` stops at the first problem,
 `tokenmill validate` reports them all on one line; both see the same messages,
 so a spec that validates is one that runs.
@@ -16,9 +18,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 from tokenmill.schemas.config import JobSpec
+from tokenmill.schemas.db import default_db_url
+from tokenmill.schemas.model_sync import is_model_url
 from tokenmill.transforms.engines.device import has_nvidia_gpu
 from tokenmill.transforms.engines.kinds import engine_of
 
@@ -98,13 +102,15 @@ def pipeline_options(spec: JobSpec):
     return PipelineOptions(flags)
 
 
-def check_dask(options, *, reach: bool = True) -> None:
+def check_dask(options, *, reach: bool = True) -> set[str]:
     """A DaskRunner job names its scheduler (`--dask_client_address` or `--dask_scheduler_file`);
     with `reach`, the scheduler answers, has workers, and it and every worker can import
-    tokenmill (they unpickle the pipeline's steps).  ValueError (one line) otherwise."""
+    tokenmill (they unpickle the pipeline's steps).  ValueError (one line) otherwise.
+    Returns the workers' hosts (empty without `reach`)."""
     try:
         import distributed
         from apache_beam.runners.dask.dask_runner import DaskOptions
+        from distributed.comm import parse_address
     except ImportError as err:
         raise ValueError(f"runner DaskRunner needs dask.distributed ({err}); install tokenmill[dask]") from None
     from tokenmill.schemas.errors import first_line
@@ -114,7 +120,7 @@ def check_dask(options, *, reach: bool = True) -> None:
         raise ValueError("runner DaskRunner needs a scheduler: --pipeline-option=--dask_client_address=tcp://HOST:PORT "
                          "(or --dask_scheduler_file=PATH)")
     if not reach:
-        return
+        return set()
     where = opts.address or f"in {opts.scheduler_file}"
     timeout = opts.timeout if isinstance(opts.timeout, int) else DASK_CONNECT_TIMEOUT_S
     if opts.scheduler_file and not os.path.isfile(opts.scheduler_file):  # dask would wait for it for ever
@@ -136,6 +142,7 @@ def check_dask(options, *, reach: bool = True) -> None:
         if missing:
             raise ValueError(f"dask scheduler {where}: {', '.join(missing)} cannot import tokenmill "
                              "(scheduler and workers need the launcher's environment)")
+        return {str(w.get("host") or parse_address(addr)[1].rsplit(":", 1)[0]) for addr, w in workers.items()}
     finally:
         client.close()
 
@@ -160,6 +167,129 @@ def _check_reachable(address: str, timeout: float) -> None:
 _IMPORTS_TOKENMILL = "__import__('importlib.util').util.find_spec('tokenmill.transforms') is not None"
 
 
+#: Runners that run every step in the launching process or its children, on this machine.
+IN_PROCESS_RUNNERS = ("DirectRunner", "direct", "BundleBasedDirectRunner", "SwitchingDirectRunner",
+                      "InteractiveRunner")
+
+
+def _is_loopback(host: str | None) -> bool:
+    import ipaddress
+
+    if not host:
+        return False
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _this_host(host: str) -> bool:
+    """`host` (a name or an address a worker reported) is this machine."""
+    import socket
+
+    import psutil
+
+    if _is_loopback(host) or host in (socket.gethostname(), socket.getfqdn()):
+        return True
+    mine = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    return host in mine
+
+
+def _host_of(address: str | None) -> str | None:
+    """The host of `tcp://H:P`, `H:P`, `http://H:P/x` or `[::1]:P`."""
+    if not address:
+        return None
+    rest = address.split("://", 1)[-1].split("/", 1)[0]
+    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
+
+
+def file_local_db(db_url: str) -> str | None:
+    """Why `db_url` is a database only this machine can open (a SQLite file, a server named
+    as localhost or by a local socket), or None when other hosts can reach it too."""
+    from sqlalchemy.engine import make_url
+
+    u = make_url(db_url)
+    backend = u.get_backend_name()
+    if backend in ("sqlite", "duckdb"):
+        return f"a {'SQLite' if backend == 'sqlite' else 'DuckDB'} file on this machine"
+    host = u.host or u.query.get("host") or os.environ.get("PGHOST")
+    if isinstance(host, tuple):
+        host = host[0]
+    if not host or str(host).startswith("/"):
+        return "a database server reached through this machine's local socket"
+    if _is_loopback(str(host)):
+        return f"a database server at {host} (on each worker that is the worker's own machine)"
+    return None
+
+
+def remote_workers(runner: str, options, dask_hosts: Collection[str] = ()) -> str | None:
+    """Where a job's workers may run off this machine, in words, or None when they all run here.
+
+    LOOPBACK runs the SDK workers in the launching process; EXTERNAL and PROCESS workers run
+    where the runner runs (here when its job service or master is embedded or at localhost);
+    DOCKER workers each have their own filesystem.  A Dask job's workers are where the
+    scheduler says (`dask_hosts`, asked in the preflight); without them (a job submitted to
+    run later) a scheduler at localhost is taken as local, the run checks again."""
+    from apache_beam.options.pipeline_options import PortableOptions
+
+    if runner in IN_PROCESS_RUNNERS:
+        return None
+    if runner == "DaskRunner":
+        elsewhere = sorted(h for h in dask_hosts if not _this_host(h))
+        if elsewhere:
+            return f"has workers on {', '.join(elsewhere)}"
+        if dask_hosts:
+            return None
+        from apache_beam.runners.dask.dask_runner import DaskOptions
+
+        address = options.view_as(DaskOptions).address
+        return f"has its scheduler at {address}" if address and not _this_host(_host_of(address) or "") else None
+    if runner == "DataflowRunner":
+        return "runs its workers on Dataflow's machines"
+    opts = options.get_all_options(retain_unknown_options=True)
+    env = (options.view_as(PortableOptions).environment_type or "").upper()
+    flink, spark, endpoint = opts.get("flink_master") or "[auto]", opts.get("spark_master_url") or "local[4]", \
+        opts.get("job_endpoint")
+    if runner == "FlinkRunner":
+        here = flink in ("[auto]", "[local]") or _is_loopback(_host_of(flink))
+    elif runner == "SparkRunner":
+        here = spark.startswith("local") or _is_loopback(_host_of(spark))
+    elif runner == "PrismRunner":
+        here, env = True, env or "LOOPBACK"
+    else:
+        here = not endpoint or endpoint == "embed" or _is_loopback(_host_of(endpoint))
+    if runner in ("FlinkRunner", "SparkRunner") and here and not env:
+        env = "LOOPBACK"  # what Beam picks for an embedded Flink or Spark
+    if env == "LOOPBACK":
+        return None
+    if env in ("", "DOCKER"):
+        return "runs its workers in Docker containers (each with its own filesystem)"
+    if not here:
+        return f"runs its workers where its job service runs ({endpoint or flink or spark})"
+    config = opts.get("environment_config") or ""
+    if env == "EXTERNAL" and not _is_loopback(_host_of(config)):
+        return f"has its worker pool at {config}"
+    return None
+
+
+def check_shared_db(db_url: str, runner: str, options, dask_hosts: Collection[str] = ()) -> None:
+    """A database only this machine can open is refused when workers may run on other hosts
+    (each would write its own copy, and the launcher would find the rows missing after all
+    the GPU work).  ValueError, one line naming the runner and what to use instead."""
+    from sqlalchemy.engine import make_url
+
+    why = file_local_db(db_url)
+    where = remote_workers(runner, options, dask_hosts) if why else None
+    if why and where:
+        shown = make_url(db_url).render_as_string(hide_password=True)
+        raise ValueError(f"database {shown} is {why}, but runner {runner} {where}: every worker must write to "
+                         "the same database; give a PostgreSQL URL all of them reach "
+                         "(--db postgresql://USER@DBHOST/DBNAME)")
+
+
 def check_output_path(output: str) -> None:
     """The output is a usable folder path (no `..`, not an existing file); ValueError otherwise."""
     from tokenmill.jobs.lifecycle.export import OutputPathError, check_output_root
@@ -172,28 +302,56 @@ def check_output_path(output: str) -> None:
         raise ValueError(f"output {output!r} exists and is not a folder")
 
 
-def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False) -> Preflight:
+def _check_model_url(pf: Preflight, *, sync: bool) -> bool:
+    """A model URL lists (a config.json among its objects) with the job's S3 endpoint; with
+    `sync`, this host's copy is made now, with that endpoint (the engine's checks and the
+    prompts' tokenizer read the folder).  False, with the problem, when it cannot be."""
+    from tokenmill.schemas.model_sync import list_model, sync_model
+    from tokenmill.schemas.models import ModelNotFound
+    from tokenmill.transforms.read import s3_client
+
+    url = pf.spec.engine.model
+    try:
+        client = s3_client(pf.options) if url.startswith("s3://") else None
+        sync_model(url, client) if sync else list_model(url, client)
+    except ModelNotFound as err:
+        pf.problems.append(str(err))
+        return False
+    return True
+
+
+def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
+              db_url: str | None = None) -> Preflight:
     """Run every check, collecting the problems (one line each) instead of stopping at the first.
 
     Also points Beam's filesystems (local, s3://) at the job's options in this process.
     `engine=False` leaves out the model and engine checks, and whether a dask scheduler
     answers, for a job that runs later on another machine (`submit`: the runner's models
     folder, device and network decide those).
-    `fake_engine`: the engine is a test double, so no device-specific refusal applies."""
+    `fake_engine`: the engine is a test double, so no device-specific refusal applies.
+    `db_url`: the job's database (default: the spec's `db`, else the default URL)."""
     from apache_beam.io.filesystems import FileSystems
 
     from tokenmill.transforms.read import InputError, check_bucket, plan_input
 
     pf = Preflight(spec=spec, on_gpu=has_nvidia_gpu(), options=pipeline_options(spec))
-    if engine:
+    model_ok = True
+    if is_model_url(spec.engine.model):
+        model_ok = _check_model_url(pf, sync=engine)
+    if engine and model_ok:
         found = engine_of(spec.engine.kind).preflight(spec.engine, on_gpu=pf.on_gpu or fake_engine)
         pf.model_path, pf.counter = found.model_path, found.token_counter
         pf.problems += found.problems
+    hosts: set[str] = set()
     if is_dask(spec):
         try:
-            check_dask(pf.options, reach=engine)
+            hosts = check_dask(pf.options, reach=engine)
         except ValueError as err:
             pf.problems.append(str(err))
+    try:
+        check_shared_db(db_url or spec.db or default_db_url(), spec.runner.runner, pf.options, hosts)
+    except ValueError as err:
+        pf.problems.append(str(err))
     try:
         check_output_path(spec.output)
     except ValueError as err:
