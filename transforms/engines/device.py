@@ -14,11 +14,19 @@ FORCE_CPU_ENV = "TOKENMILL_FORCE_CPU"
 
 def visible_gpus() -> list[dict[str, Any]]:
     """The GPUs a CUDA program started now would see, in CUDA's order: `index` (NVML's,
-    as nvidia-smi numbers them), `uuid`, `name`, `memory_bytes`.
+    as nvidia-smi numbers them), `uuid`, `name`, `memory_bytes` (see `host_gpus`).
 
-    Empty when `TOKENMILL_FORCE_CPU` is set, when NVML or its driver is absent, or
-    when `CUDA_VISIBLE_DEVICES` hides every device (empty or `-1`).  Unset, it shows
-    every device; a comma list of indices or `GPU-…` UUIDs shows those, in that order."""
+    Empty when there is none (`host_gpus`) or when `CUDA_VISIBLE_DEVICES` hides every
+    device (empty or `-1`).  Unset, it shows every device; a comma list of indices or
+    `GPU-…`/`MIG-…` UUIDs shows those, in that order."""
+    return select_visible(host_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def host_gpus() -> list[dict[str, Any]]:
+    """Every device of this host, whatever `CUDA_VISIBLE_DEVICES` says, in NVML's order (a GPU
+    in MIG mode as its MIG instances, see `describe_devices`): what the host's workers
+    lease from (engines/leases.py).  Empty when `TOKENMILL_FORCE_CPU` is set or when NVML
+    or its driver is absent."""
     if os.environ.get(FORCE_CPU_ENV):
         return []
     try:
@@ -30,7 +38,7 @@ def visible_gpus() -> list[dict[str, Any]]:
     except pynvml.NVMLError:
         return []
     try:
-        devices = describe_devices(pynvml)
+        return describe_devices(pynvml)
     except pynvml.NVMLError:
         return []
     finally:
@@ -38,7 +46,6 @@ def visible_gpus() -> list[dict[str, Any]]:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
-    return select_visible(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def has_nvidia_gpu() -> bool:
@@ -47,8 +54,44 @@ def has_nvidia_gpu() -> bool:
 
 
 def describe_devices(nvml) -> list[dict[str, Any]]:
-    """Every device an initialised NVML (`pynvml`, or a fake with its functions) reports, in NVML's order."""
-    return [_describe(nvml, i) for i in range(nvml.nvmlDeviceGetCount())]
+    """Every device an initialised NVML (`pynvml`, or a fake with its functions) reports, in NVML's order.
+
+    A GPU in MIG mode is listed as its MIG instances, as CUDA sees them: each with its own
+    `MIG-…` uuid, name and memory, the GPU's `index`, and `mig` (its slot on that GPU), so
+    each instance is leased and metered as a device of its own."""
+    out: list[dict[str, Any]] = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        migs = _mig_instances(nvml, h)
+        if migs is None:
+            out.append(_describe(nvml, h, i))
+        else:
+            out += [{**_describe(nvml, m, i), "mig": slot} for slot, m in migs]
+    return out
+
+
+def device_handle(nvml, d: dict[str, Any]) -> Any:
+    """NVML's handle of a device `describe_devices` listed (a MIG instance's own, not its GPU's)."""
+    h = nvml.nvmlDeviceGetHandleByIndex(d["index"])
+    return nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, d["mig"]) if "mig" in d else h
+
+
+def _mig_instances(nvml, h) -> list[tuple[int, Any]] | None:
+    """(slot, handle) of each MIG instance of a GPU in MIG mode; None for a GPU that is not
+    (or an NVML without MIG)."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(h)
+    except Exception:  # NVML_ERROR_NOT_SUPPORTED on a GPU without MIG; an older NVML or a fake without it
+        return None
+    if current != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
+        return None
+    found = []
+    for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(h)):
+        try:
+            found.append((slot, nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, slot)))
+        except Exception:  # NVML_ERROR_NOT_FOUND: no instance in this slot
+            continue
+    return found
 
 
 def cpu_model() -> str:
@@ -65,8 +108,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _describe(nvml, i: int) -> dict[str, Any]:
-    h = nvml.nvmlDeviceGetHandleByIndex(i)
+def _describe(nvml, h, i: int) -> dict[str, Any]:
     return {"index": i, "uuid": _text(nvml.nvmlDeviceGetUUID(h)), "name": _text(nvml.nvmlDeviceGetName(h)),
             "memory_bytes": int(nvml.nvmlDeviceGetMemoryInfo(h).total)}
 
@@ -78,14 +120,15 @@ def _text(v: str | bytes) -> str:
 def select_visible(devices: list[dict[str, Any]], cuda_visible_devices: str | None) -> list[dict[str, Any]]:
     """The `devices` (NVML's, with `index` and `uuid`) that `CUDA_VISIBLE_DEVICES` shows,
     in its order.  Like CUDA, the list ends at its first entry that names no device
-    (so `-1` hides them all); a UUID may be given by a unique prefix."""
+    (so `-1` hides them all); a `GPU-…` or `MIG-…` UUID may be given by a unique prefix;
+    an index names that GPU (its first MIG instance, in MIG mode)."""
     if cuda_visible_devices is None:
         return list(devices)
     out: list[dict[str, Any]] = []
     for entry in (e.strip() for e in cuda_visible_devices.split(",")):
         if entry.isdigit():
-            found = [d for d in devices if d["index"] == int(entry)]
-        elif entry.startswith("GPU-"):
+            found = [d for d in devices if d["index"] == int(entry)][:1]
+        elif entry.startswith(("GPU-", "MIG-")):
             found = [d for d in devices if d["uuid"].startswith(entry)]
         else:
             found = []

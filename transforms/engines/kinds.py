@@ -86,6 +86,13 @@ class EngineKind(Generic[C]):
         this job share the host (`group`: the job run), `job_tokens` the work it is for."""
         return {}
 
+    def devices_per_engine(self, cfg: C) -> int:
+        """The GPUs one engine of this job takes on its host: a worker on a host with GPUs
+        leases that many of its own before the engine starts and the engine sees only those
+        (engines/leases.py); `--workers auto` starts one engine per group.  0 (the default):
+        the engine needs no GPU of the worker's (a server's client, a CPU program)."""
+        return 0
+
     # -- the launcher side
     def preflight(self, cfg: C, *, on_gpu: bool) -> EngineCheck:
         """Every check of this engine before a row is read (`on_gpu`: the device it runs on,

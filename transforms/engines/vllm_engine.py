@@ -60,6 +60,11 @@ class VllmEngine(EngineKind[VllmConfig]):
             start["job_tokens"] = self.job_tokens[(model_path, group)]
         return start
 
+    def devices_per_engine(self, cfg: VllmConfig) -> int:
+        """tensor_parallel_size × pipeline_parallel_size: vLLM places one rank per device."""
+        pp = getattr(cfg, "pipeline_parallel_size", None) or cfg.extra.get("pipeline_parallel_size") or 1
+        return cfg.tensor_parallel_size * int(pp)
+
     def preflight(self, cfg: VllmConfig, *, on_gpu: bool) -> EngineCheck:
         """The model folder (with weights unless `load_format: dummy`), then the options
         (and the checkpoint's quantization) this device can run (checks.check_engine_config)."""
