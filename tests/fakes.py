@@ -149,10 +149,15 @@ class FakeNvmlHost:
     """The slice of pynvml a worker's meter reads, for a host of `count` GPUs of one model.
 
     Each device's energy counter (mJ) advances by `power_w` × the seconds of `clock`;
-    `procs`: (pid, bytes) of the compute processes NVML lists on every device."""
+    `procs`: (pid, bytes) of the compute processes NVML lists on every device.  `mig`: GPU
+    index → its MIG instances (that GPU is in MIG mode; instance handles are `(gpu, slot)`,
+    with no energy or power, as NVML gives none per instance)."""
+
+    NVML_DEVICE_MIG_ENABLE = 1
 
     def __init__(self, count: int = 8, name: str = "NVIDIA L4", power_w: float = 70.0, util_pct: float = 95.0,
-                 procs: list[tuple[int, int]] = (), memory_total: int = 24 * 2**30, clock=None):
+                 procs: list[tuple[int, int]] = (), memory_total: int = 24 * 2**30, clock=None,
+                 mig: dict[int, int] | None = None):
         from types import SimpleNamespace
 
         self._ns = SimpleNamespace
@@ -160,6 +165,7 @@ class FakeNvmlHost:
         self.procs, self.memory_total = list(procs), memory_total
         self.clock = clock or time.time
         self.t0 = self.clock()
+        self.mig = dict(mig or {})
 
     def nvmlDeviceGetCount(self):
         return self.count
@@ -170,22 +176,44 @@ class FakeNvmlHost:
         return i
 
     def nvmlDeviceGetUUID(self, h):
+        if isinstance(h, tuple):
+            return f"MIG-{h[0]:08d}-{h[1]:04d}-fake"
         return f"GPU-{h:08d}-fake"
 
     def nvmlDeviceGetName(self, h):
+        if isinstance(h, tuple):
+            return f"{self.name} MIG 1g.10gb"
         return self.name.encode()  # older nvidia-ml-py returns bytes
 
     def nvmlDeviceGetMemoryInfo(self, h):
+        total = self.memory_total // 8 if isinstance(h, tuple) else self.memory_total
         used = 2**30 + sum(b for _, b in self.procs)
-        return self._ns(used=used, total=self.memory_total, free=self.memory_total - used)
+        return self._ns(used=used, total=total, free=total - used)
+
+    def nvmlDeviceGetMigMode(self, h):
+        if h not in self.mig:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return (1, 1)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h):
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h, slot):
+        if slot >= self.mig.get(h, 0):
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return (h, slot)
 
     def nvmlDeviceGetUtilizationRates(self, h):
         return self._ns(gpu=self.util_pct, memory=30)
 
     def nvmlDeviceGetPowerUsage(self, h):
+        if isinstance(h, tuple):
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
         return int(self.power_w * 1000)  # milliwatts
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        if isinstance(h, tuple):
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
         return int(1e9 + self.power_w * (self.clock() - self.t0) * 1000)  # millijoules since "driver load"
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):

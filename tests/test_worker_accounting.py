@@ -90,12 +90,14 @@ def _worker(name, run, reading, load_s=10.0):
 
 
 def test_a_pool_of_gpu_workers_is_priced_per_worker_and_summed(monkeypatch):
-    """Two L4 workers (one GPU each of a host's eight) and one CPU worker: devices, memory,
-    energy and cost per worker and for the job."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    """Two L4 workers (one GPU each of a host's eight, each shown only the device it leased,
+    engines/leases.py) and one CPU worker: devices, memory, energy and cost per worker and
+    for the job; each GPU and its energy counted once."""
     clock = Clock()
     host = FakeNvmlHost(count=8, name="NVIDIA L4", power_w=50.0, procs=[(os.getpid(), 2**30)], clock=clock)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000000-fake")  # as worker a's lease sets it
     gpu_a = WorkerMeter(_gpu_info(), nvml=host, clock=clock)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000001-fake")
     gpu_b = WorkerMeter(_gpu_info(), nvml=host, clock=clock)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     cpu = WorkerMeter({"device": "cpu"}, nvml=None)
@@ -115,6 +117,7 @@ def test_a_pool_of_gpu_workers_is_priced_per_worker_and_summed(monkeypatch):
     m = job_metrics(rows, batches, workers, total=10, failed_by_reason={}, engine_config={}, token_budget=None,
                     price_per_hour=None, prices=price_table({"cpu_gib": 0.0}), runs=runs)
     d = m["devices"]
+    assert [g["index"] for w in workers[:2] for g in w["measure"]["gpus"]] == [0, 1]  # not GPU 0 twice
     assert d["gpus"] == 2 and d["gpu_models"] == ["NVIDIA L4"] and d["vcpus"] == 2
     assert d["gpu_energy_wh"] == pytest.approx(2 * 50.0 * 60 / 3600)
     assert d["gpu_process_memory_bytes_max"] == 2**30

@@ -4,8 +4,9 @@ how busy it was while the job ran (`UtilizationSampler`).
 Utilization is sampled in the launcher, not in workers: a daemon thread reads
 the machine's CPU utilization (psutil, all cores) and the RSS of the launcher
 and its child processes (vLLM's engine core and Beam workers on this host), and,
-where NVML answers, each GPU's memory used, utilization and power.  Without a
-GPU the NVML part is a no-op that yields None.
+where NVML answers, the memory used, utilization and power of each GPU that
+`CUDA_VISIBLE_DEVICES` shows it (another job's devices on the host are not this
+job's).  Without a GPU the NVML part is a no-op that yields None.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from tokenmill.transforms.engines.device import cpu_model
+from tokenmill.transforms.engines.device import cpu_model, describe_devices, device_handle, select_visible
 
 
 def cpu_flags() -> set[str]:
@@ -83,14 +84,26 @@ def load_nvml():
         return None
 
 
-def nvml_sample(nvml) -> list[dict[str, Any]] | None:
-    """One reading per GPU: memory used/total (bytes), GPU and memory-bus utilization
-    (%), power (W).  None when `nvml` is None; a figure the device cannot give is None."""
+def visible_devices(nvml) -> list[dict[str, Any]]:
+    """The devices of an initialised NVML that `CUDA_VISIBLE_DEVICES` shows this process:
+    every GPU by its index when unset, else those it names (engines/device.py)."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return [{"index": i} for i in range(nvml.nvmlDeviceGetCount())]
+    return select_visible(describe_devices(nvml), cvd)
+
+
+def nvml_sample(nvml, devices: list[dict[str, Any]] | None = None) -> list[dict[str, Any]] | None:
+    """One reading per device of `devices` (default: `visible_devices`, not every GPU of the
+    host: another job's devices are not this job's): memory used/total (bytes), GPU and
+    memory-bus utilization (%), power (W).  None when `nvml` is None; a figure the device
+    cannot give is None."""
     if nvml is None:
         return None
     out = []
-    for i in range(nvml.nvmlDeviceGetCount()):
-        h = nvml.nvmlDeviceGetHandleByIndex(i)
+    for d in visible_devices(nvml) if devices is None else devices:
+        i = d["index"]
+        h = device_handle(nvml, d)
         mem = nvml.nvmlDeviceGetMemoryInfo(h)
         try:
             util = nvml.nvmlDeviceGetUtilizationRates(h)
@@ -102,7 +115,7 @@ def nvml_sample(nvml) -> list[dict[str, Any]] | None:
         except Exception:
             power_w = None
         out.append({
-            "index": i, "memory_used_bytes": int(mem.used), "memory_total_bytes": int(mem.total),
+            "index": i, **({"mig": d["mig"]} if "mig" in d else {}), "memory_used_bytes": int(mem.used), "memory_total_bytes": int(mem.total),
             "util_pct": gpu_pct, "memory_util_pct": mem_pct, "power_w": power_w,
         })
     return out
@@ -149,15 +162,15 @@ def summarize_samples(cpu_pct: list[float], rss: list[int | None], gpu: list[lis
         "gpus": None,
     }
     if gpu:
-        per: dict[int, list[dict[str, Any]]] = {}
+        per: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for reading in gpu:
             for g in reading:
-                per.setdefault(g["index"], []).append(g)
+                per.setdefault((g["index"], g.get("mig", -1)), []).append(g)
         gpus = []
-        for idx, rs in sorted(per.items()):
+        for (idx, mig), rs in sorted(per.items()):
             pw = _mean([r["power_w"] for r in rs])
             gpus.append({
-                "index": idx,
+                "index": idx, **({"mig": mig} if mig >= 0 else {}),
                 "memory_used_bytes_max": _max([r["memory_used_bytes"] for r in rs]),
                 "memory_total_bytes": rs[0]["memory_total_bytes"],
                 "util_pct_mean": _mean([r["util_pct"] for r in rs]),
@@ -197,7 +210,7 @@ class UtilizationSampler(threading.Thread):
     def sample(self) -> None:
         self.cpu.append(float(self._cpu_percent()))
         self.rss.append(process_tree_rss_bytes())
-        g = nvml_sample(self._nvml)
+        g = nvml_sample(self._nvml)  # the devices visible now: a launcher that runs the engine itself has leased them
         if g is not None:
             self.gpu.append(g)
         self._t1 = self._clock()

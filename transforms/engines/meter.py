@@ -8,7 +8,11 @@ device_count, cpu_count, nvml_error, measure).
 
 * GPU worker (the engine runs on CUDA): the devices it uses are the visible ones
   (`CUDA_VISIBLE_DEVICES`, engines/device.py) narrowed to the first
-  tensor_parallel_size × pipeline_parallel_size, as vLLM places its ranks.  Per device,
+  tensor_parallel_size × pipeline_parallel_size, as vLLM places its ranks.  A worker that
+  leased its devices (engines/leases.py) sees exactly those, and no other worker of the
+  host leases them: the job's GPUs are the devices leased and each device's energy is
+  counted once, in its leaseholder's window.  A MIG instance is metered by its own
+  handle (NVML gives no energy or power per instance: those are unknown, not its GPU's).  Per device,
   NVML gives the model name, device memory (used, total), this worker's process-tree
   memory on it (`nvmlDeviceGetComputeRunningProcesses`), utilization and power (sampled
   every `every_s`), and energy from NVML's total-energy counter
@@ -34,7 +38,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tokenmill.transforms.engines.device import FORCE_CPU_ENV, cpu_model, describe_devices, select_visible
+from tokenmill.transforms.engines.device import (
+    FORCE_CPU_ENV,
+    cpu_model,
+    describe_devices,
+    device_handle,
+    select_visible,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +164,7 @@ class WorkerMeter:
         self.devices = visible[: self.wanted]
         if self.devices and len(self.devices) < self.wanted:
             log.warning("the engine wants %d GPUs but %d are visible", self.wanted, len(self.devices))
-        self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(d["index"]) for d in self.devices]
+        self._handles = [device_handle(self._nvml, d) for d in self.devices]
 
     @property
     def device_model(self) -> str | None:
