@@ -155,13 +155,28 @@ class BatchingConfig(_Strict):
 
 class RunnerConfig(_Strict):
     runner: str = "DirectRunner"
-    num_workers: int = Field(1, ge=1)
+    num_workers: int | Literal["auto"] = 1
+    """Worker processes, each running one engine (on a host with GPUs, on its own leased
+    devices).  `auto` (DirectRunner): one engine per device group this host can lease
+    (its visible GPUs // the engine's GPUs per engine); 1 on a host without GPUs or for an
+    engine that needs none."""
     worker_retries: int = Field(2, ge=0)
     """How many times a pipeline whose worker process died (kill -9, the OOM killer) is run
     again; each retry resumes from the database (multi-process DirectRunner; Dask reschedules
     a dead worker's tasks itself)."""
     pipeline_options: list[str] = Field(default_factory=list)
     """Extra Beam pipeline options, as command-line flags (`--environment_type=EXTERNAL`, ...)."""
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _num_workers(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError("must be a whole number >= 1 or 'auto'")
+        return v
 
 
 class JobSpec(_Strict):

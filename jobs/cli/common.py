@@ -111,6 +111,23 @@ def _engine_choice_help() -> str:
     return (", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else parts[0]) + "."
 
 
+class _Workers(click.ParamType):
+    """`--workers`: a whole number, or `auto` (runner.num_workers)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"must be a whole number or 'auto', got {value!r}", param, ctx)
+
+
+WORKERS = _Workers()
+
+
 def engine_options(f):
     """`--engine` (the registered kinds) and one flag per engine config field, then how the job is batched and run."""
     opts = [click.option("--engine", "engine_kind", type=click.Choice(kinds()), default=None, help=_engine_choice_help())]
@@ -120,7 +137,7 @@ def engine_options(f):
     opts += [
         click.option("--ordering", type=click.Choice(["prefix", "length", "none"]), default=None, help="Batch ordering."),
         click.option("--token-budget", type=int, default=None, help="Prompt+output tokens per batch."),
-        click.option("--workers", type=int, default=None, help="Worker processes on this machine (DirectRunner, DaskRunner): each runs one engine on its share of the cores."),
+        click.option("--workers", type=WORKERS, default=None, help="Worker processes on this machine (DirectRunner, DaskRunner): each runs one engine, on its share of the cores or its own leased GPUs; auto: one per GPU group of this host (DirectRunner)."),
         click.option("--runner", default=None, help="Beam runner (DirectRunner, DaskRunner, PortableRunner, DataflowRunner, ...)."),
         click.option("--pipeline-option", "pipeline_options", multiple=True, help="Extra Beam pipeline flag (repeatable)."),
     ]

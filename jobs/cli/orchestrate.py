@@ -58,7 +58,13 @@ def submit(spec_file, as_json, **kw):
 
     spec = build_spec(spec_file, spec_overrides(kw))
     eng = connect(kw.get("db_url") or spec.db)
-    problems = preflight(spec, engine=False).problems
+    from tokenmill.jobs.lifecycle.runner import JobError, resolve_workers
+
+    try:  # `auto` stays in the queued spec: it is counted on the host that runs the job
+        checked = resolve_workers(spec, here=False)
+    except JobError as err:
+        raise Failure(str(err)) from None
+    problems = preflight(checked, engine=False).problems
     if problems:
         raise Failure("; ".join(problems))
     try:
@@ -133,7 +139,12 @@ def check_spec(spec) -> dict[str, Any]:
     """The checks `run` makes before a worker starts (preflight.py), without a database:
     returns what was found; raises Failure with every problem on one line."""
     from tokenmill.jobs.lifecycle.preflight import preflight
+    from tokenmill.jobs.lifecycle.runner import JobError, resolve_workers
 
+    try:
+        spec = resolve_workers(spec)
+    except JobError as err:
+        raise Failure(str(err), EXIT_FAILED) from None
     pf = preflight(spec)
     if pf.problems:
         raise Failure("; ".join(pf.problems), EXIT_FAILED)

@@ -111,6 +111,7 @@ def run_job(
     second while the pipeline runs; `stage(line)` once per stage with a line for a person."""
     t0 = time.time()
     say = stage or (lambda line: None)
+    spec = resolve_workers(spec, fake_engine=session_factory is not None)
     db_url = db_url or spec.db or default_db_url()
     job_id = spec.derived_job_id()
 
@@ -219,6 +220,41 @@ def run_job(
         files=files.get("files", {}),
         note=note,
     )
+
+
+#: The runners whose workers are processes of this host: `num_workers` counts this host's engines.
+HOST_RUNNERS = ("DirectRunner", "direct")
+
+
+def resolve_workers(spec: JobSpec, *, fake_engine: bool = False, here: bool = True) -> JobSpec:
+    """The spec with `runner.num_workers` a number for this host (a copy when it was `auto`:
+    one engine per device group this host can lease, engines/leases.py; 1 without a GPU
+    or for an engine that needs none).  With `here` (the job runs on this host), JobError
+    (one line) when a runner of this host's processes asks more engines than its GPUs
+    make groups; without it (`submit`: the job may run elsewhere), `auto` counts as 1.
+    `fake_engine`: a test double that leases nothing."""
+    from tokenmill.transforms.engines.device import visible_gpus
+    from tokenmill.transforms.engines.leases import leasable_groups
+
+    asked = spec.runner.num_workers
+    local = spec.runner.runner in HOST_RUNNERS
+    if asked == "auto" and not local:
+        raise JobError(f"runner.num_workers: auto counts this host's device groups, for {' or '.join(HOST_RUNNERS)}; "
+                       f"with runner {spec.runner.runner}, give the number of workers")
+    per = 0 if fake_engine else engine_of(spec.engine.kind).devices_per_engine(spec.engine)
+    gpus = visible_gpus() if (here and local and per) else []
+    groups = leasable_groups(per, gpus)
+    if gpus and (asked == "auto" or asked > groups):
+        host = platform.node()
+        if not groups:
+            raise JobError(f"runner.num_workers: an engine of {spec.engine.kind} here needs {per} GPUs but host "
+                           f"{host} shows {len(gpus)}")
+        if asked != "auto":
+            raise JobError(f"runner.num_workers: {asked} engines of {per} GPU(s) each do not fit host {host}'s "
+                           f"{len(gpus)} visible GPUs ({groups} engines at most; or give auto)")
+    if asked != "auto":
+        return spec
+    return spec.model_copy(update={"runner": spec.runner.model_copy(update={"num_workers": max(1, groups)})})
 
 
 def _mark_failed(output: str, manifest: dict[str, Any], reason: str) -> None:
