@@ -312,10 +312,12 @@ def test_a_worker_missing_the_model_fails_in_one_line_naming_its_host(remote_wor
     from tokenmill.jobs.lifecycle.runner import JobError, run_job
 
     spec = dask_job(prompts, tmp_path / "out", "worker-lacks", remote_worker, "smollm2-135m")
-    with pytest.raises(Exception) as err:
+    with pytest.raises(JobError) as err:
         run_job(spec, db_url=sqlite_url)
-    msg = str(err.value) if isinstance(err.value, JobError) else repr(err.value)
+    msg = str(err.value)
+    assert "\n" not in msg
     assert f"worker on host {HOST}: model 'smollm2-135m' is not prepared in {str(remote_worker.cache)!r}" in msg, msg
+    assert S.MetricsReader(S.connect(sqlite_url)).workers("worker-lacks") == []  # no engine started anywhere
 
 
 @pytest.mark.engine
