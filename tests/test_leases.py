@@ -230,14 +230,14 @@ def _records(d: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))]
 
 
-def _job(tmp_path, sqlite_url, workers, tp=1, rows=32, **runner):
+def _job(tmp_path, sqlite_url, workers, tp=1, rows=32, engine_step_s=0.0, **runner):
     from tokenmill.jobs.lifecycle.runner import run_job
 
     records = tmp_path / "engines"
     records.mkdir(exist_ok=True)
     inp = write_parquet(tmp_path / "in.parquet", [{"id": f"r{i}", "prompt": f"question {i}"} for i in range(rows)])
     spec = job_spec(inp, tmp_path / "out", engine={"kind": "leasing", "tensor_parallel_size": tp,
-                                                   "record_dir": str(records)},
+                                                   "record_dir": str(records), "step_s": engine_step_s},
                     sampling={"max_tokens": 1}, runner={"num_workers": workers, **runner})
     return run_job(spec, db_url=sqlite_url), records
 
@@ -287,3 +287,45 @@ def test_a_killed_worker_frees_its_device_and_the_retry_takes_it(gpu_host, tmp_p
     engines = {e["pid"]: e["leased"] for e in _records(records)}
     lost = engines.pop(killed)
     assert any(leased == lost for leased in engines.values())  # a retry's worker leased the dead one's device
+
+
+# ---------------------------------------------------------------- Dask: two simulated hosts
+
+
+def test_under_dask_each_simulated_host_leases_its_own_devices_to_its_workers(gpu_host, tmp_path, sqlite_url):
+    """Two hosts of two GPUs (fake hosts `hostA`, `hostB`, each with its own lease dir), two
+    dask workers on each: every engine gets one device of its own host, none shared."""
+    from bench.dask_cluster import WORKER_ENV, start_cluster, stop_process
+
+    cluster = start_cluster(tmp_path / "dask-logs", n_workers=0)
+    try:
+        for host in ("hostA", "hostB"):
+            env = {**os.environ, **WORKER_ENV, "FAKE_GPU_HOST": host, "FAKE_GPU_COUNT": "2",
+                   leases.LEASE_DIR_ENV: str(tmp_path / f"leases-{host}")}
+            for i in range(2):
+                with open(tmp_path / "dask-logs" / f"{host}-{i}.log", "wb") as log:
+                    cluster.workers.append(subprocess.Popen(
+                        [sys.executable, "-m", "distributed.cli.dask_worker", cluster.address, "--name", f"{host}-{i}",
+                         "--host", "127.0.0.1", "--nthreads", "1", "--memory-limit", "0", "--no-dashboard",
+                         "--no-nanny"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True))
+        from distributed import Client
+
+        with Client(cluster.address, timeout=30) as c:
+            c.wait_for_workers(4, timeout=120)
+        res, records = _job(tmp_path, sqlite_url, 4, rows=16, runner="DaskRunner",
+                            pipeline_options=cluster.options(), engine_step_s=0.2)
+    except BaseException:
+        print(cluster.tail())
+        raise
+    finally:
+        for w in cluster.workers:
+            stop_process(w)
+        stop_process(cluster.scheduler)
+    assert res.status == "succeeded" and res.succeeded == 16
+    leased = [e["leased"] for e in _records(records)]
+    assert all(len(u) == 1 for u in leased)
+    uuids = [u[0] for u in leased]
+    assert len(set(uuids)) == len(uuids) and set(uuids) <= {uuid(i, h) for h in ("hostA", "hostB") for i in (0, 1)}
+    assert {u.split("-")[1] for u in uuids} == {"hostA", "hostB"}  # both hosts' workers ran engines
+    assert res.metrics["devices"]["gpus"] == len(uuids)

@@ -30,6 +30,8 @@ class LeasingConfig(EngineConfig):
     kind: Literal["leasing"] = Field(json_schema_extra={"flag": False})
     tensor_parallel_size: int = Field(1, ge=1, json_schema_extra={"flag": False})
     record_dir: str = Field("", json_schema_extra={"flag": False})
+    step_s: float = Field(0.0, json_schema_extra={"flag": False})
+    """How long a step takes (a slower engine keeps every worker of a cluster busy)."""
 
 
 class LeasingSession(EchoSession):
@@ -54,6 +56,7 @@ class LeasingSession(EchoSession):
                 pass  # another worker took it
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.cfg.step_s)
         now = time.time()
         done = [Finished(request_id=rid, text=os.environ.get("CUDA_VISIBLE_DEVICES", ""), finish_reason="length",
                          prompt_tokens=len(ids), output_tokens=1, cached_tokens=0, ttft_s=now - t0, tpot_s=None,
