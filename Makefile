@@ -174,9 +174,10 @@ bench-scale: prepare
 bench-db: install
 	$(PY) -m bench.db_writes
 
-# The meter against nvidia-smi on a real GPU (bench/gpu_check.py, docs/ACCOUNTING.md): needs only
+# The meter against nvidia-smi on a real GPU (bench/gpu_check.py, docs/ACCOUNTING.md), then two
+# device leases held at once, each seeing only its own GPU (bench/lease_check.py): needs only
 # PyTorch (CUDA) and nvidia-ml-py, so it installs nothing and runs this venv's python if there is
-# one, else python3. Exit 0 pass, 1 a check failed, 3 no NVIDIA GPU here, 4 cannot run.
+# one, else python3. Exit 0 pass, 1 a check failed, 3 no NVIDIA GPU here (one line), 4 cannot run.
 GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_CHECK_PY) -m bench.gpu_check $(BENCH_ARGS)

@@ -28,6 +28,9 @@ beside it.  The checks (`meter_checks`):
    the detector, the launcher's hardware description and the worker's meter each
    see 1 device (the right one; priced as one GPU of its model) and none (a CPU
    worker, priced per vCPU and GiB).
+4. Then two device leases (bench/lease_check.py), held at once by two processes
+   as two workers hold them: each one's torch sees only its own leased device,
+   and the two differ (on a one-GPU host the second is refused in one line).
 
 It prints a table and writes the JSON result (default
 bench/results/gpu-check-<UTC stamp>.json).  Exit status: 0 every check passed;
@@ -458,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     dev = m["meter_device"]
     one, none = run_child(str(dev["index"])), run_child("")
     checks += device_checks(one, none, dev, gpu_price(dev["name"], price_table())[0])
+    from bench.lease_check import lease_checks, run_children
+    from tokenmill.transforms.engines.device import visible_gpus
+
+    leases = run_children()
+    checks += lease_checks(leases, host_gpus=len(visible_gpus()))
     status = exit_status(checks)
     doc = {"benchmark": "gpu-check", "started_at": started, "finished_at": utc_now(),
            "wall_s": round(time.perf_counter() - t0, 1),
@@ -466,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                       "busy_util_min_pct": BUSY_UTIL_MIN, "idle_util_max_pct": IDLE_UTIL_MAX},
            "windows_s": {"idle": args.idle_s, "busy": args.busy_s},
            "passed": status == EXIT_PASS, "checks": checks, **m,
-           "devices": {"one": one, "none": none}}
+           "devices": {"one": one, "none": none}, "leases": leases}
     path = Path(args.out) if args.out else RESULTS / f"gpu-check-{utc_stamp()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
