@@ -345,3 +345,33 @@ def test_a_model_on_s3_is_synced_once_per_host_and_used(remote_worker, bucket, s
     worker_copy = next(remote_worker.cache.glob(f"synced/*/tiny/{M.MANIFEST}"))
     assert json.loads(worker_copy.read_text())["url"] == url
     assert M.is_synced(url)  # the launcher's own copy
+
+
+def _generate_config(model: str, model_path: str):
+    from tokenmill.schemas.config import BatchingConfig, SamplingDefaults
+    from tokenmill.transforms.batch_runner import GenerateConfig
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
+
+    return GenerateConfig(job_id="j", run_id="r", model_name=model, model_path=model_path,
+                          engine=VllmConfig(model=model, **TEST_ENGINE), sampling=SamplingDefaults(),
+                          batching=BatchingConfig())
+
+
+def test_a_worker_checks_its_host_once_per_process(tmp_path, model_path):
+    """The worker's check (Generate's setup) is the engine's preflight on the worker's host,
+    made once per process however many bundles (fresh DoFns) follow."""
+    from tokenmill.transforms.generate import WorkerCheckError, check_worker
+
+    lacking = tmp_path / "no-weights"
+    lacking.mkdir()
+    (lacking / "config.json").write_text("{}")
+    with pytest.raises(WorkerCheckError) as err:
+        check_worker(_generate_config(str(lacking), str(lacking)))
+    assert str(err.value) == f"worker on host {HOST}: model folder {str(lacking)!r} has a config.json but no " \
+                             "weights (*.safetensors)"
+    copy = tmp_path / "model"
+    copy.symlink_to(model_path)
+    cfg = _generate_config(str(copy), str(copy))
+    assert check_worker(cfg) == str(copy)
+    copy.unlink()
+    assert check_worker(cfg) == str(copy)  # checked already: no second look at the disk

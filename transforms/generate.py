@@ -223,6 +223,8 @@ def check_worker(cfg: GenerateConfig) -> str:
             path = found.model_path  # a short name resolves in this host's own models folder
     except ModelNotFound as err:
         problems = [str(err)]
+    except OSError as err:  # the models cache: a full disk, no permission
+        problems = [f"model {url!r} cannot be kept in this host's models cache: {err}"]
     if problems:
         raise WorkerCheckError(f"worker on host {socket.gethostname()}: {'; '.join(problems)}")
     _CHECKED[key] = path

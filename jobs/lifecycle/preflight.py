@@ -317,6 +317,9 @@ def _check_model_url(pf: Preflight, *, sync: bool) -> bool:
     except ModelNotFound as err:
         pf.problems.append(str(err))
         return False
+    except OSError as err:  # the models cache: a full disk, no permission
+        pf.problems.append(f"model {url!r} cannot be kept in this host's models cache: {err}")
+        return False
     return True
 
 
