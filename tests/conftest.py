@@ -17,6 +17,19 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "llamacpp: needs llama.cpp's llama-server (`make llamacpp` builds it)")
+    config.addinivalue_line("markers", "cpu_only: asserts what a CPU engine does (KV floor, core binding, the "
+                                       "CPU dtype probe); skipped where this machine's engines would run on a GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    from tokenmill.transforms.engines.device import has_nvidia_gpu
+
+    if not any(item.get_closest_marker("cpu_only") for item in items) or not has_nvidia_gpu():
+        return
+    skip = pytest.mark.skip(reason="a CPU engine's behaviour; this machine's engines run on its GPU")
+    for item in items:
+        if item.get_closest_marker("cpu_only"):
+            item.add_marker(skip)
 
 
 #: The bare form, as most users type it (SQLAlchemy 2.1 maps it to psycopg 3).

@@ -133,6 +133,7 @@ def test_the_cpu_identity_names_the_model_and_hashes_the_flags():
 
 
 @pytest.mark.engine
+@pytest.mark.cpu_only
 def test_the_probe_times_both_dtypes_in_the_real_engine_and_float32_agrees_with_itself(model_path):
     from tokenmill.transforms.engines.vllm_session import engine_kwargs
 

@@ -39,6 +39,7 @@ time.sleep(600)
 BINDS = {"uni": "0", "mp": "auto"}
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("executor", sorted(BINDS))
 def test_engine_processes_exit_when_their_owner_is_killed(tmp_path, model_path, executor):
     err = tmp_path / "owner.stderr"

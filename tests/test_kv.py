@@ -207,6 +207,7 @@ def test_the_cli_exits_with_the_commands_status_and_its_output_flushed(tmp_path)
 
 
 @pytest.mark.engine
+@pytest.mark.cpu_only
 def test_an_engine_sized_for_a_small_first_chunk_runs_a_later_longer_one(model_path, monkeypatch):
     """The cache holds one 512-token sequence (the floor); eight 420-token sequences
     still finish through it, one or two at a time."""
