@@ -329,3 +329,24 @@ def test_under_dask_each_simulated_host_leases_its_own_devices_to_its_workers(gp
     assert len(set(uuids)) == len(uuids) and set(uuids) <= {uuid(i, h) for h in ("hostA", "hostB") for i in (0, 1)}
     assert {u.split("-")[1] for u in uuids} == {"hostA", "hostB"}  # both hosts' workers ran engines
     assert res.metrics["devices"]["gpus"] == len(uuids)
+
+
+def test_a_job_whose_workers_find_every_device_held_fails_with_the_lease_line(gpu_host, tmp_path, sqlite_url,
+                                                                                 caplog):
+    """The worker's error is one line naming the host and the holders; it fails the job
+    (not retried: no worker died)."""
+    from tokenmill.jobs.lifecycle.runner import JobError
+
+    gpu_host.setenv("FAKE_GPU_COUNT", "2")
+    gpu_host.setenv(leases.LEASE_WAIT_ENV, "0.5")
+    held = leases.acquire(2, device.visible_gpus(), job="someone-else", wait_s=0)  # another job holds both
+    try:
+        with caplog.at_level("ERROR", logger="tokenmill.jobs.lifecycle.runner"), pytest.raises(JobError):
+            _job(tmp_path, sqlite_url, 2, rows=4, worker_retries=1)
+    finally:
+        held.release()
+    (failed,) = [r for r in caplog.records if r.getMessage() == "pipeline failed"]
+    line = next(x for x in str(failed.exc_info[1]).splitlines() if "LeaseUnavailable: " in x)
+    assert line.split("LeaseUnavailable: ", 1)[1].startswith(
+        f"no free group of 1 GPU(s) on host {socket.gethostname()} after waiting 0.5 s; held: "
+        f"{uuid(0)} by pid {os.getpid()} on {socket.gethostname()} (job someone-else), {uuid(1)} by pid")
