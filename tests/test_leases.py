@@ -131,6 +131,25 @@ def test_the_process_lease_is_kept_for_the_process_and_its_engine_sees_only_its_
     assert leases.process_lease(0) is None  # an engine that needs no GPU leases nothing
 
 
+def test_a_workers_engine_is_made_on_its_lease_and_a_group_of_another_size_stops_it_first(gpu_host, tmp_path,
+                                                                                           monkeypatch):
+    from tokenmill.transforms.engines import registry, worker
+
+    monkeypatch.setattr(registry, "_SESSIONS", {})
+    cfg = leasing_engine.LeasingConfig(kind="leasing", record_dir=str(tmp_path))
+    s = worker.worker_session(cfg, "m", group="job-a")
+    assert json.loads((tmp_path / f"{os.getpid()}.json").read_text())["cuda_visible_devices"] == uuid(0)
+    assert worker.worker_session(cfg, "m", group="job-b", restart=True) is not s  # a restart keeps the lease
+    assert leases.held().uuids == [uuid(0)] and leases.holder(uuid(0))["job"] == "job-b"
+    current = registry.sessions()[0]
+    wide = worker.worker_session(cfg.model_copy(update={"tensor_parallel_size": 2}), "m", group="job-c")
+    assert current.shut and leases.held().uuids == [uuid(0), uuid(1)]
+    assert json.loads((tmp_path / f"{os.getpid()}.json").read_text())["cuda_visible_devices"] == f"{uuid(0)},{uuid(1)}"
+    registry.shutdown_all()
+    assert wide.shut
+    leases.release_process_lease()
+
+
 def test_a_worker_without_gpus_leases_nothing(gpu_host):
     gpu_host.setenv("CUDA_VISIBLE_DEVICES", "")
     assert leases.process_lease(1) is None and os.environ["CUDA_VISIBLE_DEVICES"] == ""

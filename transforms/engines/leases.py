@@ -78,6 +78,8 @@ class Lease:
 
     devices: list[dict[str, Any]]
     _fds: list[int] = field(default_factory=list, repr=False)
+    job: str = ""
+    """The job the holder note names."""
 
     @property
     def uuids(self) -> list[str]:
@@ -172,6 +174,7 @@ def try_lease(n: int, devices: list[dict[str, Any]], job: str = "") -> Lease | N
                 lease.devices.append(d)
                 lease._fds.append(fd)
             if len(lease.devices) == n:
+                lease.job = job
                 for fd in lease._fds:
                     _write_holder(fd, job)
                 return lease
@@ -251,6 +254,10 @@ def process_lease(n: int, *, job: str = "", wait_s: float | None = None) -> Leas
         return None
     with _LOCK:
         if _HELD is not None and len(_HELD.devices) == n:
+            if job != _HELD.job:  # the next job of a long-lived worker (Dask): the note names it
+                _HELD.job = job
+                for fd in _HELD._fds:
+                    _write_holder(fd, job)
             return _HELD
         release_process_lease()
         before = os.environ.get("CUDA_VISIBLE_DEVICES")
