@@ -85,9 +85,9 @@ def request_columns(rows: Sequence[dict[str, Any]] | Mapping[str, np.ndarray]) -
 
 COUNT_SOURCE_DEFINITION = (
     "answered rows and their prompt/output tokens by outputs.token_count_source: engine = the engine's own counts "
-    "(vLLM's request output, the server's usage); <prompt count>+stream_chunks = the server sent no usage: "
-    "prompt tokens counted before sending (local_tokenizer: the job's tokenizer and chat template; "
-    "server_tokenizer: the server's /tokenize; estimate: 1 token per 4 bytes of text), output tokens = "
+    "(vLLM's request output, the server's usage); local_tokenizer+stream_chunks, server_tokenizer+stream_chunks, "
+    "estimate+stream_chunks = the server sent no usage: prompt tokens as counted before sending (by the job's "
+    "tokenizer and chat template, by the server's /tokenize, or at 1 token per 4 bytes of text), output tokens = "
     "streamed text chunks (estimates); not_recorded = rows stored before tokenmill recorded the source")
 
 
