@@ -51,12 +51,18 @@ class RemoteFile:
     """What changes when the object does: S3's ETag, else the store's checksum or mtime."""
 
 
-def synced_folder(url: str) -> Path:
-    """Where this host keeps its copy of the model at `url`: its last path part is the
-    model's name (served model names and reports show it)."""
+#: The files a launcher whose workers run elsewhere leaves where they are: it reads the
+#: config and the tokenizer, the workers load the weights.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def synced_folder(url: str, *, weights: bool = True) -> Path:
+    """Where this host keeps its copy of the model at `url` (`weights=False`: the copy
+    without the weights); its last path part is the model's name (served model names and
+    reports show it)."""
     digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
     name = url.rstrip("/").rsplit("/", 1)[-1] or "model"
-    return models_dir() / "synced" / digest / name
+    return models_dir() / "synced" / (digest if weights else f"{digest}-no-weights") / name
 
 
 def is_synced(url: str) -> bool:
@@ -158,12 +164,13 @@ def _md5_ok(path: Path, etag: str) -> bool:
     return h.hexdigest() == etag
 
 
-def sync_model(url: str, s3_client: Any = None) -> Path:
+def sync_model(url: str, s3_client: Any = None, *, weights: bool = True) -> Path:
     """This host's complete copy of the model at `url`, fetched or refreshed as needed
-    (see the module docstring); ModelNotFound (one line) when it cannot be."""
-    folder = synced_folder(url)
+    (see the module docstring); ModelNotFound (one line) when it cannot be.
+    `weights=False`: a copy of everything but the weights (WEIGHT_SUFFIXES)."""
+    folder = synced_folder(url, weights=weights)
     with _host_lock(folder):
-        files = list_model(url, s3_client)
+        files = [f for f in list_model(url, s3_client) if weights or not f.rel.endswith(WEIGHT_SUFFIXES)]
         want = {f.rel: {"size": f.size, "etag": f.etag} for f in files}
         have = _manifest(folder)
         if have == want:

@@ -375,3 +375,23 @@ def test_a_worker_checks_its_host_once_per_process(tmp_path, model_path):
     assert check_worker(cfg) == str(copy)
     copy.unlink()
     assert check_worker(cfg) == str(copy)  # checked already: no second look at the disk
+
+
+def test_a_launcher_whose_workers_run_elsewhere_leaves_the_weights_where_they_are(bucket, s3_server, prompts,
+                                                                                 tmp_path, monkeypatch):
+    """The launcher reads the config and the tokenizer; the workers load the weights, each
+    syncing them on its own host."""
+    from bench.tinymodel import tiny_model
+
+    name, client = bucket
+    url = upload(client, name, "models/tiny", tiny_model())
+    monkeypatch.setenv("TOKENMILL_MODELS", str(tmp_path / "launcher-models"))
+    spec = job_spec(prompts, tmp_path / "out", engine={"model": url, **TEST_ENGINE},
+                    runner={"runner": "PortableRunner",
+                            "pipeline_options": ["--job_endpoint=flink-jobserver:8099", "--environment_type=DOCKER"]})
+    pf = P.preflight(spec, db_url="postgresql://tokenmill@db.internal/jobs")
+    assert pf.problems == []
+    assert pf.model_path == str(M.synced_folder(url, weights=False).resolve())
+    assert s3_server.gets[f"{name}/models/tiny/model.safetensors"] == 0
+    assert s3_server.gets[f"{name}/models/tiny/config.json"] == 1
+    assert (Path(pf.model_path) / "tokenizer.json").is_file() and not M.is_synced(url)

@@ -302,25 +302,33 @@ def check_output_path(output: str) -> None:
         raise ValueError(f"output {output!r} exists and is not a folder")
 
 
-def _check_model_url(pf: Preflight, *, sync: bool) -> bool:
+def _check_model_url(pf: Preflight, *, sync: bool, here: bool):
     """A model URL lists (a config.json among its objects) with the job's S3 endpoint; with
     `sync`, this host's copy is made now, with that endpoint (the engine's checks and the
-    prompts' tokenizer read the folder).  False, with the problem, when it cannot be."""
+    prompts' tokenizer read the folder).  When the workers run elsewhere (`here` false) and
+    the engine can be checked without weights (`load_format`), the copy leaves the weights
+    out: each worker's own check loads and checks them on its host (transforms/generate.py).
+    Returns the engine config the engine's preflight checks, or None with the problem."""
     from tokenmill.schemas.model_sync import list_model, sync_model
     from tokenmill.schemas.models import ModelNotFound
     from tokenmill.transforms.read import s3_client
 
-    url = pf.spec.engine.model
+    cfg = pf.spec.engine
+    url = cfg.model
+    weights = here or "load_format" not in type(cfg).model_fields
     try:
         client = s3_client(pf.options) if url.startswith("s3://") else None
-        sync_model(url, client) if sync else list_model(url, client)
+        if not sync:
+            list_model(url, client)
+            return cfg
+        folder = sync_model(url, client, weights=weights)
     except ModelNotFound as err:
         pf.problems.append(str(err))
-        return False
+        return None
     except OSError as err:  # the models cache: a full disk, no permission
         pf.problems.append(f"model {url!r} cannot be kept in this host's models cache: {err}")
-        return False
-    return True
+        return None
+    return cfg if weights else cfg.model_copy(update={"model": str(folder), "load_format": "dummy"})
 
 
 def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
@@ -338,19 +346,22 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
     from tokenmill.transforms.read import InputError, check_bucket, plan_input
 
     pf = Preflight(spec=spec, on_gpu=has_nvidia_gpu(), options=pipeline_options(spec))
-    model_ok = True
-    if is_model_url(spec.engine.model):
-        model_ok = _check_model_url(pf, sync=engine)
-    if engine and model_ok:
-        found = engine_of(spec.engine.kind).preflight(spec.engine, on_gpu=pf.on_gpu or fake_engine)
-        pf.model_path, pf.counter = found.model_path, found.token_counter
-        pf.problems += found.problems
     hosts: set[str] = set()
+    runner_problem = None
     if is_dask(spec):
         try:
             hosts = check_dask(pf.options, reach=engine)
         except ValueError as err:
-            pf.problems.append(str(err))
+            runner_problem = str(err)
+    cfg = spec.engine
+    if is_model_url(cfg.model):
+        cfg = _check_model_url(pf, sync=engine, here=remote_workers(spec.runner.runner, pf.options, hosts) is None)
+    if engine and cfg is not None:
+        found = engine_of(spec.engine.kind).preflight(cfg, on_gpu=pf.on_gpu or fake_engine)
+        pf.model_path, pf.counter = found.model_path, found.token_counter
+        pf.problems += found.problems
+    if runner_problem:
+        pf.problems.append(runner_problem)
     try:
         check_shared_db(db_url or spec.db or default_db_url(), spec.runner.runner, pf.options, hosts)
     except ValueError as err:
