@@ -76,7 +76,8 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
         dedup = valid.ok | "DedupIds" >> DedupIds(parts.db_url, parts.job_id, claimed)
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(
-        parts.counter or TokenCounter.local(parts.model_path), spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks,
+        parts.counter or TokenCounter.local(parts.model_path, model=spec.engine.model),
+        spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks,
         keep_source=engine_of(spec.engine.kind).takes_text,
     )
     dead["Tokenize"] = tok[DEAD]

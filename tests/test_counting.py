@@ -79,11 +79,11 @@ def test_auto_picks_the_tokenizer_given_then_the_server_then_the_model_folder_th
 
     with FaultServer(tokenize="vllm") as tok_server, FaultServer() as bare, FaultServer(model="smollm2-135m") as named:
         pick = openai_engine.token_counter
-        assert pick(_cfg(tok_server, tokenizer="smollm2-135m"), local) == C.TokenCounter.local(model_path)
+        assert pick(_cfg(tok_server, tokenizer="smollm2-135m"), local) == C.TokenCounter.local(model_path, "smollm2-135m")
         got = pick(_cfg(tok_server), local)
         assert (got.source, got.style, got.model, got.row_source) == (
             "server", "vllm", "test-model", R.TOKENS_BY_SERVER_TOKENIZER_AND_STREAM_CHUNKS)
-        assert pick(_cfg(named, model="smollm2-135m"), local) == C.TokenCounter.local(model_path)  # a local name
+        assert pick(_cfg(named, model="smollm2-135m"), local) == C.TokenCounter.local(model_path, "smollm2-135m")
         assert pick(_cfg(bare), local).row_source == R.TOKENS_BY_ESTIMATE_AND_STREAM_CHUNKS
         # asked for, and not there: one line
         with pytest.raises(EngineStartError, match="engine.token_count server: .*/tokenize does not answer"):

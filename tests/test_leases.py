@@ -306,6 +306,10 @@ def test_a_killed_worker_frees_its_device_and_the_retry_takes_it(gpu_host, tmp_p
     engines = {e["pid"]: e["leased"] for e in _records(records)}
     lost = engines.pop(killed)
     assert any(leased == lost for leased in engines.values())  # a retry's worker leased the dead one's device
+    # a device metered by two workers (the dead one's and its successor's) is one GPU of the job
+    workers = S.MetricsReader(S.connect(sqlite_url)).workers(res.job_id)
+    metered = [g["uuid"] for w in workers for g in w["measure"]["gpus"]]
+    assert res.metrics["devices"]["gpus"] == len(set(metered)) <= 2
 
 
 # ---------------------------------------------------------------- Dask: two simulated hosts

@@ -184,3 +184,16 @@ def test_a_batchs_figures_are_committed_with_its_outputs_when_it_finishes(sqlite
     commit_batch(sqlite_url, "jb", [], [], BatchStats(job_id="jb", batch_id="abc123-0.0-x-0", worker="h:1",
                                                      requests=2, started_at=1.0, finished_at=2.0).as_dict())
     assert [b["batch_id"] for b in S.MetricsReader(S.connect(sqlite_url)).batches("jb")] == ["abc123-0.0-x-0"]
+
+
+def test_a_device_metered_by_a_worker_and_its_retry_is_one_gpu_of_the_job():
+    from tokenmill.jobs.metrics.devices import gpu_count
+
+    def row(worker, *uuids, count=None):
+        return {"worker": worker, "device_type": "gpu", "device_count": count or len(uuids),
+                "measure": {"gpus": [{"uuid": u} for u in uuids]}}
+
+    dead, retry = row("h1:100", "GPU-a"), row("h1:200", "GPU-a")
+    assert gpu_count([dead, retry, row("h1:101", "GPU-b")]) == 2
+    assert gpu_count([row("h1:1", "GPU-a"), row("h2:1", "GPU-a")]) == 2  # the same UUID on two hosts: two devices
+    assert gpu_count([row("h1:1", "GPU-a", "GPU-b"), {"worker": "h3:1", "device_type": "gpu", "device_count": 4}]) == 6

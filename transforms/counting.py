@@ -70,15 +70,16 @@ class TokenCounter:
     root: str | None = None
     """`server`: the server's root URL (its OpenAI API root without `/v1`)."""
     model: str | None = None
-    """`server`: the model name the server serves."""
+    """`server`: the model name the server serves; `local`: the model (or tokenizer) name
+    or URL `model_path` came from, which a worker on another host resolves there."""
     style: Style | None = None
     """`server`: the shape of its /tokenize (see the module docstring)."""
     api_key_env: str | None = None
     """`server`: the environment variable holding the API key, if it needs one."""
 
     @classmethod
-    def local(cls, model_path: str) -> "TokenCounter":
-        return cls("local", model_path=model_path)
+    def local(cls, model_path: str, model: str | None = None) -> "TokenCounter":
+        return cls("local", model_path=model_path, model=model)
 
     @property
     def row_source(self) -> str:

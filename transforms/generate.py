@@ -206,17 +206,18 @@ def check_worker(cfg: GenerateConfig) -> str:
     key = (cfg.engine.model_dump_json(), cfg.model_path)
     if key in _CHECKED:
         return _CHECKED[key]
-    from tokenmill.schemas.model_sync import is_model_url, sync_model
+    from tokenmill.schemas.model_sync import is_model_url
     from tokenmill.schemas.models import ModelNotFound
     from tokenmill.transforms.engines.device import has_nvidia_gpu
     from tokenmill.transforms.engines.kinds import engine_of
+    from tokenmill.transforms.host_model import model_folder_here
 
     problems: list[str] = []
     path = cfg.model_path
     url = cfg.engine.model
     try:
         if is_model_url(url):
-            path = str(sync_model(url, _s3_client() if url.startswith("s3://") else None))
+            path = model_folder_here(url, None)
         found = engine_of(cfg.engine.kind).preflight(cfg.engine, on_gpu=has_nvidia_gpu())
         problems = found.problems
         if not problems and found.model_path and not (path and os.path.exists(path)):
@@ -229,17 +230,6 @@ def check_worker(cfg: GenerateConfig) -> str:
         raise WorkerCheckError(f"worker on host {socket.gethostname()}: {'; '.join(problems)}")
     _CHECKED[key] = path
     return path
-
-
-def _s3_client():
-    """The S3 client of the job's options on this worker: an SDK worker's Beam filesystems
-    hold them (sdk_worker_main sets them; Beam has no public getter), else boto3's default
-    chain (AWS_ENDPOINT_URL_S3), which is what Beam's S3 filesystem reads there too."""
-    from apache_beam.io.filesystems import FileSystems
-
-    from tokenmill.transforms.read import s3_client
-
-    return s3_client(getattr(FileSystems, "_pipeline_options", None))
 
 
 def _outputs(out):

@@ -10,7 +10,9 @@ estimate).
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
+from dataclasses import replace
 from typing import Any
 
 import apache_beam as beam
@@ -20,6 +22,7 @@ from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import FailedRecord, PromptRecord, TokenizedPrompt
 from tokenmill.transforms.chunks import MapRows, with_dead
 from tokenmill.transforms.counting import CountRefused, Encoder, TokenCounter
+from tokenmill.transforms.host_model import model_folder_here
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's KV block size on CUDA; the job passes the engine's real one (128 on CPU)
 
@@ -89,7 +92,11 @@ class TokenizeFn(MapRows):
         self._encoder: Encoder | None = None
 
     def setup(self):
-        self._encoder = self._counter.open()
+        counter = self._counter
+        if counter.source == "local" and counter.model and not os.path.isdir(counter.model_path or ""):
+            # a worker on another host: the tokenizer of the same model, as this host has it
+            counter = replace(counter, model_path=model_folder_here(counter.model, None, need_weights=False))
+        self._encoder = counter.open()
 
     def map_row(self, rec: PromptRecord):
         assert self._encoder is not None

@@ -343,9 +343,19 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
     `db_url`: the job's database (default: the spec's `db`, else the default URL)."""
     from apache_beam.io.filesystems import FileSystems
 
+    from tokenmill.jobs.lifecycle.runner import JobError, resolve_workers
     from tokenmill.transforms.read import InputError, check_bucket, plan_input
 
+    workers_problem = None
+    if spec.runner.num_workers == "auto":  # a caller that did not resolve it (tune): counted here, as run does
+        try:
+            spec = resolve_workers(spec, fake_engine=fake_engine, here=engine)
+        except JobError as err:
+            workers_problem = str(err)
+            spec = spec.model_copy(update={"runner": spec.runner.model_copy(update={"num_workers": 1})})
     pf = Preflight(spec=spec, on_gpu=has_nvidia_gpu(), options=pipeline_options(spec))
+    if workers_problem:
+        pf.problems.append(workers_problem)
     hosts: set[str] = set()
     runner_problem = None
     if is_dask(spec):
@@ -358,7 +368,7 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
         cfg = _check_model_url(pf, sync=engine, here=remote_workers(spec.runner.runner, pf.options, hosts) is None)
     if engine and cfg is not None:
         found = engine_of(spec.engine.kind).preflight(cfg, on_gpu=pf.on_gpu or fake_engine)
-        pf.model_path, pf.counter = found.model_path, found.token_counter
+        pf.model_path, pf.counter = found.model_path, found.counter
         pf.problems += found.problems
     if runner_problem:
         pf.problems.append(runner_problem)

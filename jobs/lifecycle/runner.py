@@ -119,7 +119,7 @@ def run_job(
     from tokenmill.transforms.engines.checks import effective_block_size
 
     eng = S.connect(db_url)
-    pf = preflight(spec, fake_engine=session_factory is not None)
+    pf = preflight(spec, fake_engine=session_factory is not None, db_url=db_url)
     if pf.problems:
         raise JobError(pf.problems[0])
     plan, model_path, on_gpu = pf.plan, pf.model_path, pf.on_gpu

@@ -28,6 +28,22 @@ def worker_summary(w: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def gpu_count(gpu_workers: Sequence[dict[str, Any]]) -> int:
+    """The GPUs the workers ran on: distinct (host, UUID) pairs of the devices they metered,
+    so a worker retried onto the device its dead predecessor leased counts it once; a worker
+    row without device UUIDs counts its `device_count`."""
+    seen: set[tuple[str, str]] = set()
+    unnamed = 0
+    for w in gpu_workers:
+        host = str(w.get("worker") or "").rsplit(":", 1)[0]
+        uuids = [g["uuid"] for g in (w.get("measure") or {}).get("gpus") or [] if g.get("uuid")]
+        if uuids:
+            seen.update((host, u) for u in uuids)
+        else:
+            unnamed += int(w.get("device_count") or 0)
+    return unnamed + len(seen)
+
+
 def device_summary(workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Job-wide device figures: sums (devices, energy) and maxima (memory) over workers."""
     gpu = [w for w in workers if w.get("device_type") == "gpu"]
@@ -35,13 +51,13 @@ def device_summary(workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     mems = [(w.get("measure") or {}).get("gpu_process_memory_bytes_max") for w in gpu]
     rss = [(w.get("measure") or {}).get("peak_tree_rss_bytes") for w in workers]
     return {
-        "gpus": sum(int(w.get("device_count") or 0) for w in gpu),
+        "gpus": gpu_count(gpu),
         "gpu_models": sorted({w["device_model"] for w in gpu if w.get("device_model")}),
         "vcpus": sum(int(w.get("cpu_count") or 0) for w in workers if w.get("device_type") == "cpu"),
         "gpu_energy_wh": (sum(energies) / 3600.0) if gpu and all(e is not None for e in energies) else None,
         "gpu_process_memory_bytes_max": max((x for x in mems if x is not None), default=None),
         "peak_worker_tree_rss_bytes": max((x for x in rss if x is not None), default=None),
         "nvml_errors": [f"{w.get('worker')}: {w['nvml_error']}" for w in workers if w.get("nvml_error")],
-        "definition": "GPUs and vCPUs: sums over workers; energy: sum of each worker's NVML energy counter over "
+        "definition": "GPUs: distinct devices (host, UUID) the workers metered; vCPUs: sum over workers; energy: sum of each worker's NVML energy counter over "
                       "its window; memory: the largest worker's",
     }

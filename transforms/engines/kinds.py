@@ -33,13 +33,7 @@ class EngineCheck:
     model_path: str | None = None
     problems: list[str] = field(default_factory=list)
     counter: TokenCounter | None = None
-    """How Tokenize counts the prompts; None: with the tokenizer at `model_path`."""
-
-    @property
-    def token_counter(self) -> TokenCounter | None:
-        if self.counter is not None:
-            return self.counter
-        return TokenCounter.local(self.model_path) if self.model_path is not None else None
+    """How Tokenize counts the prompts; None: with the model's own tokenizer (`model_path`)."""
 
 
 C = TypeVar("C", bound=EngineConfig)

@@ -39,7 +39,7 @@ def token_counter(cfg: OpenAIConfig, local: Callable[[str], str | None]) -> Toke
         if path is None:
             raise EngineStartError(f"engine.token_count {how}: no local tokenizer {cfg.tokenizer or cfg.model!r} "
                                    "(set engine.tokenizer to a local model folder or short name)")
-        return TokenCounter.local(path)
+        return TokenCounter.local(path, model=cfg.tokenizer or cfg.model)
     if how in ("auto", "server"):
         root = server_root(cfg.base_url or "")
         style = probe_server(root, cfg.model, api_key(cfg))
@@ -50,7 +50,7 @@ def token_counter(cfg: OpenAIConfig, local: Callable[[str], str | None]) -> Toke
                                    "(vLLM, SGLang and llama-server have one); use auto, tokenizer or estimate")
         path = local(cfg.model)
         if path is not None:
-            return TokenCounter.local(path)
+            return TokenCounter.local(path, model=cfg.model)
     return TokenCounter("estimate")
 
 

@@ -1,0 +1,31 @@
+"""Where a model is on the host a worker runs on: the launcher's folder when this host has
+it too, else what the model's name resolves to here (a URL synced into this host's cache
+with the job's S3 endpoint, schemas/model_sync.py)."""
+
+from __future__ import annotations
+
+import os
+
+from tokenmill.schemas.models import resolve_model
+
+
+def s3_client_here():
+    """The S3 client of the job's options on this worker: an SDK worker's Beam filesystems
+    hold them (sdk_worker_main sets them; Beam has no public getter), else boto3's default
+    chain (AWS_ENDPOINT_URL_S3), which is what Beam's S3 filesystem reads there too."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from tokenmill.transforms.read import s3_client
+
+    return s3_client(getattr(FileSystems, "_pipeline_options", None))
+
+
+def model_folder_here(name: str, launcher_path: str | None, *, need_weights: bool = True) -> str:
+    """The folder of model `name` on this host (ModelNotFound, one line, when there is none)."""
+    from tokenmill.schemas.model_sync import is_model_url, sync_model
+
+    if launcher_path and os.path.isdir(launcher_path):
+        return launcher_path
+    if is_model_url(name):
+        return str(sync_model(name, s3_client_here() if name.startswith("s3://") else None))
+    return str(resolve_model(name, need_weights=need_weights))
