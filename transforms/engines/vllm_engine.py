@@ -62,8 +62,7 @@ class VllmEngine(EngineKind[VllmConfig]):
 
     def devices_per_engine(self, cfg: VllmConfig) -> int:
         """tensor_parallel_size × pipeline_parallel_size: vLLM places one rank per device."""
-        pp = getattr(cfg, "pipeline_parallel_size", None) or cfg.extra.get("pipeline_parallel_size") or 1
-        return cfg.tensor_parallel_size * int(pp)
+        return cfg.tensor_parallel_size * int(cfg.extra.get("pipeline_parallel_size") or cfg.pipeline_parallel_size)
 
     def preflight(self, cfg: VllmConfig, *, on_gpu: bool) -> EngineCheck:
         """The model folder (with weights unless `load_format: dummy`), then the options
