@@ -74,3 +74,22 @@ def test_units_cover_the_plan_exactly(tmp_path):
     plan = plan_input(str(tmp_path / "a.parquet"))
     units = plan_units(plan, unit_bytes=32 << 10)
     assert sum(u.num_rows for u in units) == plan.total_rows == 2345
+
+
+def test_a_unit_its_worker_cannot_read_fails_in_one_line_naming_the_host_and_the_input(tmp_path):
+    import socket
+
+    import pytest
+
+    from tokenmill.schemas.errors import first_line
+    from tokenmill.transforms.read import InputUnreadable, ReadUnitFn, WorkItem
+
+    write(tmp_path / "a.parquet", 10, row_group_size=10)
+    (unit,) = plan_units(plan_input(str(tmp_path / "a.parquet")), unit_bytes=1 << 20)
+    (tmp_path / "a.parquet").rename(tmp_path / "moved.parquet")  # planned here; gone where the worker reads
+    with pytest.raises(InputUnreadable) as err:
+        list(ReadUnitFn().process(WorkItem(unit)))
+    line = first_line(err.value)
+    assert line.startswith(f"worker on host {socket.gethostname()}: input {str(tmp_path / 'a.parquet')!r} "
+                           "cannot be read here: ")
+    assert "\n" not in str(err.value)

@@ -279,13 +279,24 @@ def plan_work(units: list, workers: int = 1) -> list[WorkItem]:
     return [WorkItem(u, p, parts) for u in units for p in range(parts)]
 
 
+class InputUnreadable(RuntimeError):
+    """A worker cannot read its unit's input file where it runs (one line naming its host):
+    the step fails, and the job's unanswered rows wait for a rerun."""
+
+
 class ReadUnitFn(beam.DoFn):
     def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = ()):
         self._columns = columns
         self._served = served_models
 
     def process(self, item: WorkItem):
-        rows = read_unit(item.unit, self._columns, self._served)
+        try:
+            rows = read_unit(item.unit, self._columns, self._served)
+        except Exception as err:  # a path the launcher reached but this host does not, a bucket it may not read
+            import socket
+
+            raise InputUnreadable(f"worker on host {socket.gethostname()}: input {item.unit.path!r} cannot be read "
+                                  f"here: {type(err).__name__}: {first_line(err)}") from err
         if rows:
             yield Chunk(item.unit.key, rows, item.part, item.parts)
 
