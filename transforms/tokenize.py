@@ -10,7 +10,6 @@ estimate).
 from __future__ import annotations
 
 import hashlib
-import os
 from array import array
 from dataclasses import replace
 from typing import Any
@@ -93,9 +92,10 @@ class TokenizeFn(MapRows):
 
     def setup(self):
         counter = self._counter
-        if counter.source == "local" and counter.model and not os.path.isdir(counter.model_path or ""):
-            # a worker on another host: the tokenizer of the same model, as this host has it
-            counter = replace(counter, model_path=model_folder_here(counter.model, None, need_weights=False))
+        if counter.source == "local" and counter.model:
+            # the launcher's folder, or on a worker of another host the same model's as this host has it
+            counter = replace(counter, model_path=model_folder_here(counter.model, counter.model_path,
+                                                                    need_weights=False))
         self._encoder = counter.open()
 
     def map_row(self, rec: PromptRecord):
