@@ -2,6 +2,11 @@
 
     PlanUnits ─┬─ ClaimIds ──────────────────┐ (side input: every id claimed first)
                └─ ReadPrompts → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate
+
+ReadPrompts reads only the rows of a unit the job has not answered or dead-lettered (a
+done unit is not opened).  On a rerun whose earlier run got past the claim barrier
+(`claims_settled`) every id already holds its first row: ClaimIds is left out and
+DedupIds waits on nothing.
     dead letters of Validate, DedupIds, Tokenize → WriteDeadLetters (one writer each)
     Generate commits each finished batch itself: outputs, its dead letters, its figures
 
@@ -52,6 +57,8 @@ class PipelineParts:
     session_factory: Callable[..., Any] | None = None
     block_size: int | None = None
     """The engine's KV block size; prefix keys align to it."""
+    claims_settled: bool = False
+    """An earlier run of the job finished the duplicate-id claim pass (`ResultWriter.claims_settled`)."""
 
 
 def engines_per_host(spec: JobSpec) -> int:
@@ -65,14 +72,15 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     served = tuple(getattr(plan, "served_models", ()) or ())
     units = plan_units(plan, spec.batching.unit_bytes)
     work = p | "PlanUnits" >> PlanUnits(plan_work(units, spec.runner.num_workers))
-    rows = work | "ReadPrompts" >> ReadPrompts(served_models=served)
+    rows = work | "ReadPrompts" >> ReadPrompts(served_models=served, db_url=parts.db_url, job_id=parts.job_id)
     valid = rows | "Validate" >> Validate(spec.reference_column)
     dead = {"Validate": valid[DEAD]}
     if plan.format == "parquet" and "id" not in plan.columns:
         unique = valid.ok  # ids come from positions: no duplicates to look for
     else:
         id_columns = ["id"] if plan.format == "parquet" else None
-        claimed = work | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id, id_columns, served)
+        claimed = None if parts.claims_settled else (
+            work | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id, id_columns, served))
         dedup = valid.ok | "DedupIds" >> DedupIds(parts.db_url, parts.job_id, claimed)
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(

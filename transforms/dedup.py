@@ -8,7 +8,8 @@ side input, so runners schedule it after the claim pass) and looks up the
 claims of one chunk's ids: a row that is not its id's claim is a
 `duplicate_id` dead letter naming the row that came first.  Rows without an id
 take `row-<file>-<row>` (validate.row_id); a Parquet input without an `id` column
-has no duplicates and skips both steps."""
+has no duplicates and skips both steps.  A rerun of a job whose earlier run finished the
+claim pass finds every claim in place and skips ClaimIds (`ResultWriter.claims_settled`)."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ class DedupIdsFn(beam.DoFn):
 
 
 class DedupIds(beam.PTransform):
-    """Chunks → chunks without duplicate ids (dead letters on `dead`); `claimed` is ClaimIds' output."""
+    """Chunks → chunks without duplicate ids (dead letters on `dead`); `claimed` is ClaimIds'
+    output, or None when an earlier run of the job finished the claim pass (nothing to wait on)."""
 
     def __init__(self, db_url: str, job_id: str, claimed):
         super().__init__()
@@ -86,5 +88,5 @@ class DedupIds(beam.PTransform):
         self._claimed = claimed
 
     def expand(self, chunks):
-        return chunks | "FirstWins" >> beam.ParDo(self._fn, beam.pvalue.AsSingleton(self._claimed)).with_outputs(
-            DEAD, main="ok")
+        wait = () if self._claimed is None else (beam.pvalue.AsSingleton(self._claimed),)
+        return chunks | "FirstWins" >> beam.ParDo(self._fn, *wait).with_outputs(DEAD, main="ok")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import AbstractSet, Any, Iterator
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
@@ -63,6 +63,11 @@ class JsonlShard:
     @property
     def key(self) -> str:
         return f"{self.file_index}.{self.start_line}"
+
+    @property
+    def rows(self) -> range:
+        """The line numbers (the rows' `input_row`) of this run."""
+        return range(self.start_line, self.start_line + self.num_lines)
 
 
 @dataclass
@@ -238,7 +243,9 @@ def line_row(line: bytes, file_index: int, line_no: int, served_models: tuple[st
     return row
 
 
-def read_jsonl_shard(shard: JsonlShard, served_models: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
+def read_jsonl_shard(shard: JsonlShard, served_models: tuple[str, ...] = (),
+                     skip: AbstractSet[int] = frozenset()) -> Iterator[dict[str, Any]]:
+    """The rows of a run of lines but those whose line number is in `skip` (a rerun's done rows)."""
     with _open(shard.path) as fh:
         first = shard.start_line
         if shard.offset is not None:
@@ -250,5 +257,5 @@ def read_jsonl_shard(shard: JsonlShard, served_models: tuple[str, ...] = ()) -> 
             line = fh.readline()
             if not line:
                 break
-            if line.strip():
+            if line.strip() and first + k not in skip:
                 yield line_row(line, shard.file_index, first + k, served_models)

@@ -13,7 +13,7 @@ carries it as one `Chunk`: no process holds more than a unit of prompt data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generic, Iterator, TypeVar
+from typing import AbstractSet, Any, Generic, Iterator, TypeVar
 
 import apache_beam as beam
 
@@ -46,6 +46,11 @@ class Shard:
     @property
     def key(self) -> str:
         return f"{self.file_index}.{self.first_row + self.start}"
+
+    @property
+    def rows(self) -> range:
+        """The file-level row numbers of this unit."""
+        return range(self.first_row + self.start, self.first_row + self.start + self.num_rows)
 
 
 #: A plan's shard type: `Shard` (row groups of Parquet files) or `openai_batch.JsonlShard`.
@@ -221,10 +226,11 @@ def plan_units(plan: InputPlan, unit_bytes: int | None = None) -> list:
     return units
 
 
-def read_shard(shard: Shard, columns: list[str] | None = None) -> Iterator[dict[str, Any]]:
+def read_shard(shard: Shard, columns: list[str] | None = None,
+               skip: AbstractSet[int] = frozenset()) -> Iterator[dict[str, Any]]:
     """Rows of one unit (a row group's slice) as dicts; string prompt columns come back as
-    bytes so that invalid UTF-8 becomes a per-row dead letter rather than a failed read."""
-    import pyarrow as pa
+    bytes so that invalid UTF-8 becomes a per-row dead letter rather than a failed read.
+    Rows whose file-level number is in `skip` (a rerun's done rows) are not converted."""
     import pyarrow.parquet as pq
 
     end = shard.start + shard.num_rows
@@ -232,35 +238,40 @@ def read_shard(shard: Shard, columns: list[str] | None = None) -> Iterator[dict[
         at = 0  # position of `rb`'s first row inside the row group
         for rb in pq.ParquetFile(fh).iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[shard.row_group], columns=columns):
             lo, hi = max(shard.start - at, 0), min(end - at, rb.num_rows)
-            first = shard.first_row + at + lo
+            first = shard.first_row + at  # file-level number of `rb`'s first row
             at += rb.num_rows
-            if lo >= hi:
-                if at >= end:
-                    break
-                continue
-            rb = rb.slice(lo, hi - lo)
-            cols = {}
-            for name in rb.schema.names:
-                arr = rb.column(name)
-                if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
-                    arr = arr.view(pa.binary()) if pa.types.is_string(arr.type) else arr.view(pa.large_binary())
-                cols[name] = arr.to_pylist()
-            for j in range(rb.num_rows):
-                rec = {k: v[j] for k, v in cols.items()}
-                rec["_row"] = first + j  # with the file index: where the row came from, stable across reruns
-                rec["_file_index"] = shard.file_index
-                yield rec
+            keep = [j for j in range(lo, hi) if first + j not in skip]
+            if keep:
+                yield from _records(rb.slice(lo, hi - lo) if len(keep) == hi - lo else rb.take(keep),
+                                    [first + j for j in keep], shard.file_index)
             if at >= end:
                 break
 
 
-def read_unit(unit, columns: list[str] | None = None, served_models: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """All rows of one work unit (a Parquet slice or a JSONL run of lines)."""
+def _records(rb, places: list[int], file_index: int) -> Iterator[dict[str, Any]]:
+    import pyarrow as pa
+
+    cols = {}
+    for name in rb.schema.names:
+        arr = rb.column(name)
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            arr = arr.view(pa.binary()) if pa.types.is_string(arr.type) else arr.view(pa.large_binary())
+        cols[name] = arr.to_pylist()
+    for j, row in enumerate(places):
+        rec = {k: v[j] for k, v in cols.items()}
+        rec["_row"] = row  # with the file index: where the row came from, stable across reruns
+        rec["_file_index"] = file_index
+        yield rec
+
+
+def read_unit(unit, columns: list[str] | None = None, served_models: tuple[str, ...] = (),
+              skip: AbstractSet[int] = frozenset()) -> list[dict[str, Any]]:
+    """The rows of one work unit (a Parquet slice or a JSONL run of lines) but those in `skip`."""
     if isinstance(unit, Shard):
-        return list(read_shard(unit, columns))
+        return list(read_shard(unit, columns, skip))
     from tokenmill.transforms.openai_batch import read_jsonl_shard
 
-    return list(read_jsonl_shard(unit, served_models))
+    return list(read_jsonl_shard(unit, served_models, skip))
 
 
 @dataclass(frozen=True)
@@ -284,19 +295,39 @@ class InputUnreadable(RuntimeError):
     the step fails, and the job's unanswered rows wait for a rerun."""
 
 
+def done_rows(db_url: str, job_id: str, unit) -> set[int]:
+    """The rows of `unit` a job has already answered or dead-lettered (one range lookup)."""
+    from tokenmill.schemas import storage as S
+
+    rows = unit.rows
+    return S.ResultWriter(S.connect(db_url)).done_rows(job_id, unit.file_index, rows.start, rows.stop - 1)
+
+
 class ReadUnitFn(beam.DoFn):
-    def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = ()):
+    """Work item → its unit's rows; with a job's database, only the rows it has not yet
+    answered or dead-lettered (a done unit is not opened at all)."""
+
+    def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = (),
+                 db_url: str | None = None, job_id: str | None = None):
         self._columns = columns
         self._served = served_models
+        self._url, self._job_id = db_url, job_id
+        self._read = beam.metrics.Metrics.counter("tokenmill", "rows_read")
+        self._skipped = beam.metrics.Metrics.counter("tokenmill", "rows_skipped_done")
 
     def process(self, item: WorkItem):
+        done = done_rows(self._url, self._job_id, item.unit) if self._url and self._job_id else set()
+        self._skipped.inc(len(done))
+        if len(done) >= len(item.unit.rows):
+            return
         try:
-            rows = read_unit(item.unit, self._columns, self._served)
+            rows = read_unit(item.unit, self._columns, self._served, done)
         except Exception as err:  # a path the launcher reached but this host does not, a bucket it may not read
             import socket
 
             raise InputUnreadable(f"worker on host {socket.gethostname()}: input {item.unit.path!r} cannot be read "
                                   f"here: {type(err).__name__}: {first_line(err)}") from err
+        self._read.inc(len(rows))
         if rows:
             yield Chunk(item.unit.key, rows, item.part, item.parts)
 
@@ -313,15 +344,16 @@ class PlanUnits(beam.PTransform):
 
 
 class ReadPrompts(beam.PTransform):
-    """Work items → one `Chunk` of row dicts per item (its unit's rows)."""
+    """Work items → one `Chunk` of row dicts per item (its unit's rows; with `db_url` and
+    `job_id`, those the job has not yet answered or dead-lettered)."""
 
-    def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = ()):
+    def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = (),
+                 db_url: str | None = None, job_id: str | None = None):
         super().__init__()
-        self._columns = columns
-        self._served = served_models
+        self._fn = ReadUnitFn(columns, served_models, db_url, job_id)
 
     def expand(self, units):
-        return units | "ReadUnit" >> beam.ParDo(ReadUnitFn(self._columns, self._served))
+        return units | "ReadUnit" >> beam.ParDo(self._fn)
 
 
 def plan_input(path: str, fmt: str = "parquet") -> InputPlan:

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 from sqlalchemy import select, update
 
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.records import BatchStats, DeadLetterRow, OutputRow, StoredRow, WorkerRow
+from tokenmill.schemas.records import DUPLICATE_ID, BatchStats, DeadLetterRow, OutputRow, StoredRow, WorkerRow
 from tokenmill.schemas.storage.database import SqlStore, chunks, dialect_insert, insert_ignore, table
 
 
@@ -52,22 +52,41 @@ class ResultWriter(SqlStore):
             conn.execute(update(T.workers).where(T.workers.c.job_id == job_id, T.workers.c.worker == worker)
                          .values(**values))
 
+    def done_rows(self, job_id: str, input_file: int, first_row: int, last_row: int) -> set[int]:
+        """The input rows `first_row..last_row` of one input file already answered or
+        dead-lettered: what a rerun leaves unread of a work unit (a keyed range lookup
+        bounded by the unit)."""
+        done: set[int] = set()
+        with self.engine.connect() as conn:
+            for t in (T.outputs.c, T.dead_letters.c):
+                q = select(t.input_row).where(
+                    t.job_id == job_id, t.input_file == input_file, t.input_row.between(first_row, last_row))
+                done.update(conn.execute(q).scalars())
+        return done
+
     def done_in_range(self, job_id: str, input_file: int, first_row: int, last_row: int,
                       ids: Iterable[str]) -> tuple[set[str], set[int]]:
         """What a rerun skips of one work unit (rows `first_row..last_row` of one input file):
         (those of `ids` already answered, input rows already answered or dead-lettered).
         Keyed lookups bounded by the unit, never the job's whole key set."""
-        o, d = T.outputs.c, T.dead_letters.c
-        done_rows: set[int] = set()
+        o = T.outputs.c
         done_ids: set[str] = set()
         with self.engine.connect() as conn:
-            for t in (o, d):
-                q = select(t.input_row).where(
-                    t.job_id == job_id, t.input_file == input_file, t.input_row.between(first_row, last_row))
-                done_rows.update(conn.execute(q).scalars())
             for part in chunks(list(ids)):
                 done_ids.update(conn.execute(select(o.id).where(o.job_id == job_id, o.id.in_(part))).scalars())
-        return done_ids, done_rows
+        return done_ids, self.done_rows(job_id, input_file, first_row, last_row)
+
+    def claims_settled(self, job_id: str) -> bool:
+        """Whether an earlier run of the job finished its claim pass (every id of the input
+        holds its first row): it has an output or a duplicate-id dead letter, which only
+        rows past the claim barrier get.  A rerun then neither claims nor waits."""
+        with self.engine.connect() as conn:
+            for q in (select(T.outputs.c.job_id).where(T.outputs.c.job_id == job_id).limit(1),
+                      select(T.dead_letters.c.job_id).where(T.dead_letters.c.job_id == job_id,
+                                                           T.dead_letters.c.reason == DUPLICATE_ID).limit(1)):
+                if conn.execute(q).first() is not None:
+                    return True
+        return False
 
     def claim_ids(self, job_id: str, rows: list[tuple[str, int, int]]) -> int:
         """Record (id, input_file, input_row) claims: each id keeps the first row in input

@@ -1,0 +1,101 @@
+"""Reruns skip done work before reading it, and the unit plan covers every row once.
+
+A unit whose rows are all answered or dead-lettered is not opened; a partly done unit
+turns only its missing rows into records; a rerun of a job whose claim pass finished
+claims nothing again and still dead-letters each duplicate exactly once."""
+
+import os
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from sqlalchemy import delete
+
+from tests.fakes import FakeSession
+from tests.helpers import job_spec
+from tokenmill.jobs.lifecycle.runner import run_job
+from tokenmill.schemas import records as R
+from tokenmill.schemas import storage as S
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.records import OutputRow
+from tokenmill.transforms.read import InputPlan, ReadUnitFn, Shard, WorkItem, plan_input, plan_units
+
+
+def _plan_model(groups: list[int], rows_per_unit: int) -> list[tuple[int, int]]:
+    """The plan in plain Python: each row group cut into runs of `rows_per_unit` rows."""
+    out, first = [], 0
+    for n in groups:
+        out += [(first + s, min(rows_per_unit, n - s)) for s in range(0, n, rows_per_unit)]
+        first += n
+    return out
+
+
+def test_units_never_overlap_or_skip_rows_for_any_mix_of_row_groups():
+    rnd = random.Random(26)
+    for _ in range(300):
+        files = [[rnd.choice([1, 2, 7, 100, 1000, 8191, 8192, 8193, 20000]) for _ in range(rnd.randint(1, 5))]
+                 for _ in range(rnd.randint(1, 3))]
+        bpr = rnd.choice([1.0, 50.0, 1000.0, 100000.0])
+        budget = rnd.choice([1 << 12, 1 << 16, 1 << 22])
+        shards = []
+        for fi, groups in enumerate(files):
+            first = 0
+            for g, n in enumerate(groups):
+                shards.append(Shard(fi, f"f{fi}", g, n, first_row=first, bytes_per_row=bpr))
+                first += n
+        plan = InputPlan(files=[f"f{i}" for i in range(len(files))], shards=shards, columns=["prompt"],
+                         total_rows=sum(map(sum, files)))
+        units = plan_units(plan, budget)
+        per_unit = max(1, min(int(budget // bpr), 8192))
+        for fi, groups in enumerate(files):
+            got = [(u.rows.start, u.num_rows) for u in units if u.file_index == fi]
+            assert got == _plan_model(groups, per_unit)
+            covered = [r for u in units if u.file_index == fi for r in u.rows]
+            assert covered == list(range(sum(groups)))  # every row once, in order
+
+
+def _outputs(job_id, rows):
+    return [OutputRow(job_id=job_id, id=f"r{i}", input_file=0, input_row=i, text="old", prompt_tokens=1,
+                      output_tokens=1, cached_tokens=0).as_dict() for i in rows]
+
+
+def test_a_partly_done_unit_reads_only_its_missing_rows_and_a_done_unit_is_not_opened(tmp_path, sqlite_url):
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(3000)], "prompt": [f"p{i}" for i in range(3000)]}),
+                   path, row_group_size=3000)
+    a, b = (Shard(0, str(path), 0, 1500, start=s) for s in (0, 1500))  # two units of the one row group
+    eng = S.connect(sqlite_url)
+    S.ResultWriter(eng).insert_rows(OutputRow, _outputs("j", [*range(0, 1500), *range(1500, 3000, 10)]))
+    fn = ReadUnitFn(db_url=sqlite_url, job_id="j")
+    (chunk,) = fn.process(WorkItem(b))
+    assert [r["_row"] for r in chunk.items] == [i for i in range(1500, 3000) if i % 10]
+    assert [r["id"] for r in chunk.items][:2] == [b"r1501", b"r1502"]
+    os.remove(path)  # a unit with every row done must not touch its file
+    assert list(fn.process(WorkItem(a))) == []
+
+
+def test_rerun_of_a_90_percent_done_job_generates_only_the_missing_rows_and_dead_letters_duplicates_once(
+        tmp_path, sqlite_url, model_path):
+    n = 600
+    rows = [{"id": f"r{i}", "prompt": f"question {i} " + "why " * 100} for i in range(n)]
+    rows += [{"id": "r3", "prompt": "late duplicate of r3"}, {"id": "r590", "prompt": "another duplicate"}]
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), inp, row_group_size=len(rows))
+    spec = job_spec(inp, tmp_path / "out", job_id="ninety", sampling={"max_tokens": 2},
+                    batching={"unit_bytes": 1 << 16})
+    assert len(plan_units(plan_input(str(inp)), 1 << 16)) >= 4  # the duplicates sit in other units
+    run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    eng = S.connect(sqlite_url)
+    missing = {f"r{i}" for i in range(0, n, 10)}
+    with eng.begin() as c:
+        c.execute(delete(T.outputs).where(T.outputs.c.id.in_(missing)))
+    def sent():  # what the engines were given, in every session (a worker may keep its session)
+        return [rid for s in FakeSession.instances for rid in s.added]
+
+    before = len(sent())
+    res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    assert res.resumed and (res.succeeded, res.failed) == (n, 2)
+    assert len(sent()) - before == len(missing)  # request ids; the outputs below say which rows
+    dead = S.MetricsReader(eng).failure_reasons("ninety")
+    assert dead == {R.DUPLICATE_ID: 2}
+    assert sorted(S.MetricsReader(eng).outputs("ninety")) == sorted(f"r{i}" for i in range(n))
