@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-quant bench-tune bench-scale bench-db gpu-check clean help
+.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-quant bench-tune bench-scale bench-rerun bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -169,6 +169,10 @@ bench-tune: prepare llmcompressor
 # Shorter: make bench-scale BENCH_ARGS="--n 2000 --skip-drills".
 bench-scale: prepare
 	$(PY) -m bench.scale $(BENCH_ARGS)
+
+# A finished job and a 90%-done job rerun (bench/rerun.py, issue 26): each rerun's wall as a share of the first run's.
+bench-rerun: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.rerun $(BENCH_ARGS)
 
 # 100k output rows through the job's write path into SQLite and the local PostgreSQL.
 bench-db: install

@@ -70,6 +70,8 @@ def test_a_partly_done_unit_reads_only_its_missing_rows_and_a_done_unit_is_not_o
     (chunk,) = fn.process(WorkItem(b))
     assert [r["_row"] for r in chunk.items] == [i for i in range(1500, 3000) if i % 10]
     assert [r["id"] for r in chunk.items][:2] == [b"r1501", b"r1502"]
+    (whole,) = fn.process(WorkItem(b, 0, 2))  # in parts, read whole: each part cuts the unit's same order
+    assert len(whole.items) == 1500
     os.remove(path)  # a unit with every row done must not touch its file
     assert list(fn.process(WorkItem(a))) == []
 

@@ -304,8 +304,8 @@ def done_rows(db_url: str, job_id: str, unit) -> set[int]:
 
 
 class ReadUnitFn(beam.DoFn):
-    """Work item → its unit's rows; with a job's database, only the rows it has not yet
-    answered or dead-lettered (a done unit is not opened at all)."""
+    """Work item → its unit's rows; with a job's database and a unit in one part, only the
+    rows it has not yet answered or dead-lettered (a done unit is not opened at all)."""
 
     def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = (),
                  db_url: str | None = None, job_id: str | None = None):
@@ -316,7 +316,10 @@ class ReadUnitFn(beam.DoFn):
         self._skipped = beam.metrics.Metrics.counter("tokenmill", "rows_skipped_done")
 
     def process(self, item: WorkItem):
-        done = done_rows(self._url, self._job_id, item.unit) if self._url and self._job_id else set()
+        # A unit in parts is read whole: each part cuts its segment from the whole unit's
+        # order (TakePart), which must not move as other parts of it commit (SkipDone drops).
+        done = (done_rows(self._url, self._job_id, item.unit)
+                if item.parts == 1 and self._url and self._job_id else set())
         self._skipped.inc(len(done))
         if len(done) >= len(item.unit.rows):
             return
