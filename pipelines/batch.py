@@ -3,12 +3,13 @@
     PlanUnits ─┬─ ClaimIds ──────────────────┐ (side input: every id claimed first)
                └─ ReadPrompts → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate
 
+    dead letters of Validate, DedupIds, Tokenize → WriteDeadLetters (one writer each)
+    Generate commits each finished batch itself: outputs, its dead letters, its figures
+
 ReadPrompts reads only the rows of a unit the job has not answered or dead-lettered (a
 done unit is not opened).  On a rerun whose earlier run got past the claim barrier
 (`claims_settled`) every id already holds its first row: ClaimIds is left out and
 DedupIds waits on nothing.
-    dead letters of Validate, DedupIds, Tokenize → WriteDeadLetters (one writer each)
-    Generate commits each finished batch itself: outputs, its dead letters, its figures
 
 Every element after PlanUnits is one `Chunk`: a unit's rows, carried together
 from the read to the engine, so the chain fuses into one stage per worker and
