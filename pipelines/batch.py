@@ -2,7 +2,6 @@
 
     PlanUnits ─┬─ ClaimIds ──────────────────┐ (side input: every id claimed first)
                └─ ReadPrompts → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate
-
     dead letters of Validate, DedupIds, Tokenize → WriteDeadLetters (one writer each)
     Generate commits each finished batch itself: outputs, its dead letters, its figures
 
