@@ -16,7 +16,7 @@ from tests.helpers import assert_one_line_error, cli
 from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.db import db_engine
-from tokenmill.schemas.records import METRIC_COLUMNS, DeadLetterRow, OutputRow, WorkerRow
+from tokenmill.schemas.records import DeadLetterRow, OutputRow, WorkerRow
 from tokenmill.schemas.storage import database
 
 
@@ -144,8 +144,6 @@ class StorageContract:
         the upgrade that row reads back with no source, counted "not_recorded", never "engine"."""
         from alembic import command
 
-        from tokenmill.jobs.metrics.accounting import count_sources
-
         eng = db_engine(db_url)
         with eng.begin() as conn:
             command.upgrade(S.alembic_config(conn), "0005")
@@ -158,7 +156,7 @@ class StorageContract:
         S.ResultWriter(eng).insert_rows(OutputRow, [_output("old", 1, token_count_source="local_tokenizer+stream_chunks")])
         got = {r["id"]: r["token_count_source"] for rows in S.MetricsReader(eng).stream_rows(OutputRow, "old") for r in rows}
         assert got == {"a": None, "r1": "local_tokenizer+stream_chunks"}
-        assert count_sources(S.MetricsReader(eng).request_columns("old")) == {
+        assert S.RequestSummary(eng).stats("old").by_source == {
             "local_tokenizer+stream_chunks": {"rows": 1, "prompt": 10, "output": 5},
             "not_recorded": {"rows": 1, "prompt": 10, "output": 5}}
 
@@ -285,22 +283,48 @@ class StorageContract:
         S.ResultWriter(eng).insert_rows(OutputRow, [_output("j-w", 0, output_tokens=7), _output("j-w", 1, output_tokens=8)])
         assert S.MetricsReader(eng).output_tokens("j-w") == 15 and S.MetricsReader(eng).output_tokens("none") == 0
 
-    def test_request_columns_stream_per_request_figures_as_float_arrays(self, db_url):
-        import math
+    def test_the_database_sums_and_ranks_request_figures_as_numpy_does_in_memory(self, db_url):
+        """RequestSummary.stats (SQL) gives the figures request_stats (numpy) gives of the
+        same rows: sums, rows by count source, and every mean, percentile and max."""
+        import random
+
+        import numpy as np
+
+        from tokenmill.jobs.metrics.accounting import request_stats
 
         eng = S.connect(db_url)
-        sources = ["engine", "local_tokenizer+stream_chunks", None, "from_a_newer_tokenmill"]
-        rows = [_output("cols", i, ttft_s=None if i == 3 else 0.1 * i, token_count_source=sources[i % 4])
-                for i in range(12_000)]  # > CHUNK_ROWS
+        rnd = random.Random(7)
+        sources = ["engine", "local_tokenizer+stream_chunks", None, "from_a_newer_tokenmill", "estimate+stream_chunks"]
+        rows = [_output("sum", i, prompt_tokens=rnd.randint(1, 900), output_tokens=rnd.choice([0, rnd.randint(1, 64)]),
+                        cached_tokens=None if i % 5 == 0 else rnd.randint(0, 16),
+                        ttft_s=None if i % 97 == 3 else rnd.lognormvariate(-3, 1),
+                        tpot_s=rnd.choice([None, rnd.random() / 50]), e2e_s=rnd.choice([0.0, rnd.uniform(0.01, 4)]),
+                        queue_s=rnd.expovariate(20), token_count_source=sources[i % 5], finished_at=1000 + rnd.random())
+                for i in range(2_001)]
         S.ResultWriter(eng).insert_rows(OutputRow, rows)
-        cols = S.MetricsReader(eng).request_columns("cols")
-        assert set(cols) == set(METRIC_COLUMNS) and all(len(v) == 12_000 for v in cols.values())
-        assert cols["output_tokens"].sum() == 5 * 12_000
-        assert sum(math.isnan(v) for v in cols["ttft_s"]) == 1
-        # the source as its index in records.TOKEN_COUNT_SOURCES; NaN: not recorded; -1: a value unknown here
-        codes = sorted(cols["token_count_source"][:4].tolist(), key=str)
-        assert codes[:3] == [-1.0, 0.0, 1.0] and math.isnan(codes[3])
-        assert S.MetricsReader(eng).request_columns("none")["e2e_s"].size == 0
+        got, want = S.RequestSummary(eng).stats("sum"), request_stats(rows)
+        assert (got.n, got.prompt, got.output, got.cached, got.cached_known) == (
+            want.n, want.prompt, want.output, want.cached, want.cached_known) and got.n == 2_001
+        assert got.by_source == want.by_source and list(got.by_source) == list(want.by_source)
+        assert list(got.by_source) == ["unknown", "engine", "local_tokenizer+stream_chunks", "estimate+stream_chunks",
+                                       "not_recorded"]
+        for col, d in want.dists.items():
+            assert got.dists[col]["n"] == d["n"], col
+            for k in ("p50", "p95", "p99", "max"):
+                assert got.dists[col][k] == d[k], (col, k)  # the same two ranked values, interpolated alike
+            assert got.dists[col]["mean"] == pytest.approx(d["mean"], rel=1e-12), col
+        assert got.mean_request_output_tok_per_s == pytest.approx(want.mean_request_output_tok_per_s, rel=1e-12)
+        # the report's histograms: the database's bin counts are numpy's
+        ttft = np.array([r["ttft_s"] for r in rows if r["ttft_s"] is not None])
+        lo, hi, n = S.RequestSummary(eng).extent("sum", "ttft_s")
+        assert (lo, hi, n) == (ttft.min(), ttft.max(), ttft.size)
+        counts = S.RequestSummary(eng).histogram("sum", "ttft_s", lo, (hi - lo) / 40, 40)
+        assert counts == np.histogram(ttft, bins=np.linspace(lo, hi, 41))[0].tolist()
+        toks = S.RequestSummary(eng).histogram("sum", "finished_at", 1000.0, 0.25, 4, weight="output_tokens")
+        assert sum(toks) == want.output and len(toks) == 4
+        empty = S.RequestSummary(eng).stats("none")
+        assert (empty.n, empty.dists["e2e_s"]["n"], empty.dists["e2e_s"]["p95"], empty.by_source) == (0, 0, None, {})
+        assert S.RequestSummary(eng).extent("none", "ttft_s") is None
 
     def test_runs_and_worker_measures(self, db_url):
         eng = S.connect(db_url)

@@ -26,6 +26,7 @@ import numpy as np
 from tokenmill.jobs.metrics.devices import device_summary, worker_summary
 from tokenmill.jobs.metrics.pricing import launcher_worker, price_table, prices_used, worker_rate
 from tokenmill.schemas.records import METRIC_COLUMNS, TOKEN_COUNT_SOURCES, TOKENS_BY_ENGINE, metric_values
+from tokenmill.schemas.storage.summary import DIST_COLUMNS, RequestStats
 from tokenmill.transforms.engines.kinds import engine_for
 
 #: Which clock each figure is measured on (shown beside the figures in reports).
@@ -106,8 +107,22 @@ def count_sources(cols: Mapping[str, np.ndarray]) -> dict[str, dict[str, int]]:
             for name, sel in groups if sel.any()}
 
 
+def request_stats(rows: Sequence[dict[str, Any]] | Mapping[str, np.ndarray]) -> RequestStats:
+    """`RequestStats` of request rows held in memory (row dicts or `request_columns`): the
+    figures storage's `RequestSummary.stats` has the database compute, numpy's way."""
+    cols = request_columns(rows)
+    outs, e2e = cols["output_tokens"], cols["e2e_s"]
+    ok = (e2e > 0) & (outs > 0)  # NaN compares False
+    per_req = outs[ok] / e2e[ok]
+    return RequestStats(
+        n=len(cols["prompt_tokens"]), prompt=int(np.nansum(cols["prompt_tokens"])), output=int(np.nansum(outs)),
+        cached=int(np.nansum(cols["cached_tokens"])), cached_known=bool(np.isfinite(cols["cached_tokens"]).any()),
+        by_source=count_sources(cols), dists={c: dist(cols[c]) for c in DIST_COLUMNS},
+        mean_request_output_tok_per_s=float(per_req.mean()) if per_req.size else None)
+
+
 def job_metrics(
-    rows: Sequence[dict[str, Any]] | Mapping[str, np.ndarray],
+    rows: RequestStats | Sequence[dict[str, Any]] | Mapping[str, np.ndarray],
     batches: Sequence[dict[str, Any]],
     workers: Sequence[dict[str, Any]],
     *,
@@ -126,31 +141,23 @@ def job_metrics(
 ) -> dict[str, Any]:
     """The job's serving metrics (see the module docstring for what each counts).
 
-    `rows`: per-request outputs (prompt/output/cached tokens, ttft_s, tpot_s,
-    e2e_s, queue_s), as row dicts or as columns (`request_columns`: a few bytes a
-    request, so a job of millions of rows is summed in the launcher without a
-    Python object per row); `batches`/`workers`: the job's batch and worker rows;
+    `rows`: the answered requests' figures as storage's `RequestSummary.stats` sums and
+    ranks them in the database (a job of millions of rows never leaves it), or per-request
+    outputs (prompt/output/cached tokens, ttft_s, tpot_s, e2e_s, queue_s) held in memory,
+    as row dicts or columns (`request_columns`, summed by `request_stats`); `batches`/`workers`: the job's batch and worker rows;
     `utilization`: the launcher's `UtilizationSampler` summary, if any; `runs`: the job's
     run rows (storage `job_runs`).  Cost (`job_cost`) is priced from `prices` (a
     pricing.price_table) or the flat `price_per_hour`; with neither there is no cost.
     `hardware`/`device_count`: the launcher's, for worker rows that measured nothing."""
-    cols = request_columns(rows)
-    n = len(cols["prompt_tokens"])
-    by_source = count_sources(cols)
-    by_engine = by_source.get(TOKENS_BY_ENGINE, {}).get("rows", 0)
-    prompt = int(np.nansum(cols["prompt_tokens"]))
-    output = int(np.nansum(cols["output_tokens"]))
-    cached = int(np.nansum(cols["cached_tokens"]))
+    s = rows if isinstance(rows, RequestStats) else request_stats(rows)
+    n, prompt, output, cached = s.n, s.prompt, s.output, s.cached
+    by_engine = s.by_source.get(TOKENS_BY_ENGINE, {}).get("rows", 0)
     # an engine that may not report cached tokens (a server's), and reported none: unknown, not zero
     engine = engine_for(engine_config)
-    cache_unknown = (engine is not None and not engine.measures_prefix_cache
-                     and not np.isfinite(cols["cached_tokens"]).any())
+    cache_unknown = engine is not None and not engine.measures_prefix_cache and not s.cached_known
     per_run = run_figures(batches, workers, runs, now=now)
     gen_wall = sum(r["generation_wall_s"] for r in per_run)
     run_loads = [r["model_load_s"] for r in per_run if r["model_load_s"] is not None]
-    e2e, outs = cols["e2e_s"], cols["output_tokens"]
-    ok = (e2e > 0) & (outs > 0)  # NaN compares False
-    per_req = outs[ok] / e2e[ok]
     failed = sum(failed_by_reason.values())
     peak_rss = max((w.get("peak_rss_bytes") or 0 for w in workers), default=0)
     info = next((w.get("engine_info") for w in workers if w.get("engine_info")), {}) or {}
@@ -165,16 +172,16 @@ def job_metrics(
             "batches": len(batches),
             "mean_batch_requests": (sum(b["requests"] for b in batches) / len(batches)) if batches else None,
         },
-        "lengths": {"prompt_tokens": dist(cols["prompt_tokens"]), "output_tokens": dist(outs)},
+        "lengths": {"prompt_tokens": s.dists["prompt_tokens"], "output_tokens": s.dists["output_tokens"]},
         "tokens": {"prompt": prompt, "output": output, "total": prompt + output,
                    "cached": None if cache_unknown else cached,
-                   "by_count_source": by_source,
+                   "by_count_source": s.by_source,
                    "count_source_definition": COUNT_SOURCE_DEFINITION},
         "latency_s": {
-            "ttft": dist(cols["ttft_s"]),
-            "tpot": dist(cols["tpot_s"]),
-            "e2e": dist(e2e),
-            "queue": dist(cols["queue_s"]),
+            "ttft": s.dists["ttft_s"],
+            "tpot": s.dists["tpot_s"],
+            "e2e": s.dists["e2e_s"],
+            "queue": s.dists["queue_s"],
         },
         "throughput": {
             "generation_wall_s": gen_wall,
@@ -184,7 +191,7 @@ def job_metrics(
             "output_tok_per_s": (output / gen_wall) if gen_wall > 0 else None,
             "total_tok_per_s": ((prompt + output) / gen_wall) if gen_wall > 0 else None,
             "requests_per_s": (n / gen_wall) if gen_wall > 0 else None,
-            "mean_request_output_tok_per_s": float(per_req.mean()) if per_req.size else None,
+            "mean_request_output_tok_per_s": s.mean_request_output_tok_per_s,
             "counts": ("tokens from the engine's outputs" if by_engine == n else
                        f"tokens from the engine's outputs for {by_engine:,} of {n:,} rows, the others as "
                        f"tokens.by_count_source says (…+stream_chunks: estimates)")

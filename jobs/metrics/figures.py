@@ -19,7 +19,6 @@ def stored_metrics(
     price_per_hour: float | None,
     engine_config: dict[str, Any],
     token_budget: int | None,
-    rows: list[dict[str, Any]] | None = None,
     job_wall_s: float | None = None,
     utilization: dict[str, Any] | None = None,
     prices: dict[str, float] | None = None,
@@ -28,10 +27,11 @@ def stored_metrics(
     """`job_metrics` of the job's stored requests, batches, workers and runs, each worker
     priced for the devices it measured (the price table with the job spec's `prices`
     over it, or the flat `price_per_hour`); `hardware` (the launcher's) prices worker
-    rows that measured nothing.  `rows`: the job's request rows when the caller has read
-    them already; `now`: the end of a run still going (a report of a live job)."""
+    rows that measured nothing.  The request figures are summed and ranked by the database
+    (`RequestSummary.stats`): memory stays flat whatever the job's size.  `now`: the end
+    of a run still going (a report of a live job)."""
     return job_metrics(
-        S.MetricsReader(eng).request_columns(job_id) if rows is None else rows,
+        S.RequestSummary(eng).stats(job_id),
         S.MetricsReader(eng).batches(job_id),
         S.MetricsReader(eng).workers(job_id),
         total=total,

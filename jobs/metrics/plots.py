@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import html
-import math
 from typing import Any
 
 import numpy as np
@@ -31,39 +30,39 @@ COST_BARS = (
 )
 
 
-def _values(rows: list[dict[str, Any]], col: str) -> list[float]:
-    return [r[col] for r in rows if r.get(col) is not None and not math.isnan(r[col])]
-
-
-def _edges(values: list[float], bins: int):
-    if not values:
-        return None
-    lo, hi = min(values), max(values)
+def _bins(lo: float, hi: float, bins: int) -> tuple[float, float, np.ndarray]:
+    """(lo, bin width, edges) of `bins` equal bins over [lo, hi] (a single value: a narrow range)."""
     if hi <= lo:
         hi = lo + (abs(lo) * 0.01 or 1e-6)
-    return np.linspace(lo, hi, bins + 1)
+    edges = np.linspace(lo, hi, bins + 1)
+    return lo, (hi - lo) / bins, edges
+
+
+def _extents(datas: list[dict[str, Any]], col: str) -> list[tuple[float, float, int]]:
+    return [e for d in datas if (e := d["request_summary"].extent(d["job"]["id"], col))]
 
 
 def latency_figure(datas: list[dict[str, Any]], names: list[str]):
-    """Histograms of TTFT, TPOT and E2E; jobs share bin edges so their bars line up."""
+    """Histograms of TTFT, TPOT and E2E; jobs share bin edges so their bars line up.  The
+    database counts the rows per bin (storage `RequestSummary.histogram`)."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     panels = []
     for col, name in ((lat.column, lat.label) for lat in LATENCIES[:3]):
-        top = max((v for d in datas for v in _values(d["requests"], col)), default=0.0)
+        extents = _extents(datas, col)
+        top = max((e[1] for e in extents), default=0.0)
         # seconds once figures reach seconds, else milliseconds: axis labels stay short
-        panels.append((col, f"{name} (s)", 1.0) if top >= 2 else (col, f"{name} (ms)", 1e3))
+        panels.append((col, f"{name} (s)", 1.0, extents) if top >= 2 else (col, f"{name} (ms)", 1e3, extents))
     fig = make_subplots(rows=1, cols=3, subplot_titles=[p[1] for p in panels])
     colors = JOB_COLORS
-    for ci, (col, title, scale) in enumerate(panels, start=1):
-        every = [v * scale for d in datas for v in _values(d["requests"], col)]
-        edges = _edges(every, LATENCY_BINS)
-        if edges is None:
+    for ci, (col, title, scale, extents) in enumerate(panels, start=1):
+        if not extents:
             continue
+        lo, width, edges = _bins(min(e[0] for e in extents), max(e[1] for e in extents), LATENCY_BINS)
         for i, (d, name) in enumerate(zip(datas, names)):
-            counts, _ = np.histogram([v * scale for v in _values(d["requests"], col)], bins=edges)
-            fig.add_trace(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=(edges[1] - edges[0]),
+            counts = d["request_summary"].histogram(d["job"]["id"], col, lo, width, LATENCY_BINS)
+            fig.add_trace(go.Bar(x=(edges[:-1] + edges[1:]) / 2 * scale, y=counts, width=width * scale,
                                  name=name, legendgroup=name, showlegend=(ci == 1), opacity=0.6 if len(datas) > 1 else 1,
                                  marker_color=colors[i % 2]), row=1, col=ci)
         fig.update_xaxes(title_text=title, row=1, col=ci)
@@ -73,18 +72,20 @@ def latency_figure(datas: list[dict[str, Any]], names: list[str]):
 
 
 def tokens_over_time(data: dict[str, Any]) -> tuple[list[float], list[int], list[float], list[int]]:
-    """(bin starts s, output tokens finished in each bin, finish times s, cumulative output tokens),
-    on the workers' wall clock relative to the first batch's start (or the first finish)."""
-    pts = sorted((r["finished_at"], r.get("output_tokens") or 0) for r in data["requests"] if r.get("finished_at"))
-    if not pts:
+    """(bin starts s, output tokens finished in each bin, bin ends s, cumulative output tokens
+    at each bin end, from 0 at the start), on the workers' wall clock relative to the first
+    batch's start (or the first finish); at most TIME_BINS bins, summed by the database."""
+    jid = data["job"]["id"]
+    extent = data["request_summary"].extent(jid, "finished_at")
+    if extent is None:
         return [], [], [], []
-    t0 = data.get("generation_started_at") or pts[0][0]
-    t0 = min(t0, pts[0][0])
-    ts = [t - t0 for t, _ in pts]
-    toks = [n for _, n in pts]
-    edges = _edges([0.0] + ts, min(TIME_BINS, max(1, len(pts))))
-    sums, _ = np.histogram(ts, bins=edges, weights=toks)
-    return [float(e) for e in edges[:-1]], [int(s) for s in sums], ts, list(np.cumsum(toks).tolist())
+    first, last, n = extent
+    t0 = min(data.get("generation_started_at") or first, first)
+    bins = min(TIME_BINS, max(1, n))
+    _, width, edges = _bins(0.0, last - t0, bins)
+    sums = [int(v) for v in data["request_summary"].histogram(jid, "finished_at", t0, width, bins, weight="output_tokens")]
+    return ([float(e) for e in edges[:-1]], sums, [float(e) for e in edges],
+            [0, *np.cumsum(sums).tolist()])
 
 
 def throughput_figure(datas: list[dict[str, Any]], names: list[str]):

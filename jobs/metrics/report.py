@@ -81,36 +81,37 @@ def job_info(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _live_metrics(eng, job: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _live_metrics(eng, job: dict[str, Any]) -> dict[str, Any]:
     spec = job.get("spec") or {}
     c = S.MetricsReader(eng).counts(job["id"])
     return stored_metrics(
         eng, job["id"], total=job.get("total") or (c["succeeded"] + c["failed"]), hardware=job.get("hardware") or {},
         price_per_hour=spec.get("price_per_hour"), prices=spec.get("prices"), now=time.time(),
         engine_config=job.get("engine_config") or {},
-        token_budget=(spec.get("batching") or {}).get("token_budget"), rows=rows,
+        token_budget=(spec.get("batching") or {}).get("token_budget"),
     )
 
 
 def load_report(eng, job_id: str) -> dict[str, Any]:
-    """Job description, metrics and per-request rows of one job; ReportError if unknown."""
+    """Job description and metrics of one job, and where the figures' per-request counts
+    come from (`request_summary`: the database bins them; no request row is loaded, so a
+    report's memory does not grow with the job); ReportError if the job is unknown."""
     job = S.JobStore(eng).get(job_id)
     if job is None:
         raise ReportError(f"no job with id {job_id!r}")
-    rows = S.MetricsReader(eng).request_rows(job_id)
     metrics = job.get("metrics")
     source = "stored when the job finished"
     if not metrics:
-        metrics = _live_metrics(eng, job, rows)
+        metrics = _live_metrics(eng, job)
         source = f"computed now from the rows in the database (job is {job.get('status')})"
     t0 = min((b["started_at"] for b in S.MetricsReader(eng).batches(job_id) if b.get("started_at")), default=None)
-    return scrub({"job": job_info(job), "metrics": metrics, "metrics_source": source, "requests": rows,
-                  "generation_started_at": t0})
+    return {**scrub({"job": job_info(job), "metrics": metrics, "metrics_source": source,
+                     "generation_started_at": t0}), "request_summary": S.RequestSummary(eng)}
 
 
 def report_json(data: dict[str, Any], html_path: str | None = None) -> dict[str, Any]:
-    """What `tokenmill report --json` prints: everything but the per-request rows."""
-    out = {k: v for k, v in data.items() if k != "requests"}
+    """What `tokenmill report --json` prints: everything but the per-request source."""
+    out = {k: v for k, v in data.items() if k != "request_summary"}
     out["html"] = html_path
     return out
 

@@ -9,7 +9,9 @@ the SQL, each returning plain rows (dicts of a table's columns):
   queue, a named lock;
 - `ResultWriter`: the rows workers write (outputs, dead letters, batch stats,
   workers: records of schemas/records.py) and the resume and id-claim lookups;
-- `MetricsReader`: what exports, status, reports and comparisons read back.
+- `MetricsReader`: what exports, status, reports and comparisons read back;
+- `RequestSummary`: a job's per-request figures summed, counted and ranked by the
+  database (`RequestStats`), for metrics and reports of any size.
 """
 
 from tokenmill.schemas.storage.database import (
@@ -25,8 +27,9 @@ from tokenmill.schemas.storage.database import (
 from tokenmill.schemas.storage.jobs import STALE_AFTER_S, JobBusy, JobStore, is_live
 from tokenmill.schemas.storage.reader import CHUNK_ROWS, MetricsReader
 from tokenmill.schemas.storage.results import ResultWriter
+from tokenmill.schemas.storage.summary import RequestStats, RequestSummary
 
 __all__ = [
-    "CHUNK_ROWS", "STALE_AFTER_S", "JobBusy", "JobStore", "MetricsReader", "ResultWriter", "StorageError",
+    "CHUNK_ROWS", "STALE_AFTER_S", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "StorageError",
     "alembic_config", "connect", "current_revision", "head_revision", "is_live", "owner_tag", "upgrade", "utcnow",
 ]

@@ -3,13 +3,12 @@ reasons, per-request figures, batches, workers, and its rows streamed in input o
 
 from __future__ import annotations
 
-from array import array
 from typing import Any, Iterator
 
 from sqlalchemy import func, select
 
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.records import METRIC_COLUMNS, REQUEST_COLUMNS, StoredRow, metric_values
+from tokenmill.schemas.records import REQUEST_COLUMNS, StoredRow
 from tokenmill.schemas.storage.database import SqlStore, table
 
 #: Rows per chunk when streaming a job's rows out (exports).
@@ -57,20 +56,6 @@ class MetricsReader(SqlStore):
         with self.engine.connect() as conn:
             q = select(*cols).where(T.outputs.c.job_id == job_id).order_by(T.outputs.c.finished_at, T.outputs.c.id)
             return [dict(r) for r in conn.execute(q).mappings()]
-
-    def request_columns(self, job_id: str, columns: tuple[str, ...] = METRIC_COLUMNS) -> dict[str, Any]:
-        """The job's per-request figures as one float64 numpy array per column (records'
-        `metric_values`: None → NaN, a coded column as its code), streamed in chunks: 8 bytes
-        a value in the reader, not a Python object per row."""
-        import numpy as np  # numpy for the readers only: the CLI's storage import stays light
-
-        out = {k: array("d") for k in columns}
-        with self.engine.connect() as conn:
-            q = select(*[T.outputs.c[k] for k in columns]).where(T.outputs.c.job_id == job_id)
-            for part in conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(q).partitions():
-                for k, vals in zip(columns, zip(*part)):
-                    out[k].extend(metric_values(k, vals))
-        return {k: np.frombuffer(v, dtype=float) if len(v) else np.zeros(0) for k, v in out.items()}
 
     def batches(self, job_id: str) -> list[dict[str, Any]]:
         with self.engine.connect() as conn:
