@@ -101,3 +101,58 @@ def test_rerun_of_a_90_percent_done_job_generates_only_the_missing_rows_and_dead
     dead = S.MetricsReader(eng).failure_reasons("ninety")
     assert dead == {R.DUPLICATE_ID: 2}
     assert sorted(S.MetricsReader(eng).outputs("ninety")) == sorted(f"r{i}" for i in range(n))
+
+
+class _Counted:
+    """A file opened by the reader, counting the bytes read through it."""
+
+    total = 0
+
+    def __init__(self, fh):
+        self._fh = fh
+
+    def read(self, *args):
+        data = self._fh.read(*args)
+        _Counted.total += len(data)
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._fh.close()
+
+
+def test_a_row_group_cut_into_units_is_read_from_storage_once_and_each_unit_gets_its_own_rows(
+        tmp_path, sqlite_url, monkeypatch):
+    from tokenmill.transforms import read as RD
+
+    monkeypatch.setenv("TOKENMILL_SPILL_DIR", str(tmp_path / "spill"))
+    n = 20_000
+    path = tmp_path / "one-group.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(n)], "prompt": [f"p{i} " * (i % 7 + 1) for i in range(n)]}),
+                   path, row_group_size=n, compression="none")
+    units = plan_units(plan_input(str(path)), 1 << 16)
+    assert len(units) >= 8 and all(u.spills for u in units)
+    real_open = RD.open_file
+    monkeypatch.setattr(RD, "open_file", lambda path: _Counted(real_open(path)))
+    eng = S.connect(sqlite_url)
+    S.ResultWriter(eng).insert_rows(OutputRow, _outputs("g", range(units[-1].rows.start, n)))  # the last unit: done
+    fn = ReadUnitFn(db_url=sqlite_url, job_id="g")
+    got = [r["_row"] for u in reversed(units[:-1]) for c in fn.process(WorkItem(u)) for r in c.items]
+    assert sorted(got) == list(range(units[-1].rows.start)) and len(got) == len(set(got))
+    size = os.path.getsize(path)
+    assert _Counted.total <= 1.1 * size, (_Counted.total, size)  # once, not once per unit (about 8x)
+    assert not list((tmp_path / "spill").rglob("*.arrow"))  # every unit's file read and removed; the done one never written
+    # a unit asked for again (a retried bundle) splits the group again and gets the same rows
+    (again,) = fn.process(WorkItem(units[1]))
+    assert [r["_row"] for r in again.items] == list(units[1].rows)
+    assert [r["id"] for r in again.items] == [f"r{i}".encode() for i in units[1].rows]
+    # a rewritten input is never served from the old split
+    pq.write_table(pa.table({"id": [f"new{i}" for i in range(n)], "prompt": ["x"] * n}), path, row_group_size=n)
+    os.utime(path, (1, 1))
+    (fresh,) = fn.process(WorkItem(units[2]))
+    assert fresh.items[0]["id"] == f"new{units[2].rows.start}".encode()

@@ -7,18 +7,21 @@ starts.  The plan is then cut into work units (`plan_units`): slices of one row
 group of about `unit_bytes` of uncompressed input, so the number of units grows
 with the input (a 10-million-row file with one row group is still many units).
 A worker reads one unit at a time (`read_unit`) and the rest of the pipeline
-carries it as one `Chunk`: no process holds more than a unit of prompt data.
+carries it as one `Chunk`: no process holds more than a unit of prompt data.  A row
+group cut into several units is decoded once per machine (transforms/spill.py), not
+from its first row for every unit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AbstractSet, Any, Generic, Iterator, TypeVar
 
 import apache_beam as beam
 
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Chunk
+from tokenmill.transforms.spill import read_spilled
 
 PROMPT_COLUMNS = ("prompt", "messages")
 READ_BATCH_ROWS = 1024
@@ -42,6 +45,15 @@ class Shard:
     first_row: int = 0
     bytes_per_row: float = 0.0
     """Uncompressed bytes per row of the row group (Parquet metadata), for sizing units."""
+    group_rows: int = 0
+    unit_rows: int = 0
+    """A work unit's row group's rows and the rows of each unit it is cut into (0: not
+    known; a group of several units is split once per machine, transforms/spill.py)."""
+
+    @property
+    def spills(self) -> bool:
+        """A unit of a row group cut into several: read through the group's spill."""
+        return 0 < self.unit_rows < self.group_rows
 
     @property
     def key(self) -> str:
@@ -222,30 +234,46 @@ def plan_units(plan: InputPlan, unit_bytes: int | None = None) -> list:
         rows = max(1, min(by_bytes, MAX_UNIT_ROWS))
         for start in range(sh.start, sh.start + sh.num_rows, rows):
             n = min(rows, sh.start + sh.num_rows - start)
-            units.append(Shard(sh.file_index, sh.path, sh.row_group, n, start, sh.first_row, sh.bytes_per_row))
+            units.append(Shard(sh.file_index, sh.path, sh.row_group, n, start, sh.first_row, sh.bytes_per_row,
+                               sh.num_rows, rows))
     return units
 
 
 def read_shard(shard: Shard, columns: list[str] | None = None,
-               skip: AbstractSet[int] = frozenset()) -> Iterator[dict[str, Any]]:
+               skip: AbstractSet[int] = frozenset(), spilled: Iterator | None = None) -> Iterator[dict[str, Any]]:
     """Rows of one unit (a row group's slice) as dicts; string prompt columns come back as
     bytes so that invalid UTF-8 becomes a per-row dead letter rather than a failed read.
-    Rows whose file-level number is in `skip` (a rerun's done rows) are not converted."""
+    Rows whose file-level number is in `skip` (a rerun's done rows) are not converted.
+    `spilled`: the unit's own record batches (spill.read_spilled) instead of its row group
+    read from the group's first row."""
+    end = shard.start + shard.num_rows
+    for at, rb in group_batches(shard, columns, spilled):  # `at`: position of rb's first row in the group
+        lo, hi = max(shard.start - at, 0), min(end - at, rb.num_rows)
+        first = shard.first_row + at  # file-level number of `rb`'s first row
+        keep = [j for j in range(lo, hi) if first + j not in skip]
+        if keep:
+            yield from _records(rb.slice(lo, hi - lo) if len(keep) == hi - lo else rb.take(keep),
+                                [first + j for j in keep], shard.file_index)
+        if at + rb.num_rows >= end:
+            break
+
+
+def group_batches(shard: Shard, columns: list[str] | None = None,
+                  spilled: Iterator | None = None) -> Iterator[tuple[int, Any]]:
+    """(position in the row group of the batch's first row, record batch): the unit's
+    `spilled` batches, or its whole row group from the first row."""
     import pyarrow.parquet as pq
 
-    end = shard.start + shard.num_rows
-    with open_file(shard.path) as fh:
-        at = 0  # position of `rb`'s first row inside the row group
-        for rb in pq.ParquetFile(fh).iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[shard.row_group], columns=columns):
-            lo, hi = max(shard.start - at, 0), min(end - at, rb.num_rows)
-            first = shard.first_row + at  # file-level number of `rb`'s first row
+    at = shard.start if spilled is not None else 0
+    if spilled is not None:
+        for rb in spilled:
+            yield at, rb
             at += rb.num_rows
-            keep = [j for j in range(lo, hi) if first + j not in skip]
-            if keep:
-                yield from _records(rb.slice(lo, hi - lo) if len(keep) == hi - lo else rb.take(keep),
-                                    [first + j for j in keep], shard.file_index)
-            if at >= end:
-                break
+        return
+    with open_file(shard.path) as fh:
+        for rb in pq.ParquetFile(fh).iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[shard.row_group], columns=columns):
+            yield at, rb
+            at += rb.num_rows
 
 
 def _records(rb, places: list[int], file_index: int) -> Iterator[dict[str, Any]]:
@@ -265,10 +293,10 @@ def _records(rb, places: list[int], file_index: int) -> Iterator[dict[str, Any]]
 
 
 def read_unit(unit, columns: list[str] | None = None, served_models: tuple[str, ...] = (),
-              skip: AbstractSet[int] = frozenset()) -> list[dict[str, Any]]:
+              skip: AbstractSet[int] = frozenset(), spilled: Iterator | None = None) -> list[dict[str, Any]]:
     """The rows of one work unit (a Parquet slice or a JSONL run of lines) but those in `skip`."""
     if isinstance(unit, Shard):
-        return list(read_shard(unit, columns, skip))
+        return list(read_shard(unit, columns, skip, spilled))
     from tokenmill.transforms.openai_batch import read_jsonl_shard
 
     return list(read_jsonl_shard(unit, served_models, skip))
@@ -324,7 +352,7 @@ class ReadUnitFn(beam.DoFn):
         if len(done) >= len(item.unit.rows):
             return
         try:
-            rows = read_unit(item.unit, self._columns, self._served, done)
+            rows = read_unit(item.unit, self._columns, self._served, done, self._spilled(item))
         except Exception as err:  # a path the launcher reached but this host does not, a bucket it may not read
             import socket
 
@@ -333,6 +361,20 @@ class ReadUnitFn(beam.DoFn):
         self._read.inc(len(rows))
         if rows:
             yield Chunk(item.unit.key, rows, item.part, item.parts)
+
+
+    def _spilled(self, item: WorkItem) -> Iterator | None:
+        """A unit of a row group cut into several, in one part, in a job: its batches from the
+        group's spill on this machine (the group decoded once, not once per unit)."""
+        unit = item.unit
+        if not (isinstance(unit, Shard) and unit.spills and item.parts == 1 and self._job_id):
+            return None
+        url, job = self._url, self._job_id
+
+        def wanted(start: int, rows: int) -> bool:  # a unit not all done: the reader will ask for it
+            return url is None or len(done_rows(url, job, replace(unit, start=start, num_rows=rows))) < rows
+
+        return read_spilled(job, unit, self._columns, wanted)
 
 
 class PlanUnits(beam.PTransform):

@@ -26,6 +26,7 @@ from tokenmill.schemas.db import default_db_url
 from tokenmill.schemas.errors import first_line
 from tokenmill.transforms.engines.kinds import engine_of
 from tokenmill.transforms.engines.protocol import EngineStartError
+from tokenmill.transforms.spill import remove_job_spill
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ def run_job(
         tick()
     if status != "done":
         raise JobError(f"job {job_id} failed: {error}")
+    remove_job_spill(job_id)  # every unit was read: what a large row group spilled here is spent
 
     # 3. Export (the old marker removed first), reconcile, account; then the marker of the final status.
     job = S.JobStore(eng).get(job_id)
