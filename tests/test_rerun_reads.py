@@ -101,10 +101,12 @@ def test_rerun_of_a_90_percent_done_job_generates_only_the_missing_rows_and_dead
     dead = S.MetricsReader(eng).failure_reasons("ninety")
     assert dead == {R.DUPLICATE_ID: 2}
     assert sorted(S.MetricsReader(eng).outputs("ninety")) == sorted(f"r{i}" for i in range(n))
+    read = S.JobStore(eng).get("ninety")["metrics"]["input"]
+    assert (read["rows_read"], read["rows_skipped_done"]) == (len(missing), n + 2 - len(missing))
 
 
 class _Counted:
-    """A file opened by the reader, counting the bytes read through it."""
+    """Bytes read through the reader's files (its own counter counts only inside a pipeline)."""
 
     total = 0
 

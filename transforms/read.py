@@ -21,6 +21,7 @@ import apache_beam as beam
 
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Chunk
+from tokenmill.transforms.files import open_file
 from tokenmill.transforms.spill import read_spilled
 
 PROMPT_COLUMNS = ("prompt", "messages")
@@ -77,6 +78,8 @@ class InputPlan(Generic[ShardT]):
     total_rows: int
     format: str = "parquet"
     notes: list[str] = field(default_factory=list)
+    bytes: int | None = None
+    """The input files' size (Parquet; None where not measured)."""
 
 
 def _is_remote(path: str) -> bool:
@@ -160,18 +163,15 @@ def expand_input(path: str, patterns: tuple[str, ...] = ("*.parquet",)) -> list[
 
 
 
-def open_file(path: str):
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems.open(path, compression_type="uncompressed")
-
-
 def _footer(f: str):
+    """(the file's Parquet metadata, its size in bytes)."""
     import pyarrow.parquet as pq
+    from apache_beam.io.filesystems import FileSystems
 
     try:
         with open_file(f) as fh:
-            return pq.ParquetFile(fh).metadata
+            meta = pq.ParquetFile(fh).metadata
+        return meta, FileSystems.match([f])[0].metadata_list[0].size_in_bytes
     except InputError:
         raise
     except Exception as err:
@@ -191,7 +191,7 @@ def plan_parquet(path: str) -> InputPlan:
     shards: list[Shard] = []
     columns: list[str] | None = None
     total = 0
-    for i, (f, meta) in enumerate(zip(files, metas)):
+    for i, (f, (meta, _)) in enumerate(zip(files, metas)):
         names = meta.schema.to_arrow_schema().names
         if not any(c in names for c in PROMPT_COLUMNS):
             raise InputError(
@@ -206,7 +206,8 @@ def plan_parquet(path: str) -> InputPlan:
                 shards.append(Shard(i, f, rg, n, first_row=first, bytes_per_row=g.total_byte_size / n))
             first += n
         total += meta.num_rows
-    return InputPlan(files=files, shards=shards, columns=columns or [], total_rows=total)
+    return InputPlan(files=files, shards=shards, columns=columns or [], total_rows=total,
+                     bytes=sum(size for _, size in metas))
 
 
 def default_unit_bytes() -> int:

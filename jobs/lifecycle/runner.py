@@ -150,13 +150,13 @@ def run_job(
 
     sampler = UtilizationSampler()  # CPU utilization, process-tree RSS, NVML on GPU; launcher-side
     sampler.start()
-    status, error = "failed", None
+    status, error, read = "failed", None, None
     say("resuming: rows already answered are skipped" if claim["resumed"] else
         f"starting the pipeline ({spec.runner.runner}, {spec.runner.num_workers} worker"
         f"{'s' if spec.runner.num_workers > 1 else ''}); the engine loads first")
     try:
-        _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory,
-                          effective_block_size(spec.engine, on_gpu=on_gpu), pf.counter)
+        read = _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory,
+                                 effective_block_size(spec.engine, on_gpu=on_gpu), pf.counter)
         status = "done"
     except KeyboardInterrupt:
         error = "interrupted"
@@ -189,6 +189,7 @@ def run_job(
     S.JobStore(eng).finish_run(job_id, run_id, time.time())  # after export: the devices were held until now
     metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
                               utilization=utilization)
+    metrics["input"] = input_read(read, plan)
     note = None
     if cancelled:
         final = "cancelled"
@@ -270,17 +271,17 @@ def _mark_failed(output: str, manifest: dict[str, Any], reason: str) -> None:
 
 
 def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None,
-                      counter=None) -> None:
+                      counter=None) -> dict[str, int] | None:
     """Run the pipeline; when one of its worker processes died (kill -9, the OOM killer), run it
     again, up to `runner.worker_retries` times, in the same run (the launcher held its devices
     all along): the new pipeline resumes from the database, so only the dead worker's batches
-    in flight are generated twice."""
+    in flight are generated twice.  Returns the last pipeline's `tokenmill` counters (None:
+    its runner reports none)."""
     from tokenmill.jobs.lifecycle.direct_runner import worker_died
 
     for attempt in range(spec.runner.worker_retries + 1):
         try:
-            _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size, counter)
-            return
+            return _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size, counter)
         except Exception as err:
             if attempt == spec.runner.worker_retries or not worker_died(err):
                 raise
@@ -289,7 +290,7 @@ def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_fa
 
 
 def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None,
-                  counter=None) -> None:
+                  counter=None) -> dict[str, int] | None:
     import apache_beam as beam
 
     from tokenmill.jobs.lifecycle.direct_runner import watch_sdk_workers
@@ -317,6 +318,35 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
     state = str(getattr(result, "state", "DONE"))
     if "FAIL" in state.upper() or "CANCEL" in state.upper():
         raise RuntimeError(f"pipeline ended in state {state}")
+    return _counters(result)
+
+
+def _counters(result) -> dict[str, int] | None:
+    """The pipeline's `tokenmill` counters, summed over steps (None: the runner reports none)."""
+    from apache_beam.metrics.metric import MetricsFilter
+
+    try:
+        found = result.metrics().query(MetricsFilter().with_namespace("tokenmill"))["counters"]
+    except Exception:  # a runner without metrics (Beam's DaskRunner)
+        return None
+    out: dict[str, int] = {}
+    for c in found:
+        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + int(c.committed or c.attempted or 0)
+    return out
+
+
+def input_read(counters: dict[str, int] | None, plan) -> dict[str, Any]:
+    """What this run's workers read of the input (metrics `input`)."""
+    c = counters or {}
+    return {
+        "rows_read": c.get("rows_read") if counters is not None else None,
+        "rows_skipped_done": c.get("rows_skipped_done") if counters is not None else None,
+        "bytes_read": c.get("input_bytes_read") if counters is not None else None,
+        "file_bytes": plan.bytes,
+        "counts": "this run's workers (Beam counters; null: the runner reports none): rows turned into records, "
+                  "rows left out as already done, and bytes read from the input's Parquet files (footers, row "
+                  "groups; not JSONL) against the files' size",
+    }
 
 
 def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, Any], job_wall_s: float | None = None,

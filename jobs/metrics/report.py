@@ -163,7 +163,9 @@ Line = tuple[str, str] | Callable[[dict[str, Any]], list[tuple[str, str]]]
 SECTIONS: tuple[tuple[str, tuple[Line, ...]], ...] = (
     ("Requests", (
         ("input rows", "{requests_total}"), ("succeeded", "{requests_succeeded}"),
-        ("failed", "{requests_failed} ({failure_rate})"), _failed_by_reason)),
+        ("failed", "{requests_failed} ({failure_rate})"), _failed_by_reason,
+        ("rows read / skipped as done", "{input_rows_read} / {input_rows_skipped_done}"),
+        ("input bytes read / file size", "{input_bytes_read} / {input_file_bytes}"))),
     ("Concurrency (offline: all requests at once)", (
         ("max_num_seqs", "{max_num_seqs}"), ("max_num_batched_tokens", "{max_num_batched_tokens}"),
         ("batch token budget", "{token_budget}"), ("workers", "{workers}"),
