@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-quant bench-tune bench-scale bench-rerun bench-report bench-db gpu-check clean help
+.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-quant bench-tune bench-scale bench-rerun bench-layout bench-report bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -28,6 +28,7 @@ help:
 	@echo "make bench-engines - vLLM, W8A8, llama.cpp GGUFs, openai->vllm serve, llama-server direct (docs/ENGINES.md)"
 	@echo "make bench-quant - RTN against calibrated quantization (docs/QUANTIZATION.md)"
 	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
+	@echo "make bench-layout - one row group against 8,192-row groups, the same rows side by side (bench/layout.py)"
 	@echo "make bench-report - peak RSS of tokenmill report and status on a finished job of N and 10 N rows (bench/report_memory.py)"
 	@echo "make gpu-check - the worker meter against nvidia-smi on a GPU (docs/ACCOUNTING.md)"
 	@echo "make llmcompressor - the venv calibrated quantization runs in (docs/QUANTIZATION.md)"
@@ -174,6 +175,11 @@ bench-scale: prepare
 # A finished job and a 90%-done job rerun (bench/rerun.py, issue 26): each rerun's wall as a share of the first run's.
 bench-rerun: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.rerun $(BENCH_ARGS)
+
+# The same N rows as one row group and as 8,192-row groups, rounds alternating (bench/layout.py, issue 26): rows/s,
+# peak RSS per process and the bytes read of the file, one group / small groups; ~20 min at the default 200,000 rows.
+bench-layout: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.layout $(BENCH_ARGS)
 
 # Peak RSS and wall of `tokenmill report` (table; table + HTML) and `tokenmill status --json` on two synthetic
 # finished jobs of N and 10 N rows (bench/report_memory.py): per command, peak(10 N) / peak(N) over the rounds.

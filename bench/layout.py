@@ -1,0 +1,120 @@
+"""One row group against 8,192-row groups: the same N rows, side by side in one run.
+
+The scale check's N chat rows (ids, bad rows and duplicate ids; the tiny
+random-weights model, one DirectRunner worker, `--max-tokens 4`) written twice:
+one Parquet file of one row group, and one of 8,192-row groups.  A short warm-up
+job first (not counted), then `--reps` rounds of both layouts, the order
+alternating (A B, B A, ...).  Every run is reported: rows/s over the job wall less
+model load, peak RSS by process kind, the bytes the workers read of the file
+(the job's `input.bytes_read`, counted where every Parquet read opens its file)
+against the file's size, and every id exactly once; then, per round, one group ÷
+small groups for rows/s and each process's peak RSS.  Not a timed test: a program
+whose figures go to docs/BENCHMARKS.md.
+
+    python -m bench.layout --n 200000 --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.scale import ONE_WORKER, WORK, Leg, leg_report, make_input, tokenmill_run
+
+RESULTS = Path(__file__).parent / "results"
+LAYOUTS = {"one-group": None, "groups-8192": 8192}
+
+
+def write_layouts(inp: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The input's rows as one file per layout (cached beside the input)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.concat_tables(pq.read_table(p) for p in sorted(Path(inp["path"]).glob("*.parquet")))
+    out = {}
+    for name, group in LAYOUTS.items():
+        folder = Path(inp["path"]) / "layouts" / name
+        path = folder / "input.parquet"
+        if not path.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            pq.write_table(table, path, row_group_size=group or table.num_rows)
+        meta = pq.ParquetFile(path).metadata
+        out[name] = {**inp, "path": str(path), "bytes": path.stat().st_size, "row_groups": meta.num_row_groups}
+    return out
+
+
+def _input_read(leg: Leg) -> dict[str, Any]:
+    from tokenmill.schemas import storage as S
+
+    job = S.JobStore(S.connect(leg.db_url)).get(leg.job_id) or {}
+    return (job.get("metrics") or {}).get("input") or {}
+
+
+def run_one(name: str, inp: dict[str, Any], model: str, folder: Path) -> dict[str, Any]:
+    leg = tokenmill_run(Leg(name, inp["rows"], ONE_WORKER, f"layout-{name}", folder / name, model), inp)
+    rep = leg_report(leg, inp)
+    read = _input_read(leg)
+    keep = ("name", "exit_code", "status", "wall_s", "model_load_s", "rows_per_s", "peak_rss_mib_by_kind")
+    out = {k: rep[k] for k in keep}
+    out["accounting_ok"] = rep["accounting"].get("ok")
+    out["bytes_read"] = read.get("bytes_read")
+    out["file_bytes"] = inp["bytes"]
+    out["bytes_read_per_file_byte"] = round(read["bytes_read"] / inp["bytes"], 3) if read.get("bytes_read") else None
+    print(f"{name}: {out['wall_s']} s, {out['rows_per_s']} rows/s, read {out['bytes_read_per_file_byte']}× the file, "
+          f"peak RSS {out['peak_rss_mib_by_kind']} MiB, every id once: {out['accounting_ok']}", flush=True)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def main(argv=None) -> int:
+    from bench.tinymodel import tiny_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=200000)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--warmup-rows", type=int, default=2000)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--code", default=None, help="what code ran, when PYTHONPATH points at another tree's tokenmill")
+    args = ap.parse_args(argv)
+    model = str(tiny_model(args.model))
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    folder = WORK / "layout" / stamp
+    layouts = write_layouts(make_input(args.n))
+    warm = write_layouts(make_input(args.warmup_rows))["one-group"]
+    run_one("warmup", warm, model, folder)
+    runs, rounds = [], []
+    names = list(LAYOUTS)
+    for r in range(args.reps):
+        order = names if r % 2 == 0 else names[::-1]
+        got = {name: run_one(f"{name}-{r}", layouts[name], model, folder) for name in order}
+        runs += [got[name] for name in order]
+        one, small = got["one-group"], got["groups-8192"]
+        kinds = sorted(set(one["peak_rss_mib_by_kind"]) | set(small["peak_rss_mib_by_kind"]))
+        rounds.append({"round": r, "order": order,
+                       "rows_per_s_one_over_small": _ratio(one["rows_per_s"], small["rows_per_s"]),
+                       "peak_rss_one_over_small": {k: _ratio(one["peak_rss_mib_by_kind"].get(k),
+                                                             small["peak_rss_mib_by_kind"].get(k)) for k in kinds}})
+    rep = {
+        "n": args.n, "reps": args.reps, "stamp": stamp,
+        "code": args.code or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True).stdout.strip(),
+        "layouts": {k: {"bytes": v["bytes"], "row_groups": v["row_groups"]} for k, v in layouts.items()},
+        "runs": runs, "rounds": rounds,
+    }
+    print(json.dumps(rounds, indent=1))
+    out = Path(args.json) if args.json else RESULTS / f"layout-{stamp}.json"
+    out.write_text(json.dumps(rep, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
