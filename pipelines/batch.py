@@ -1,14 +1,15 @@
 """The batch inference pipeline: each step a labelled PTransform over work units.
 
-    PlanUnits ─┬─ ClaimIds ──────────────────┐ (side input: every id claimed first)
-               └─ ReadPrompts → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate
+    PlanUnits ─┬─ ClaimIds ─┐ (side input: every id claimed before any unit is read)
+               └────────── ReadPrompts → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate
     dead letters of Validate, DedupIds, Tokenize → WriteDeadLetters (one writer each)
     Generate commits each finished batch itself: outputs, its dead letters, its figures
 
 ReadPrompts reads only the rows of a unit the job has not answered or dead-lettered (a
 done unit is not opened).  On a rerun whose earlier run got past the claim barrier
 (`claims_settled`) every id already holds its first row: ClaimIds is left out and
-DedupIds waits on nothing.
+ReadPrompts waits on nothing.  Waiting before the read, not before DedupIds, means no
+runner holds read prompts while the claim pass runs (Dask ran every unit's read ahead).
 
 Every element after PlanUnits is one `Chunk`: a unit's rows, carried together
 from the read to the engine, so the chain fuses into one stage per worker and
@@ -72,16 +73,18 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     served = tuple(getattr(plan, "served_models", ()) or ())
     units = plan_units(plan, spec.batching.unit_bytes)
     work = p | "PlanUnits" >> PlanUnits(plan_work(units, spec.runner.num_workers))
-    rows = work | "ReadPrompts" >> ReadPrompts(served_models=served, db_url=parts.db_url, job_id=parts.job_id)
+    ids = not (plan.format == "parquet" and "id" not in plan.columns)  # else ids come from positions: no duplicates
+    claimed = None
+    if ids and not parts.claims_settled:
+        id_columns = ["id"] if plan.format == "parquet" else None
+        claimed = work | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id, id_columns, served)
+    rows = work | "ReadPrompts" >> ReadPrompts(served_models=served, db_url=parts.db_url, job_id=parts.job_id,
+                                               after=claimed)
     valid = rows | "Validate" >> Validate(spec.reference_column)
     dead = {"Validate": valid[DEAD]}
-    if plan.format == "parquet" and "id" not in plan.columns:
-        unique = valid.ok  # ids come from positions: no duplicates to look for
-    else:
-        id_columns = ["id"] if plan.format == "parquet" else None
-        claimed = None if parts.claims_settled else (
-            work | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id, id_columns, served))
-        dedup = valid.ok | "DedupIds" >> DedupIds(parts.db_url, parts.job_id, claimed)
+    unique = valid.ok
+    if ids:
+        dedup = valid.ok | "DedupIds" >> DedupIds(parts.db_url, parts.job_id)
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(
         parts.counter or TokenCounter.local(parts.model_path, model=spec.engine.model),

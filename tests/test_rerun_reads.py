@@ -153,8 +153,14 @@ def test_a_row_group_cut_into_units_is_read_from_storage_once_and_each_unit_gets
     (again,) = fn.process(WorkItem(units[1]))
     assert [r["_row"] for r in again.items] == list(units[1].rows)
     assert [r["id"] for r in again.items] == [f"r{i}".encode() for i in units[1].rows]
-    # a rewritten input is never served from the old split
+    # a worker reads a file's footer once: its later units open the file without reading it again
+    hits = RD.cached_footer.cache_info().hits
+    (one,) = fn.process(WorkItem(units[0], 0, 2))  # in parts: read from the row group, not the spill
+    assert len(one.items) == units[0].num_rows and RD.cached_footer.cache_info().hits == hits + 1
+    # a rewritten input (planned again, as a new run plans it) is never served from the old split
+    assert list((tmp_path / "spill").rglob("*.arrow"))  # the split above left the other units' files
     pq.write_table(pa.table({"id": [f"new{i}" for i in range(n)], "prompt": ["x"] * n}), path, row_group_size=n)
     os.utime(path, (1, 1))
-    (fresh,) = fn.process(WorkItem(units[2]))
-    assert fresh.items[0]["id"] == f"new{units[2].rows.start}".encode()
+    new = plan_units(plan_input(str(path)), 1 << 16)[2]
+    (fresh,) = fn.process(WorkItem(new))
+    assert [r["id"] for r in fresh.items] == [f"new{i}".encode() for i in new.rows]

@@ -109,8 +109,7 @@ def test_dedup_ids_keeps_the_claiming_row_of_an_id_and_dead_letters_the_rest(sql
             PromptRecord(id="a", input_file=0, input_row=2, prompt="early"),
             PromptRecord(id="b", input_file=1, input_row=0, prompt="only")]
     with _pipeline() as p:
-        claimed = p | "claimed" >> beam.Create([3])
-        out = p | beam.Create([_chunk(recs)]) | DedupIds(sqlite_url, "j", claimed)
+        out = p | beam.Create([_chunk(recs)]) | DedupIds(sqlite_url, "j")
         assert_that(_items(out.ok) | "ok" >> beam.Map(lambda r: (r.id, r.prompt)),
                     equal_to([("a", "early"), ("b", "only")]), label="ok")
         assert_that(out[DEAD] | "dead" >> beam.Map(lambda d: (d.id, d.input_ref, d.reason, d.message)),

@@ -3,9 +3,9 @@ pass in the database instead of a shuffle of every id.
 
 `ClaimIds` reads only the id column of each work unit and upserts (id → input
 file, input row) into `id_claims`, keeping the earliest row whatever order the
-units run in.  `DedupIds` runs after every claim is in (the claim count is its
-side input, so runners schedule it after the claim pass) and looks up the
-claims of one chunk's ids: a row that is not its id's claim is a
+units run in.  ReadPrompts waits for every claim to be in (the claim count is its
+side input, so runners schedule reads after the claim pass and no runner holds read
+prompts while it runs); `DedupIds` then looks up the claims of one chunk's ids: a row that is not its id's claim is a
 `duplicate_id` dead letter naming the row that came first.  Rows without an id
 take `row-<file>-<row>` (validate.row_id); a Parquet input without an `id` column
 has no duplicates and skips both steps.  A rerun of a job whose earlier run finished the
@@ -80,7 +80,7 @@ class DedupIdsFn(beam.DoFn):
     def __init__(self, db_url: str, job_id: str):
         self._url, self._job_id = db_url, job_id
 
-    def process(self, chunk: Chunk, claimed: int = 0):
+    def process(self, chunk: Chunk):
         claims = S.ResultWriter(S.connect(self._url)).id_claims(self._job_id, [r.id for r in chunk.items])
         ok = []
         for r in chunk.items:
@@ -94,14 +94,13 @@ class DedupIdsFn(beam.DoFn):
 
 
 class DedupIds(beam.PTransform):
-    """Chunks → chunks without duplicate ids (dead letters on `dead`); `claimed` is ClaimIds'
-    output, or None when an earlier run of the job finished the claim pass (nothing to wait on)."""
+    """Chunks → chunks without duplicate ids (dead letters on `dead`).  Every claim must be
+    in first: ReadPrompts waits for ClaimIds' total (`after`), or an earlier run of the job
+    finished the claim pass."""
 
-    def __init__(self, db_url: str, job_id: str, claimed):
+    def __init__(self, db_url: str, job_id: str):
         super().__init__()
         self._fn = DedupIdsFn(db_url, job_id)
-        self._claimed = claimed
 
     def expand(self, chunks):
-        wait = () if self._claimed is None else (beam.pvalue.AsSingleton(self._claimed),)
-        return chunks | "FirstWins" >> beam.ParDo(self._fn, *wait).with_outputs(DEAD, main="ok")
+        return chunks | "FirstWins" >> beam.ParDo(self._fn).with_outputs(DEAD, main="ok")

@@ -15,6 +15,7 @@ from its first row for every unit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import AbstractSet, Any, Generic, Iterator, TypeVar
 
 import apache_beam as beam
@@ -50,6 +51,9 @@ class Shard:
     unit_rows: int = 0
     """A work unit's row group's rows and the rows of each unit it is cut into (0: not
     known; a group of several units is split once per machine, transforms/spill.py)."""
+    source: str = ""
+    """The file's size and modification time when planned ("": not known): which version
+    of the file its cached footer and spilled units belong to."""
 
     @property
     def spills(self) -> bool:
@@ -164,18 +168,30 @@ def expand_input(path: str, patterns: tuple[str, ...] = ("*.parquet",)) -> list[
 
 
 def _footer(f: str):
-    """(the file's Parquet metadata, its size in bytes)."""
+    """(the file's Parquet metadata, its size in bytes, "size:modification time")."""
     import pyarrow.parquet as pq
     from apache_beam.io.filesystems import FileSystems
 
     try:
         with open_file(f) as fh:
             meta = pq.ParquetFile(fh).metadata
-        return meta, FileSystems.match([f])[0].metadata_list[0].size_in_bytes
+        m = FileSystems.match([f])[0].metadata_list[0]
+        return meta, m.size_in_bytes, f"{m.size_in_bytes}:{m.last_updated_in_seconds}"
     except InputError:
         raise
     except Exception as err:
         raise InputError(f"input file {f!r} is not a readable Parquet file: {first_line(err)}") from None
+
+
+@lru_cache(maxsize=64)
+def cached_footer(path: str, source: str):
+    """A file's Parquet metadata, read once per process for one version of the file
+    (`source`: its size and modification time when planned), so a worker's later units of
+    the file do not read its footer again."""
+    import pyarrow.parquet as pq
+
+    with open_file(path) as fh:
+        return pq.ParquetFile(fh).metadata
 
 
 #: Footers read at once when planning (an S3 prefix of thousands of objects).
@@ -191,7 +207,7 @@ def plan_parquet(path: str) -> InputPlan:
     shards: list[Shard] = []
     columns: list[str] | None = None
     total = 0
-    for i, (f, (meta, _)) in enumerate(zip(files, metas)):
+    for i, (f, (meta, _, source)) in enumerate(zip(files, metas)):
         names = meta.schema.to_arrow_schema().names
         if not any(c in names for c in PROMPT_COLUMNS):
             raise InputError(
@@ -203,11 +219,11 @@ def plan_parquet(path: str) -> InputPlan:
             g = meta.row_group(rg)
             n = g.num_rows
             if n:
-                shards.append(Shard(i, f, rg, n, first_row=first, bytes_per_row=g.total_byte_size / n))
+                shards.append(Shard(i, f, rg, n, first_row=first, bytes_per_row=g.total_byte_size / n, source=source))
             first += n
         total += meta.num_rows
     return InputPlan(files=files, shards=shards, columns=columns or [], total_rows=total,
-                     bytes=sum(size for _, size in metas))
+                     bytes=sum(size for _, size, _ in metas))
 
 
 def default_unit_bytes() -> int:
@@ -235,8 +251,7 @@ def plan_units(plan: InputPlan, unit_bytes: int | None = None) -> list:
         rows = max(1, min(by_bytes, MAX_UNIT_ROWS))
         for start in range(sh.start, sh.start + sh.num_rows, rows):
             n = min(rows, sh.start + sh.num_rows - start)
-            units.append(Shard(sh.file_index, sh.path, sh.row_group, n, start, sh.first_row, sh.bytes_per_row,
-                               sh.num_rows, rows))
+            units.append(replace(sh, num_rows=n, start=start, group_rows=sh.num_rows, unit_rows=rows))
     return units
 
 
@@ -272,7 +287,9 @@ def group_batches(shard: Shard, columns: list[str] | None = None,
             at += rb.num_rows
         return
     with open_file(shard.path) as fh:
-        for rb in pq.ParquetFile(fh).iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[shard.row_group], columns=columns):
+        footer = cached_footer(shard.path, shard.source) if shard.source else None
+        for rb in pq.ParquetFile(fh, metadata=footer).iter_batches(batch_size=READ_BATCH_ROWS,
+                                                                   row_groups=[shard.row_group], columns=columns):
             yield at, rb
             at += rb.num_rows
 
@@ -344,7 +361,7 @@ class ReadUnitFn(beam.DoFn):
         self._read = beam.metrics.Metrics.counter("tokenmill", "rows_read")
         self._skipped = beam.metrics.Metrics.counter("tokenmill", "rows_skipped_done")
 
-    def process(self, item: WorkItem):
+    def process(self, item: WorkItem, claimed: int = 0):  # claimed: ReadPrompts' `after`, only waited for
         # A unit in parts is read whole: each part cuts its segment from the whole unit's
         # order (TakePart), which must not move as other parts of it commit (SkipDone drops).
         done = (done_rows(self._url, self._job_id, item.unit)
@@ -391,15 +408,19 @@ class PlanUnits(beam.PTransform):
 
 class ReadPrompts(beam.PTransform):
     """Work items → one `Chunk` of row dicts per item (its unit's rows; with `db_url` and
-    `job_id`, those the job has not yet answered or dead-lettered)."""
+    `job_id`, those the job has not yet answered or dead-lettered).  `after`: a singleton
+    to wait for first (ClaimIds' total): no unit is read, so no runner holds read prompts,
+    while the claim pass runs."""
 
     def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = (),
-                 db_url: str | None = None, job_id: str | None = None):
+                 db_url: str | None = None, job_id: str | None = None, after=None):
         super().__init__()
         self._fn = ReadUnitFn(columns, served_models, db_url, job_id)
+        self._after = after
 
     def expand(self, units):
-        return units | "ReadUnit" >> beam.ParDo(self._fn)
+        wait = () if self._after is None else (beam.pvalue.AsSingleton(self._after),)
+        return units | "ReadUnit" >> beam.ParDo(self._fn, *wait)
 
 
 def plan_input(path: str, fmt: str = "parquet") -> InputPlan:
