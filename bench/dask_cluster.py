@@ -38,7 +38,11 @@ def free_port() -> int:
 #: A worker under a nanny is a daemon process by default, and a daemon process may not
 #: start children: vLLM's engine core would fail with "daemonic processes are not allowed
 #: to have children".
-WORKER_ENV = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+#: Spilling stays on (a memory limit), but dask never pauses or restarts a worker over its
+#: memory: the engine's KV cache is allocated up front and is no leak to act on.
+WORKER_ENV = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+              "DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE": "False",
+              "DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE": "False"}
 
 
 def _spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -100,8 +104,9 @@ class DaskCluster:
 def start_cluster(logs: Path, n_workers: int = 2, nanny: bool = True) -> DaskCluster:
     """A scheduler on 127.0.0.1 and `n_workers` worker processes of one thread each.
 
-    Worker memory limits are off (`--memory-limit 0`): an engine's KV cache is allocated
-    up front and is not something for dask to pause or restart a worker over.  Under a
+    Each worker's memory limit is the machine's memory over the workers (a fraction), so
+    dask spills held results to disk past its `spill` share, but never pauses or restarts a
+    worker (WORKER_ENV): an engine's KV cache is allocated up front.  Under a
     nanny the worker must not be a daemon process (`distributed.worker.daemon`), since
     vLLM starts its engine core as a child process."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -123,7 +128,7 @@ def start_cluster(logs: Path, n_workers: int = 2, nanny: bool = True) -> DaskClu
         for i in range(n_workers):
             cluster.workers.append(_spawn(
                 ["-m", "distributed.cli.dask_worker", address, "--name", f"w{i}", "--host", "127.0.0.1",
-                 "--nworkers", "1", "--nthreads", "1", "--memory-limit", "0", "--no-dashboard",
+                 "--nworkers", "1", "--nthreads", "1", "--memory-limit", f"{1 / n_workers:.3f}", "--no-dashboard",
                  "--nanny" if nanny else "--no-nanny"],
                 logs / f"worker-{i}.log", WORKER_ENV))
         if n_workers:
