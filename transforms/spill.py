@@ -58,6 +58,7 @@ def _safe(name: str) -> str:
 
 @contextmanager
 def _locked(folder: Path) -> Iterator[None]:
+    spill_root().mkdir(mode=0o700, parents=True, exist_ok=True)  # prompts: this user's only
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{folder}.lock", "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
