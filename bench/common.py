@@ -43,3 +43,21 @@ def save_results(name: str, res: dict[str, Any], markdown, write_docs, *, docs: 
     print(md)
     if docs:
         write_docs(md, ROOT / "docs" / "BENCHMARKS.md")
+
+
+def code_label(given: str | None) -> str:
+    """What code a bench ran: `--code` where PYTHONPATH points at another tree, else HEAD."""
+    import subprocess
+
+    return given or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                   cwd=ROOT).stdout.strip()
+
+
+def write_report(rep: dict[str, Any], json_arg: str | None, default_name: str) -> Path:
+    """Write a bench's report to `--json` or bench/results/`default_name`, and say where."""
+    import json
+
+    out = Path(json_arg) if json_arg else RESULTS / default_name
+    out.write_text(json.dumps(rep, indent=1) + "\n")
+    print(f"wrote {out}")
+    return out

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import code_label, write_report
 from bench.scale import ONE_WORKER, WORK, Leg, leg_report, make_input, tokenmill_run
 
-RESULTS = Path(__file__).parent / "results"
 LAYOUTS = {"one-group": None, "groups-8192": 8192}
 
 
@@ -104,15 +103,12 @@ def main(argv=None) -> int:
                                                              small["peak_rss_mib_by_kind"].get(k)) for k in kinds}})
     rep = {
         "n": args.n, "reps": args.reps, "stamp": stamp,
-        "code": args.code or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                            text=True).stdout.strip(),
+        "code": code_label(args.code),
         "layouts": {k: {"bytes": v["bytes"], "row_groups": v["row_groups"]} for k, v in layouts.items()},
         "runs": runs, "rounds": rounds,
     }
     print(json.dumps(rounds, indent=1))
-    out = Path(args.json) if args.json else RESULTS / f"layout-{stamp}.json"
-    out.write_text(json.dumps(rep, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_report(rep, args.json, f"layout-{stamp}.json")
     return 0
 
 

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
-from pathlib import Path
 
+from bench.common import code_label, write_report
 from bench.scale import ONE_WORKER, WORK, Leg, done_rows, make_input, peaks_by_kind, tokenmill_run
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def _drop_every_tenth(db_url: str, job_id: str) -> int:
@@ -60,15 +57,12 @@ def main(argv=None) -> int:
         print(f"{name}: {leg.wall_s:.1f} s, exit {leg.exit_code}, rows done {rows[name]:,}", flush=True)
     first = legs[0]["wall_s"]
     rep = {
-        "n": args.n, "code": args.code or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                            text=True).stdout.strip(),
+        "n": args.n, "code": code_label(args.code),
         "legs": legs, "deleted_outputs": rows["deleted"],
         "finished_share": round(legs[1]["wall_s"] / first, 3), "ninety_share": round(legs[2]["wall_s"] / first, 3),
     }
     print(json.dumps(rep, indent=1))
-    out = Path(args.json) if args.json else RESULTS / f"rerun-{stamp}.json"
-    out.write_text(json.dumps(rep, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_report(rep, args.json, f"rerun-{stamp}.json")
     return 0
 
 
