@@ -39,16 +39,19 @@ def spill_root() -> Path:
     return Path(os.environ.get("TOKENMILL_SPILL_DIR") or Path(tempfile.gettempdir()) / "tokenmill-spill")
 
 
-def _identity(path: str) -> str:
-    """Path, size and modification time of an input file (local or on a Beam filesystem)."""
+def _source(shard) -> str:
+    """Size and modification time of the unit's input file: as planned (`Shard.source`),
+    else asked of its filesystem."""
+    if shard.source:
+        return shard.source
     from apache_beam.io.filesystems import FileSystems
 
-    meta = FileSystems.match([path])[0].metadata_list[0]
-    return f"{path}\0{meta.size_in_bytes}\0{meta.last_updated_in_seconds}"
+    meta = FileSystems.match([shard.path])[0].metadata_list[0]
+    return f"{meta.size_in_bytes}:{meta.last_updated_in_seconds}"
 
 
 def group_dir(job_id: str, shard) -> Path:
-    key = f"{_identity(shard.path)}\0{shard.row_group}\0{shard.unit_rows}"
+    key = f"{shard.path}\0{_source(shard)}\0{shard.row_group}\0{shard.unit_rows}"
     return spill_root() / _safe(job_id) / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 

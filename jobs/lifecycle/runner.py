@@ -339,9 +339,9 @@ def input_read(counters: dict[str, int] | None, plan) -> dict[str, Any]:
     """What this run's workers read of the input (metrics `input`)."""
     c = counters or {}
     return {
-        "rows_read": c.get("rows_read") if counters is not None else None,
-        "rows_skipped_done": c.get("rows_skipped_done") if counters is not None else None,
-        "bytes_read": c.get("input_bytes_read") if counters is not None else None,
+        "rows_read": c.get("rows_read"),
+        "rows_skipped_done": c.get("rows_skipped_done"),
+        "bytes_read": c.get("input_bytes_read"),
         "file_bytes": plan.bytes,
         "counts": "this run's workers (Beam counters; null: the runner reports none): rows turned into records, "
                   "rows left out as already done, and bytes read from the input's Parquet files (footers, row "
