@@ -1,15 +1,13 @@
 """The batch inference pipeline: each step a labelled PTransform over work units.
 
-    PlanUnits ─┬─ ClaimIds ─┐ (side input: every id claimed before any unit is read)
-               └────────── ReadPrompts → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate
+    PlanUnits → ReadPrompts → ClaimIds → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate
     dead letters of Validate, DedupIds, Tokenize → WriteDeadLetters (one writer each)
     Generate commits each finished batch itself: outputs, its dead letters, its figures
 
 ReadPrompts reads only the rows of a unit the job has not answered or dead-lettered (a
-done unit is not opened).  On a rerun whose earlier run got past the claim barrier
-(`claims_settled`) every id already holds its first row: ClaimIds is left out and
-ReadPrompts waits on nothing.  Waiting before the read, not before DedupIds, means no
-runner holds read prompts while the claim pass runs (Dask ran every unit's read ahead).
+done unit is not opened).  ClaimIds claims the ids of the rows it read; no step waits
+for the whole input: a duplicate answered before its id's first row was read is settled
+where rows are written (transforms/dedup.py, `ResultWriter.claim_ids`/`commit_batch`).
 
 Every element after PlanUnits is one `Chunk`: a unit's rows, carried together
 from the read to the engine, so the chain fuses into one stage per worker and
@@ -58,8 +56,6 @@ class PipelineParts:
     session_factory: Callable[..., Any] | None = None
     block_size: int | None = None
     """The engine's KV block size; prefix keys align to it."""
-    claims_settled: bool = False
-    """An earlier run of the job finished the duplicate-id claim pass (`ResultWriter.claims_settled`)."""
 
 
 def engines_per_host(spec: JobSpec) -> int:
@@ -74,12 +70,9 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     units = plan_units(plan, spec.batching.unit_bytes)
     work = p | "PlanUnits" >> PlanUnits(plan_work(units, spec.runner.num_workers))
     ids = not (plan.format == "parquet" and "id" not in plan.columns)  # else ids come from positions: no duplicates
-    claimed = None
-    if ids and not parts.claims_settled:
-        id_columns = ["id"] if plan.format == "parquet" else None
-        claimed = work | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id, id_columns, served)
-    rows = work | "ReadPrompts" >> ReadPrompts(served_models=served, db_url=parts.db_url, job_id=parts.job_id,
-                                               after=claimed)
+    rows = work | "ReadPrompts" >> ReadPrompts(served_models=served, db_url=parts.db_url, job_id=parts.job_id)
+    if ids:
+        rows = rows | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id)
     valid = rows | "Validate" >> Validate(spec.reference_column)
     dead = {"Validate": valid[DEAD]}
     unique = valid.ok

@@ -245,11 +245,60 @@ class StorageContract:
         S.ResultWriter(eng).claim_ids("other", [("a", 2, 2)])
         assert S.ResultWriter(eng).id_claims("j", ["a", "b", "c"]) == {"a": (0, 3), "b": (1, 0)}
         many = [(f"id{i}", 0, i) for i in range(2500)]  # more than one IN list and one statement
-        assert S.ResultWriter(eng).claim_ids("big", many) == 2500
+        assert S.ResultWriter(eng).claim_ids("big", many) == 0  # no output retracted
         got = S.ResultWriter(eng).id_claims("big", [f"id{i}" for i in range(0, 2500, 7)])
         assert got == {f"id{i}": (0, i) for i in range(0, 2500, 7)}
         S.JobStore(eng).delete("big")
         assert S.ResultWriter(eng).id_claims("big", ["id0"]) == {}
+
+    def test_a_row_answered_before_its_ids_first_row_was_read_ends_a_duplicate_dead_letter(self, db_url):
+        eng, w = S.connect(db_url), S.ResultWriter(S.connect(db_url))
+        w.claim_ids("d", [("r9", 0, 9), ("r5", 0, 5)])
+        w.commit_batch([_output("d", 9), _output("d", 5), _output("d", 7)], [], [])  # r7 holds no claim: kept
+        assert w.claim_ids("d", [("r9", 0, 3), ("r5", 0, 6)]) == 1  # r9's first row is read now; r5 stays
+        assert w.commit_batch([_output("d", 9, input_row=3)], [], []) == 0
+        # a batch deduplicated before an earlier row claimed its id: that output is not stored
+        w.claim_ids("d", [("r5", 0, 1)])
+        assert w.commit_batch([_output("d", 5, input_row=2)], [], []) == 1
+        with eng.connect() as conn:
+            outs = {(i, r) for i, r in conn.execute(text("SELECT id, input_row FROM outputs WHERE job_id = 'd'"))}
+            dead = {r: (reason, msg) for r, reason, msg in conn.execute(text(
+                "SELECT input_row, reason, message FROM dead_letters WHERE job_id = 'd'"))}
+        assert outs == {("r9", 3), ("r7", 7)}  # r5's output at 5 was retracted when row 1 claimed r5
+        assert {r: v[0] for r, v in dead.items()} == {9: "duplicate_id", 2: "duplicate_id", 5: "duplicate_id"}
+        assert dead[9][1].startswith("duplicate id 'r9': the row at 0:3 came first")
+        assert dead[2][1].startswith("duplicate id 'r5': the row at 0:1 came first")
+
+    def test_claims_and_commits_racing_on_several_connections_answer_each_id_once(self, db_url):
+        """Rows of 60 ids (1-4 rows each) claimed and answered in a random order by 4 threads,
+        each doing what a worker does: claim the row's id, check the claim (DedupIds), commit."""
+        import random
+        from concurrent.futures import ThreadPoolExecutor
+
+        rng = random.Random(7)
+        rows = [(f"i{k}", 0, rng.randrange(10**6)) for k in range(60) for _ in range(rng.randint(1, 4))]
+        rows = list({(f, r): (i, f, r) for i, f, r in rows}.values())
+        rng.shuffle(rows)
+        w = S.ResultWriter(S.connect(db_url))
+
+        def worker(row):
+            rid, f, r = row
+            w.claim_ids("race", [row])
+            if w.id_claims("race", [rid]).get(rid) == (f, r):
+                w.commit_batch([_output("race", 0, id=rid, input_file=f, input_row=r)], [], [])
+            else:
+                w.insert_rows(DeadLetterRow, [_dead("race", f, r, id=rid)])
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(worker, rows))
+        with S.connect(db_url).connect() as conn:
+            outs = {i: r for i, r in conn.execute(text("SELECT id, input_row FROM outputs WHERE job_id = 'race'"))}
+            dead = set(conn.execute(text("SELECT input_row FROM dead_letters WHERE job_id = 'race'")).scalars())
+        first = {}
+        for rid, _, r in rows:
+            first[rid] = min(first.get(rid, r), r)
+        assert outs == first  # every id answered once, by its first row
+        assert dead == {r for _, _, r in rows} - set(first.values())  # every other row a dead letter
 
     def test_submit_and_requeue_are_compare_and_set(self, db_url):
         eng = S.connect(db_url)

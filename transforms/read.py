@@ -361,7 +361,7 @@ class ReadUnitFn(beam.DoFn):
         self._read = beam.metrics.Metrics.counter("tokenmill", "rows_read")
         self._skipped = beam.metrics.Metrics.counter("tokenmill", "rows_skipped_done")
 
-    def process(self, item: WorkItem, claimed: int = 0):  # claimed: ReadPrompts' `after`, only waited for
+    def process(self, item: WorkItem):
         # A unit in parts is read whole: each part cuts its segment from the whole unit's
         # order (TakePart), which must not move as other parts of it commit (SkipDone drops).
         done = (done_rows(self._url, self._job_id, item.unit)
@@ -408,19 +408,15 @@ class PlanUnits(beam.PTransform):
 
 class ReadPrompts(beam.PTransform):
     """Work items → one `Chunk` of row dicts per item (its unit's rows; with `db_url` and
-    `job_id`, those the job has not yet answered or dead-lettered).  `after`: a singleton
-    to wait for first (ClaimIds' total): no unit is read, so no runner holds read prompts,
-    while the claim pass runs."""
+    `job_id`, those the job has not yet answered or dead-lettered)."""
 
     def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = (),
-                 db_url: str | None = None, job_id: str | None = None, after=None):
+                 db_url: str | None = None, job_id: str | None = None):
         super().__init__()
         self._fn = ReadUnitFn(columns, served_models, db_url, job_id)
-        self._after = after
 
     def expand(self, units):
-        wait = () if self._after is None else (beam.pvalue.AsSingleton(self._after),)
-        return units | "ReadUnit" >> beam.ParDo(self._fn, *wait)
+        return units | "ReadUnit" >> beam.ParDo(self._fn)
 
 
 def plan_input(path: str, fmt: str = "parquet") -> InputPlan:

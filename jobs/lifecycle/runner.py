@@ -309,7 +309,6 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
         session_factory=session_factory,
         block_size=block_size,
         counter=counter,
-        claims_settled=S.ResultWriter(S.connect(db_url)).claims_settled(job_id),
     )
     p = beam.Pipeline(options=pipeline_options(spec))
     build_pipeline(p, spec, parts)

@@ -157,6 +157,15 @@ def dialect_insert(conn: Connection, tbl):
     return None if dialect is None else dialect.insert(tbl)
 
 
+def write_lock(conn: Connection) -> None:
+    """Take the database's write lock now, at the start of a transaction that reads and
+    then writes on what it read (SQLite: BEGIN IMMEDIATE; pysqlite itself begins only at
+    the first write, so the reads before it would see another writer's state).  PostgreSQL
+    locks rows instead (FOR SHARE, upserts)."""
+    if conn.dialect.name == "sqlite":
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
 def insert_ignore(conn: Connection, tbl, rows: list[dict[str, Any]]) -> int:
     """Bulk insert; rows whose primary key exists are skipped (reruns never duplicate)."""
     if not rows:

@@ -1,15 +1,33 @@
 """What workers write: output rows, dead letters, batch stats and worker rows, each insert
-idempotent; and what the claim and resume passes ask before a work unit runs."""
+idempotent; the duplicate-id claims; and what a rerun asks before a work unit runs.
+
+Duplicate ids are settled where rows are written, so no step waits for the whole input:
+a unit's rows claim their ids as they are read (`claim_ids`: each id keeps its first row
+in input order), and a batch commits an output only for the row that holds its id's
+claim (`commit_batch`).  A later row that was answered before its id's first row was
+read loses its output when that row claims the id: the output becomes a `duplicate_id`
+dead letter in the claiming transaction.  On PostgreSQL the claim rows are locked
+between the two (the claim's upsert, the commit's FOR SHARE); SQLite has one writer."""
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any, Iterable
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, delete, or_, select, update
 
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.records import DUPLICATE_ID, BatchStats, DeadLetterRow, OutputRow, StoredRow, WorkerRow
-from tokenmill.schemas.storage.database import SqlStore, chunks, dialect_insert, insert_ignore, table
+from tokenmill.schemas.records import (
+    DUPLICATE_ID,
+    BatchStats,
+    DeadLetterRow,
+    OutputRow,
+    StoredRow,
+    WorkerRow,
+    format_ref,
+)
+from tokenmill.schemas.storage.database import SqlStore, chunks, dialect_insert, insert_ignore, table, write_lock
 
 
 class ResultWriter(SqlStore):
@@ -26,14 +44,26 @@ class ResultWriter(SqlStore):
             return insert_ignore(conn, table(record), rows)
 
     def commit_batch(self, outputs: list[dict[str, Any]], dead_letters: list[dict[str, Any]],
-                     stats: list[dict[str, Any]]) -> None:
+                     stats: list[dict[str, Any]]) -> int:
         """One finished batch in one transaction: its output rows, the dead letters the engine
         gave, its figures (`OutputRow`, `DeadLetterRow`, `BatchStats` as `as_dict()` gives
-        them).  Existing keys are skipped, as in `insert_rows`."""
+        them).  An output whose id an earlier input row has claimed since the batch was
+        deduplicated is stored as that id's `duplicate_id` dead letter instead.  Existing
+        keys are skipped, as in `insert_rows`.  Returns the outputs turned into dead letters."""
         with self.engine.begin() as conn:
-            for record, rows in ((OutputRow, outputs), (DeadLetterRow, dead_letters), (BatchStats, stats)):
+            write_lock(conn)
+            claims = _claims(conn, outputs[0]["job_id"], [o["id"] for o in outputs], lock=True) if outputs else {}
+            keep, lost = [], []
+            for o in outputs:
+                first = claims.get(o["id"])
+                if first is None or first == (o["input_file"], o["input_row"]):
+                    keep.append(o)
+                else:
+                    lost.append(_duplicate(o["job_id"], o["id"], o["input_file"], o["input_row"], first))
+            for record, rows in ((OutputRow, keep), (DeadLetterRow, dead_letters + lost), (BatchStats, stats)):
                 if rows:
                     insert_ignore(conn, table(record), rows)
+        return len(lost)
 
     def record_worker(self, row: WorkerRow) -> None:
         """Insert a worker's row; if the worker (job_id, worker) has one, overwrite its
@@ -76,22 +106,12 @@ class ResultWriter(SqlStore):
                 done_ids.update(conn.execute(select(o.id).where(o.job_id == job_id, o.id.in_(part))).scalars())
         return done_ids, self.done_rows(job_id, input_file, first_row, last_row)
 
-    def claims_settled(self, job_id: str) -> bool:
-        """Whether an earlier run of the job finished its claim pass (every id of the input
-        holds its first row): it has an output or a duplicate-id dead letter, which only
-        rows past the claim barrier get.  A rerun then neither claims nor waits."""
-        with self.engine.connect() as conn:
-            for q in (select(T.outputs.c.job_id).where(T.outputs.c.job_id == job_id).limit(1),
-                      select(T.dead_letters.c.job_id).where(T.dead_letters.c.job_id == job_id,
-                                                           T.dead_letters.c.reason == DUPLICATE_ID).limit(1)):
-                if conn.execute(q).first() is not None:
-                    return True
-        return False
-
     def claim_ids(self, job_id: str, rows: list[tuple[str, int, int]]) -> int:
         """Record (id, input_file, input_row) claims: each id keeps the first row in input
         order that carries it, whatever order work units run in (an upsert that only moves
-        a claim to an earlier row), so the claim pass can run in parallel and be re-run."""
+        a claim to an earlier row), so units claim in parallel and a rerun claims again
+        harmlessly.  An output already stored for a row that lost its id's claim becomes a
+        `duplicate_id` dead letter in the same transaction.  Returns the outputs retracted."""
         if not rows:
             return 0
         c = T.id_claims.c
@@ -100,7 +120,9 @@ class ResultWriter(SqlStore):
             if rid not in best or (f, r) < best[rid]:
                 best[rid] = (f, r)
         values = [{"job_id": job_id, "id": k, "input_file": f, "input_row": r} for k, (f, r) in best.items()]
+        retracted = 0
         with self.engine.begin() as conn:
+            write_lock(conn)
             stmt = dialect_insert(conn, T.id_claims)
             ex = stmt.excluded
             earlier = (ex.input_file < c.input_file) | ((ex.input_file == c.input_file) & (ex.input_row < c.input_row))
@@ -111,14 +133,51 @@ class ResultWriter(SqlStore):
             )
             for part in chunks(values):
                 conn.execute(stmt, part)
-        return len(values)
+            for part in chunks(list(best)):
+                retracted += _retract_losers(conn, job_id, part)
+        return retracted
 
     def id_claims(self, job_id: str, ids: Iterable[str]) -> dict[str, tuple[int, int]]:
         """The claiming row (input_file, input_row) of each of `ids` that has one."""
-        c = T.id_claims.c
-        out: dict[str, tuple[int, int]] = {}
         with self.engine.connect() as conn:
-            for part in chunks(list(set(ids))):
-                q = select(c.id, c.input_file, c.input_row).where(c.job_id == job_id, c.id.in_(part))
-                out.update({i: (f, r) for i, f, r in conn.execute(q)})
-        return out
+            return _claims(conn, job_id, list(set(ids)))
+
+
+def _claims(conn, job_id: str, ids: list[str], lock: bool = False) -> dict[str, tuple[int, int]]:
+    """(input_file, input_row) of each claimed id of `ids`; `lock`: held against a claim
+    moving until the transaction ends (FOR SHARE on PostgreSQL)."""
+    c = T.id_claims.c
+    out: dict[str, tuple[int, int]] = {}
+    for part in chunks(list(set(ids))):
+        q = select(c.id, c.input_file, c.input_row).where(c.job_id == job_id, c.id.in_(part))
+        if lock and conn.dialect.name == "postgresql":
+            q = q.with_for_update(read=True)
+        out.update({i: (f, r) for i, f, r in conn.execute(q)})
+    return out
+
+
+def _retract_losers(conn, job_id: str, ids: list[str]) -> int:
+    """Outputs of `ids` stored for a row that no longer holds the id's claim: deleted, and
+    stored as `duplicate_id` dead letters naming the claiming row."""
+    o, c = T.outputs.c, T.id_claims.c
+    q = (select(o.id, o.input_file, o.input_row, c.input_file, c.input_row)
+         .join(T.id_claims, and_(c.job_id == o.job_id, c.id == o.id))
+         .where(o.job_id == job_id, o.id.in_(ids),
+                or_(o.input_file != c.input_file, o.input_row != c.input_row)))
+    losers = conn.execute(q).all()
+    if not losers:
+        return 0
+    conn.execute(delete(T.outputs).where(o.job_id == job_id, o.id.in_([i for i, *_ in losers])))  # key: (job, id)
+    insert_ignore(conn, T.dead_letters, [_duplicate(job_id, i, f, r, (cf, cr)) for i, f, r, cf, cr in losers])
+    return len(losers)
+
+
+def _duplicate(job_id: str, rid: str, input_file: int, input_row: int, first: tuple[int, int]) -> dict[str, Any]:
+    """The `duplicate_id` dead letter of a row answered before its id's first row was read
+    (the answer is dropped; its batch's figures still count the work)."""
+    return DeadLetterRow(
+        job_id=job_id, input_file=input_file, input_row=input_row, id=rid, reason=DUPLICATE_ID,
+        message=f"duplicate id {rid!r}: the row at {format_ref(*first)} came first (it was read after this "
+                "row was answered; the answer is dropped)",
+        raw=json.dumps({"id": rid}, ensure_ascii=False), created_at=time.time(),
+    ).as_dict()
