@@ -7,6 +7,7 @@ plot beside it.
     python -m bench.scale                          # default N; ~20 min on a quiet 2-core CPU
     python -m bench.scale --n 2000 --skip-drills   # shorter
     python -m bench.scale --sizes 2000,20000 --skip-drills --json bench/results/scale-before.json
+    python -m bench.scale --sizes 2000,20000 --skip-two-workers --skip-drills --runner dask
 
 The engine is real vLLM with a tiny random-weight model (bench/tinymodel.py:
 the default model's tokenizer and chat template, 2 layers of width 64), so the
@@ -19,6 +20,8 @@ groups.
 
 Runs, each a `tokenmill run` subprocess on a fresh SQLite database:
   1. N rows, 1 worker        2. 10 N rows, 1 worker        3. N rows, 2 workers
+(1 and 2, the sized runs, on the DaskRunner instead with `--runner dask`: a loopback
+cluster of 2 workers per run, started before it and stopped after it)
 then the drills on 10 N rows with 2 workers, on each runner of RUNNERS (the
 DirectRunner, then the DaskRunner on a loopback cluster the bench starts and stops
 per drill): kill -9 of one worker process (an SDK worker; a dask worker, which its
@@ -87,6 +90,8 @@ class Runner:
     args: tuple[str, ...]
     worker_kind: str = "sdk_worker"
     cluster: Callable[[Path], ContextManager[Attached]] | None = None
+    #: the process kinds whose peak RSS the sized runs' targets compare and the table shows
+    kinds: tuple[str, ...] = MAIN_KINDS
 
 
 @contextmanager
@@ -108,8 +113,24 @@ RUNNERS = {
     "direct": Runner("direct-2", ("--workers", "2")),
     # the nanny restarts a killed worker process; the engine core is the worker's child
     "dask": Runner("dask-2", ("--runner", "DaskRunner", "--workers", "2"), worker_kind="dask_worker",
-                   cluster=dask_cluster),
+                   cluster=dask_cluster,
+                   kinds=("launcher", "dask_scheduler", "dask_worker", "engine_core", "engine_worker")),
 }
+#: `--runner`: what the sized runs (N and 10 N rows) run on
+SIZED_RUNNERS = {"direct-1": ONE_WORKER, "dask": RUNNERS["dask"]}
+
+
+def sized_name(rows: int, runner: Runner) -> str:
+    """A sized run's name (its folder and job id): `<rows>-rows-1-worker` on ONE_WORKER, as
+    before there was a choice, else `<rows>-rows-<runner>`."""
+    return f"{rows}-rows-1-worker" if runner is ONE_WORKER else f"{rows}-rows-{runner.name}"
+
+
+def attach(runner: Runner, folder: Path) -> ContextManager[Attached]:
+    """The runner's cluster, started in `folder` on entry and stopped on exit; nothing to
+    attach for a runner without one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return runner.cluster(folder) if runner.cluster else nullcontext(Attached())
 
 
 # ---------------------------------------------------------------- input
@@ -372,6 +393,7 @@ def leg_report(leg: Leg, inp: dict[str, Any], *, final: bool = True) -> dict[str
     wall = s.get("wall_s") or leg.wall_s
     load = s.get("model_load_s")
     gen = s.get("generation_wall_s")
+    procs = leg.sampler.processes() if leg.sampler else []
     rep: dict[str, Any] = {
         "name": leg.name, "rows": leg.rows, "runner": leg.runner.name, "job_id": leg.job_id,
         "exit_code": leg.exit_code, "status": s.get("status"), "stalled": leg.stalled, "events": leg.events,
@@ -382,8 +404,10 @@ def leg_report(leg: Leg, inp: dict[str, Any], *, final: bool = True) -> dict[str
         "rows_per_s_job_wall": _r(leg.rows / wall) if wall else None,
         "rows_per_s_generation_wall": _r(leg.rows / gen) if gen else None,
         "steady": steady_rate(leg.db_url, leg.job_id),
-        "processes": leg.sampler.processes() if leg.sampler else [],
+        "processes": procs,
         "peak_rss_mib_by_kind": peaks_by_kind(leg.sampler),
+        "processes_by_kind": dict(Counter(p["kind"] for p in procs)),
+        "rss_kinds": list(leg.runner.kinds),
         "rss_series_mib": leg.sampler.series() if leg.sampler else {},
         "worker_generation_walls": worker_walls(leg.db_url, leg.job_id),
         "folder": str(leg.folder.relative_to(ROOT)),
@@ -408,10 +432,12 @@ def _r(x: float | None, nd: int = 1) -> float | None:
 
 
 def plain_run(name: str, rows: int, runner: Runner, model: str, work: Path) -> dict[str, Any]:
+    """One run of `rows` rows on `runner`; a runner's cluster is started for the run and
+    stopped after it (its processes sampled beside the launcher's)."""
     inp = make_input(rows)
-    leg = Leg(name, rows, runner, f"scale-{name}", work / name, model)
     log(f"{name}: {rows:,} rows, {runner.name}")
-    tokenmill_run(leg, inp)
+    with attach(runner, work / name) as attached:
+        leg = tokenmill_run(Leg(name, rows, runner, f"scale-{name}", work / name, model, attached), inp)
     rep = leg_report(leg, inp)
     log(f"{name}: exit {leg.exit_code}, {leg.wall_s:.0f} s, {rep['rows_per_s']} rows/s, peaks {rep['peak_rss_mib_by_kind']} MiB, "
         f"accounted {rep['accounting']['ok']}")
@@ -425,8 +451,7 @@ def drill(target: str, rows: int, runner: Runner, model: str, work: Path, *, sta
     drill and stopped after it."""
     name = f"drill-{target}-{runner.name}"
     folder = work / name
-    folder.mkdir(parents=True, exist_ok=True)
-    with runner.cluster(folder) if runner.cluster else nullcontext(Attached()) as attached:
+    with attach(runner, folder) as attached:
         return _drill(name, target, rows, runner, model, folder, attached, stall_s=stall_s)
 
 
@@ -503,10 +528,15 @@ def targets(runs: dict[str, dict[str, Any]], small: str, large: str, two: str | 
     a, b = runs.get(small), runs.get(large)
     if a and b:
         ka, kb = a["peak_rss_mib_by_kind"], b["peak_rss_mib_by_kind"]
-        for kind in MAIN_KINDS:  # one process of each kind in a one-worker run
+        na, nb = a.get("processes_by_kind", {}), b.get("processes_by_kind", {})
+        for kind in rss_kinds([a, b]):
             if ka.get(kind) and kb.get(kind):
                 r = kb[kind] / ka[kind]
-                out.append(_target(f"peak RSS of the {kind}: {b['rows']:,} rows ÷ {a['rows']:,} rows", r,
+                # several of a kind (two dask workers, their engine cores): each run's largest peak
+                ca, cb = na.get(kind, 1), nb.get(kind, 1)
+                of = f" (the largest of each run's {ca if ca == cb else f'{ca} / {cb}'} {kind} processes)" \
+                    if max(ca, cb) > 1 else ""
+                out.append(_target(f"peak RSS of the {kind}{of}: {b['rows']:,} rows ÷ {a['rows']:,} rows", r,
                                    f"≤ {RSS_GROWTH_MAX}", r <= RSS_GROWTH_MAX, f"{ka[kind]:.0f} → {kb[kind]:.0f} MiB"))
         for what, x, y in (("rows/s (job wall − model load)", a.get("rows_per_s"), b.get("rows_per_s")),
                            ("steady rows/s (10%→90% of outputs)", a["steady"].get("rows_per_s"),
@@ -526,6 +556,12 @@ def targets(runs: dict[str, dict[str, Any]], small: str, large: str, two: str | 
         out.append(_target(f"{name}: every id exactly once, dead letters as planted", None, "yes", acc.get("ok"),
                            acc.get("note") or f"{acc.get('outputs'):,} outputs + {acc.get('dead_letters'):,} dead letters"))
     return out
+
+
+def rss_kinds(runs: list[dict[str, Any]]) -> list[str]:
+    """The process kinds the runs' RSS is compared and shown by, in order (each run's
+    runner's kinds; MAIN_KINDS for results written before runs named theirs)."""
+    return list(dict.fromkeys(k for r in runs for k in r.get("rss_kinds", MAIN_KINDS)))
 
 
 def drill_targets(drills: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -617,14 +653,16 @@ def code_version() -> str | None:
 
 
 def markdown(res: dict[str, Any]) -> str:
+    kinds = rss_kinds(list(res["runs"].values()))
     lines = ["| run | rows | runner | exit | wall s | model load s | rows/s (wall − load) | steady rows/s | output tokens "
-             "| peak RSS MiB: launcher / SDK worker / engine core / engine worker | every id once |",
+             "| peak RSS MiB (the largest of a kind's processes): "
+             + " / ".join(k.replace("_", " ").replace("sdk", "SDK") for k in kinds) + " | every id once |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"].values():
         k = r["peak_rss_mib_by_kind"]
         lines.append(f"| {r['name']} | {r['rows']:,} | {r['runner']} | {r['exit_code']} | {r['wall_s']} | {r['model_load_s']} | "
                      f"{r['rows_per_s']} | {r['steady'].get('rows_per_s')} | {r['output_tokens']} | "
-                     + " / ".join(str(k.get(x, "–")) for x in MAIN_KINDS) + f" | {r['accounting']['ok']} |")
+                     + " / ".join(str(k.get(x, "–")) for x in kinds) + f" | {r['accounting']['ok']} |")
     if res.get("drills"):
         lines += ["", "| drill | rows | kill | finished | rerun | rows / batches the rerun redid | rework (generated − outputs) "
                   "| orphaned by the kill | alive after the launcher exited | every id once |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -648,8 +686,10 @@ def markdown(res: dict[str, Any]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=DEFAULT_N, help=f"N (default {DEFAULT_N:,}): the runs use N and 10 N rows")
-    ap.add_argument("--sizes", default=None, help="the single-worker sizes instead of N,10N, e.g. 2000,20000 "
+    ap.add_argument("--sizes", default=None, help="the sized runs' sizes instead of N,10N, e.g. 2000,20000 "
                     "(the first is N for the two-worker run, the last is the drills' size)")
+    ap.add_argument("--runner", choices=list(SIZED_RUNNERS), default="direct-1", help="what the sized runs run on: "
+                    "direct-1 (default: the DirectRunner, one worker) or dask (a loopback cluster of 2 workers per run)")
     ap.add_argument("--skip-two-workers", action="store_true", help="no N-row two-worker run")
     ap.add_argument("--skip-drills", action="store_true", help="no failure drills")
     ap.add_argument("--drills", default="worker,engine_core", help="what the drills kill: worker (one of the runner's "
@@ -674,6 +714,7 @@ def main(argv=None) -> int:
     from bench.tinymodel import TINY, tiny_model
 
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [args.n, 10 * args.n]
+    sized = SIZED_RUNNERS[args.runner]
     stamp = utc_stamp()
     work = WORK / "scale" / stamp
     model = str(tiny_model(args.model))
@@ -681,7 +722,9 @@ def main(argv=None) -> int:
         "command": " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])]),
         "started_at": utc_now(), "code": code_version(), **machine(),
         "model": {"base": args.model, "tiny": os.path.relpath(model, ROOT), "cut": TINY},
-        "settings": {"sizes": sizes, "max_tokens": MAX_TOKENS, "ignore_eos": True, "engine": ENGINE,
+        "settings": {"sizes": sizes, "sized_runner": {"option": args.runner, "runner": sized.name, "args": list(sized.args),
+                                                       "cluster": sized.cluster is not None},
+                     "max_tokens": MAX_TOKENS, "ignore_eos": True, "engine": ENGINE,
                      "bad_every": BAD_EVERY, "dup_every": DUP_EVERY, "files": FILES, "row_group_rows_max": ROW_GROUP_MAX,
                      "sampler_every_s": 0.5, "drill_kill_at": DRILL_KILL_AT},
         "runs": {}, "drills": [],
@@ -689,8 +732,7 @@ def main(argv=None) -> int:
     for s in sizes:
         make_input(s)
     for s in sizes:
-        name = f"{s}-rows-1-worker"
-        res["runs"][name] = plain_run(name, s, ONE_WORKER, model, work)
+        res["runs"][sized_name(s, sized)] = plain_run(sized_name(s, sized), s, sized, model, work)
     two = None
     if not args.skip_two_workers:
         two = f"{sizes[0]}-rows-2-workers"
@@ -699,7 +741,7 @@ def main(argv=None) -> int:
         for runner in drill_runners:
             for target in [t for t in args.drills.split(",") if t]:
                 res["drills"].append(drill(target, args.drill_rows or sizes[-1], runner, model, work, stall_s=args.stall_s))
-    res["targets"] = targets(res["runs"], f"{sizes[0]}-rows-1-worker", f"{sizes[-1]}-rows-1-worker", two) \
+    res["targets"] = targets(res["runs"], sized_name(sizes[0], sized), sized_name(sizes[-1], sized), two) \
         + drill_targets(res["drills"])
     res["finished_at"] = utc_now()
     path = Path(args.json) if args.json else RESULTS / f"scale-{stamp}.json"

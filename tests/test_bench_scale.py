@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -155,3 +156,78 @@ def test_tiny_model_keeps_the_base_tokenizer_and_vocabulary_and_is_built_once(tm
     assert weights.stat().st_size < 20 << 20  # 2 layers of 64 and the embeddings, not the base's weights
     mtime = weights.stat().st_mtime_ns
     assert tiny_model(model_path, dest=tmp_path / "tiny") == dest and weights.stat().st_mtime_ns == mtime
+
+
+def test_a_sized_run_on_a_cluster_runner_starts_its_own_cluster_and_runs_on_it(tmp_path, monkeypatch):
+    """`--runner dask`: each sized run starts the runner's cluster before `tokenmill run` and
+    stops it after; the run gets the cluster's flags and samples its processes."""
+    seen: list = []
+
+    @contextmanager
+    def cluster(folder):
+        seen.append(("start", folder))
+        try:
+            yield SC.Attached(("--pipeline-option=--dask_client_address=tcp://127.0.0.1:1",), (101, 102))
+        finally:
+            seen.append(("stop", folder))
+
+    def run(leg, inp):
+        seen.append(("run", leg.attached))
+        leg.exit_code = 0
+        return leg
+
+    runner = SC.Runner("fake-2", ("--runner", "DaskRunner", "--workers", "2"), worker_kind="dask_worker", cluster=cluster)
+    monkeypatch.setattr(SC, "make_input", lambda rows: {"rows": rows})
+    monkeypatch.setattr(SC, "tokenmill_run", run)
+    monkeypatch.setattr(SC, "leg_report", lambda leg, inp: {"rows_per_s": 1.0, "peak_rss_mib_by_kind": {},
+                                                            "accounting": {"ok": True}})
+    SC.plain_run("10-rows-fake-2", 10, runner, "model", tmp_path)
+    folder = tmp_path / "10-rows-fake-2"
+    assert seen == [("start", folder), ("run", SC.Attached(("--pipeline-option=--dask_client_address=tcp://127.0.0.1:1",),
+                                                           (101, 102))), ("stop", folder)]
+    seen.clear()
+    SC.plain_run("10-rows-1-worker", 10, SC.ONE_WORKER, "model", tmp_path)
+    assert seen == [("run", SC.Attached())]  # no cluster for the one-worker DirectRunner
+
+
+def test_sized_runners_keep_the_one_worker_default_and_name_the_dask_runs():
+    assert SC.SIZED_RUNNERS["direct-1"] is SC.ONE_WORKER and SC.SIZED_RUNNERS["dask"] is SC.RUNNERS["dask"]
+    assert SC.sized_name(2000, SC.ONE_WORKER) == "2000-rows-1-worker"  # as before the option
+    assert SC.sized_name(2000, SC.RUNNERS["dask"]) == "2000-rows-dask-2"
+    assert "dask_worker" in SC.RUNNERS["dask"].kinds and "sdk_worker" not in SC.RUNNERS["dask"].kinds
+    with pytest.raises(SystemExit):
+        SC.main(["--runner", "spark"])
+
+
+def _run(name, rows, runner, peaks, counts, kinds):
+    return {"name": name, "rows": rows, "runner": runner, "exit_code": 0, "wall_s": 10.0, "model_load_s": 2.0,
+            "rows_per_s": rows / 8, "steady": {"rows_per_s": rows / 7}, "output_tokens": 4 * rows,
+            "peak_rss_mib_by_kind": peaks, "processes_by_kind": counts, "rss_kinds": kinds,
+            "accounting": {"ok": True, "outputs": rows, "dead_letters": 0}}
+
+
+def test_targets_and_table_on_dask_compare_each_kinds_largest_peak_and_say_so():
+    kinds = list(SC.RUNNERS["dask"].kinds)
+    counts = {"launcher": 1, "dask_scheduler": 1, "dask_nanny": 2, "dask_worker": 2, "engine_core": 2}
+    runs = {"2000-rows-dask-2": _run("2000-rows-dask-2", 2000, "dask-2", {"launcher": 400.0, "dask_scheduler": 100.0,
+                                     "dask_nanny": 90.0, "dask_worker": 900.0, "engine_core": 1400.0}, counts, kinds),
+            "4000-rows-dask-2": _run("4000-rows-dask-2", 4000, "dask-2", {"launcher": 410.0, "dask_scheduler": 105.0,
+                                     "dask_nanny": 91.0, "dask_worker": 1200.0, "engine_core": 1410.0}, counts, kinds)}
+    ts = {t["target"]: t for t in SC.targets(runs, "2000-rows-dask-2", "4000-rows-dask-2", None)}
+    worker = ts["peak RSS of the dask_worker (the largest of each run's 2 dask_worker processes): 4,000 rows ÷ 2,000 rows"]
+    assert worker["measured"] == round(1200 / 900, 3) and worker["verdict"] == "MISS"
+    assert ts["peak RSS of the launcher: 4,000 rows ÷ 2,000 rows"]["verdict"] == "PASS"  # one of it: no "largest"
+    assert any(t.startswith("peak RSS of the engine_core (the largest of each run's 2 ") for t in ts)
+    assert any(t.startswith("peak RSS of the dask_scheduler:") for t in ts)
+    assert not any("dask_nanny" in t or "sdk_worker" in t for t in ts)  # a helper, and no SDK worker on Dask
+    table = SC.markdown({"runs": runs, "targets": list(ts.values())})
+    assert "launcher / dask scheduler / dask worker / engine core / engine worker |" in table.splitlines()[0]
+    assert "| 400.0 / 100.0 / 900.0 / 1400.0 / – |" in table
+
+
+def test_the_table_of_results_written_before_the_runner_option_keeps_its_columns():
+    old = _run("2000-rows-1-worker", 2000, "direct-1", {"launcher": 930.0, "engine_core": 1420.0}, {}, None)
+    del old["rss_kinds"], old["processes_by_kind"]
+    table = SC.markdown({"runs": {"2000-rows-1-worker": old}, "targets": []})
+    assert "launcher / SDK worker / engine core / engine worker |" in table.splitlines()[0]
+    assert "| 930.0 / – / 1420.0 / – |" in table
