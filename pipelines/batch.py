@@ -33,7 +33,7 @@ from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
 from tokenmill.transforms.read import InputPlan, PlanUnits, ReadPrompts, plan_units, plan_work
 from tokenmill.transforms.resume import SkipDone
 from tokenmill.transforms.tokenize import DEFAULT_BLOCK_SIZE, Tokenize
-from tokenmill.transforms.validate import Validate
+from tokenmill.transforms.validate import Validate, used_columns
 from tokenmill.transforms.write import WriteDeadLetters
 
 #: Runners whose workers all run on the launching machine (their engines share its cores).
@@ -70,7 +70,8 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     units = plan_units(plan, spec.batching.unit_bytes)
     work = p | "PlanUnits" >> PlanUnits(plan_work(units, spec.runner.num_workers))
     ids = not (plan.format == "parquet" and "id" not in plan.columns)  # else ids come from positions: no duplicates
-    rows = work | "ReadPrompts" >> ReadPrompts(served_models=served, db_url=parts.db_url, job_id=parts.job_id)
+    columns = used_columns(plan.columns, spec.reference_column) if plan.format == "parquet" else None
+    rows = work | "ReadPrompts" >> ReadPrompts(columns, served, parts.db_url, parts.job_id)
     if ids:
         rows = rows | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id)
     valid = rows | "Validate" >> Validate(spec.reference_column)

@@ -1,8 +1,8 @@
 """Reruns skip done work before reading it, and the unit plan covers every row once.
 
 A unit whose rows are all answered or dead-lettered is not opened; a partly done unit
-turns only its missing rows into records; a rerun of a job whose claim pass finished
-claims nothing again and still dead-letters each duplicate exactly once."""
+turns only its missing rows into records; a rerun still dead-letters each duplicate
+exactly once; a job reads each used column of its input once and no other column."""
 
 import os
 import random
@@ -103,6 +103,31 @@ def test_rerun_of_a_90_percent_done_job_generates_only_the_missing_rows_and_dead
     assert sorted(S.MetricsReader(eng).outputs("ninety")) == sorted(f"r{i}" for i in range(n))
     read = S.JobStore(eng).get("ninety")["metrics"]["input"]
     assert (read["rows_read"], read["rows_skipped_done"]) == (len(missing), n + 2 - len(missing))
+
+
+def test_a_job_reads_its_used_columns_once_and_no_other_column(tmp_path, sqlite_url):
+    """Many small row groups, ids with duplicates across them and a wide column the job
+    does not use: the bytes read are those of the used columns' chunks (and the footer),
+    once; a dead letter's raw shows only the used columns."""
+    n = 3000
+    rows = [{"id": f"r{i % 2900}", "prompt": f"q{i} " * (i % 5 + 1) if i != 7 else "  ",
+             "document": f"doc {i} " * 40, "max_tokens": 2} for i in range(n)]
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), inp, row_group_size=250)
+    spec = job_spec(inp, tmp_path / "out", job_id="cols")
+    res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    assert (res.succeeded, res.failed) == (2899, 101)  # 100 duplicates (the later rows) and one empty prompt
+    meta = pq.ParquetFile(inp).metadata
+    used = sum(meta.row_group(g).column(c).total_compressed_size for g in range(meta.num_row_groups)
+               for c in range(meta.num_columns) if meta.row_group(g).column(c).path_in_schema != "document")
+    footer = meta.serialized_size + 8
+    read = S.JobStore(S.connect(sqlite_url)).get("cols")["metrics"]["input"]
+    assert used <= read["bytes_read"] <= 1.1 * (used + footer), (read, used, footer)
+    assert read["bytes_read"] < 0.5 * os.path.getsize(inp)  # the document column is most of the file
+    with S.connect(sqlite_url).connect() as c:
+        raws = dict(c.execute(T.dead_letters.select().with_only_columns(T.dead_letters.c.input_row, T.dead_letters.c.raw)
+                              .where(T.dead_letters.c.job_id == "cols", T.dead_letters.c.reason == R.EMPTY_PROMPT)).all())
+    assert set(raws) == {7} and "document" not in raws[7] and '"max_tokens": 2' in raws[7], raws
 
 
 class _Counted:

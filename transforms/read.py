@@ -169,12 +169,11 @@ def expand_input(path: str, patterns: tuple[str, ...] = ("*.parquet",)) -> list[
 
 def _footer(f: str):
     """(the file's Parquet metadata, its size in bytes, "size:modification time")."""
-    import pyarrow.parquet as pq
     from apache_beam.io.filesystems import FileSystems
 
     try:
         with open_file(f) as fh:
-            meta = pq.ParquetFile(fh).metadata
+            meta = read_footer(fh)
         m = FileSystems.match([f])[0].metadata_list[0]
         return meta, m.size_in_bytes, f"{m.size_in_bytes}:{m.last_updated_in_seconds}"
     except InputError:
@@ -188,10 +187,23 @@ def cached_footer(path: str, source: str):
     """A file's Parquet metadata, read once per process for one version of the file
     (`source`: its size and modification time when planned), so a worker's later units of
     the file do not read its footer again."""
+    with open_file(path) as fh:
+        return read_footer(fh)
+
+
+def read_footer(fh):
+    """A Parquet file's metadata, reading only its footer (its last 8 bytes, then the
+    footer itself; pyarrow would read a 64 KiB tail, more than a small file's columns)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with open_file(path) as fh:
-        return pq.ParquetFile(fh).metadata
+    fh.seek(-8, 2)
+    tail = fh.read(8)
+    size = int.from_bytes(tail[:4], "little")
+    if tail[4:] != b"PAR1" or size <= 0:
+        raise ValueError("no Parquet footer at the end of the file")
+    fh.seek(-8 - size, 2)
+    return pq.read_metadata(pa.BufferReader(b"PAR1" + fh.read(size) + tail))
 
 
 #: Footers read at once when planning (an S3 prefix of thousands of objects).
@@ -288,8 +300,10 @@ def group_batches(shard: Shard, columns: list[str] | None = None,
         return
     with open_file(shard.path) as fh:
         footer = cached_footer(shard.path, shard.source) if shard.source else None
-        for rb in pq.ParquetFile(fh, metadata=footer).iter_batches(batch_size=READ_BATCH_ROWS,
-                                                                   row_groups=[shard.row_group], columns=columns):
+        # pre_buffer off: each column chunk read on its own, not coalesced with the unused
+        # columns between them (pyarrow merges ranges across holes of up to 8 KiB)
+        pf = pq.ParquetFile(fh, metadata=footer, pre_buffer=False)
+        for rb in pf.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=[shard.row_group], columns=columns):
             yield at, rb
             at += rb.num_rows
 

@@ -109,6 +109,15 @@ def raw_repr(row: dict[str, Any]) -> str:
     return s if len(s) <= RAW_LIMIT else s[: RAW_LIMIT - 3] + "..."
 
 
+def used_columns(columns: list[str], reference_column: str | None = None) -> list[str]:
+    """The columns of a Parquet input a job reads (in the input's order): those
+    `validate_row` looks at (id, prompt, messages, the per-row sampling keys, the reference
+    column).  The others are never read from storage, and a dead letter's `raw` shows
+    only these."""
+    keys = {"id", "prompt", "messages", *RowSampling.model_fields, *([reference_column] if reference_column else [])}
+    return [c for c in columns if c in keys]
+
+
 def row_id(row: dict[str, Any]) -> str:
     v = row.get("id")
     if _is_missing(v):
