@@ -203,3 +203,29 @@ def test_kill_mid_run_then_resume_on_s3(s3, sqlite_url, tmp_path):
     assert sorted(r["id"] for r in rows) == [f"r{i:03d}" for i in range(n)]
     assert keys(s3, b["out"], "killed/") == ["killed/_SUCCESS.json", "killed/dead_letters.parquet",
                                              "killed/outputs.parquet"]
+
+
+def test_an_s3_job_fetches_its_used_columns_once_counted_at_the_server(tmp_path, sqlite_url):
+    """Many row groups and a wide column the job does not use: what the S3 server sends is
+    the used columns' chunks once and the footer twice (the plan's, the worker's), each
+    GET a bounded range (Beam's reader would ask for the rest of the object every time)."""
+    from bench.s3_server import CountingS3
+
+    n = 3000
+    rows = [{"id": f"r{i}", "prompt": f"q{i} " * (i % 5 + 1), "document": f"doc {i} " * 40} for i in range(n)]
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=250)
+    meta = pq.ParquetFile(path).metadata
+    used = sum(meta.row_group(g).column(c).total_compressed_size for g in range(meta.num_row_groups)
+               for c in range(meta.num_columns) if meta.row_group(g).column(c).path_in_schema != "document")
+    footer = meta.serialized_size + 8
+    with CountingS3() as s3:
+        url = s3.put_file("counted", "in.parquet", path)
+        with s3.env():
+            res = run_job(job_spec(url, tmp_path / "out", job_id="s3-cols", sampling={"max_tokens": 2}),
+                          db_url=sqlite_url, session_factory=FakeSession)
+        got = s3.take()
+    assert (res.status, res.succeeded) == ("succeeded", n)
+    assert used <= got["bytes_sent"] <= used + 2 * footer, (got["bytes_sent"], used, footer, path.stat().st_size)
+    assert got["bytes_sent"] < 0.5 * path.stat().st_size
+    assert all(r and r.startswith("bytes=") and not r.endswith("-") for r in got["ranges"]), got["ranges"]

@@ -9,15 +9,23 @@ import os
 from tokenmill.schemas.models import resolve_model
 
 
+_CLIENTS: dict[int, tuple[object, object]] = {}
+
+
 def s3_client_here():
     """The S3 client of the job's options on this worker: an SDK worker's Beam filesystems
     hold them (sdk_worker_main sets them; Beam has no public getter), else boto3's default
-    chain (AWS_ENDPOINT_URL_S3), which is what Beam's S3 filesystem reads there too."""
+    chain (AWS_ENDPOINT_URL_S3), which is what Beam's S3 filesystem reads there too.  One
+    client per options object per process (a client is thread-safe; making one is not cheap)."""
     from apache_beam.io.filesystems import FileSystems
 
     from tokenmill.transforms.read import s3_client
 
-    return s3_client(getattr(FileSystems, "_pipeline_options", None))
+    options = getattr(FileSystems, "_pipeline_options", None)
+    held = _CLIENTS.get(id(options))
+    if held is None or held[0] is not options:
+        held = _CLIENTS[id(options)] = (options, s3_client(options))
+    return held[1]
 
 
 def model_folder_here(name: str, launcher_path: str | None, *, need_weights: bool = True) -> str:
