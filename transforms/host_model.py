@@ -8,7 +8,6 @@ import os
 
 from tokenmill.schemas.models import resolve_model
 
-
 _CLIENTS: dict[int, tuple[object, object]] = {}
 
 
