@@ -270,8 +270,9 @@ class StorageContract:
         assert dead[2][1].startswith("duplicate id 'r5': the row at 0:1 came first")
 
     def test_claims_and_commits_racing_on_several_connections_answer_each_id_once(self, db_url):
-        """Rows of 60 ids (1-4 rows each) claimed and answered in a random order by 4 threads,
-        each doing what a worker does: claim the row's id, check the claim (DedupIds), commit."""
+        """Rows of 60 ids (1-4 rows each) cut into units of 1-6 rows, claimed and answered
+        in a random order by 4 threads, each doing what a worker does with a unit: claim
+        its ids, keep the rows that hold their claim (DedupIds), commit them in one batch."""
         import random
         from concurrent.futures import ThreadPoolExecutor
 
@@ -279,18 +280,22 @@ class StorageContract:
         rows = [(f"i{k}", 0, rng.randrange(10**6)) for k in range(60) for _ in range(rng.randint(1, 4))]
         rows = list({(f, r): (i, f, r) for i, f, r in rows}.values())
         rng.shuffle(rows)
+        units, at = [], 0
+        while at < len(rows):
+            n = rng.randint(1, 6)
+            units.append(rows[at:at + n])
+            at += n
         w = S.ResultWriter(S.connect(db_url))
 
-        def worker(row):
-            rid, f, r = row
-            w.claim_ids("race", [row])
-            if w.id_claims("race", [rid]).get(rid) == (f, r):
-                w.commit_batch([_output("race", 0, id=rid, input_file=f, input_row=r)], [], [])
-            else:
-                w.insert_rows(DeadLetterRow, [_dead("race", f, r, id=rid)])
+        def worker(unit):
+            w.claim_ids("race", unit)
+            claims = w.id_claims("race", [rid for rid, _, _ in unit])
+            mine = [(rid, f, r) for rid, f, r in unit if claims.get(rid) == (f, r)]
+            w.commit_batch([_output("race", 0, id=rid, input_file=f, input_row=r) for rid, f, r in mine], [], [])
+            w.insert_rows(DeadLetterRow, [_dead("race", f, r, id=rid) for rid, f, r in unit if (rid, f, r) not in mine])
 
         with ThreadPoolExecutor(4) as pool:
-            list(pool.map(worker, rows))
+            list(pool.map(worker, units))
         with S.connect(db_url).connect() as conn:
             outs = {i: r for i, r in conn.execute(text("SELECT id, input_row FROM outputs WHERE job_id = 'race'"))}
             dead = set(conn.execute(text("SELECT input_row FROM dead_letters WHERE job_id = 'race'")).scalars())

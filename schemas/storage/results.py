@@ -119,7 +119,8 @@ class ResultWriter(SqlStore):
         for rid, f, r in rows:  # duplicates inside one call: one statement may not touch a row twice
             if rid not in best or (f, r) < best[rid]:
                 best[rid] = (f, r)
-        values = [{"job_id": job_id, "id": k, "input_file": f, "input_row": r} for k, (f, r) in best.items()]
+        # in id order, as commit_batch locks them: two transactions never wait on each other in a cycle
+        values = [{"job_id": job_id, "id": k, "input_file": f, "input_row": r} for k, (f, r) in sorted(best.items())]
         retracted = 0
         with self.engine.begin() as conn:
             write_lock(conn)
@@ -133,7 +134,7 @@ class ResultWriter(SqlStore):
             )
             for part in chunks(values):
                 conn.execute(stmt, part)
-            for part in chunks(list(best)):
+            for part in chunks(sorted(best)):
                 retracted += _retract_losers(conn, job_id, part)
         return retracted
 
@@ -148,10 +149,10 @@ def _claims(conn, job_id: str, ids: list[str], lock: bool = False) -> dict[str, 
     moving until the transaction ends (FOR SHARE on PostgreSQL)."""
     c = T.id_claims.c
     out: dict[str, tuple[int, int]] = {}
-    for part in chunks(list(set(ids))):
+    for part in chunks(sorted(set(ids))):
         q = select(c.id, c.input_file, c.input_row).where(c.job_id == job_id, c.id.in_(part))
-        if lock and conn.dialect.name == "postgresql":
-            q = q.with_for_update(read=True)
+        if lock and conn.dialect.name == "postgresql":  # locked in id order (ORDER BY comes first)
+            q = q.order_by(c.id).with_for_update(read=True)
         out.update({i: (f, r) for i, f, r in conn.execute(q)})
     return out
 
