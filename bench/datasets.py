@@ -7,7 +7,7 @@ requests with shared system prompts, mixed lengths and a long tail.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Iterator
 
 SYSTEM_PROMPTS = {
     "support": (
@@ -78,8 +78,14 @@ def _document(rng: random.Random, n_sentences: int) -> str:
 
 def sample_chat_rows(n: int = 240, seed: int = 7) -> list[dict[str, Any]]:
     """Mixed chat prompts: four shared system prompts, short to long user turns (long tail)."""
+    return list(iter_chat_rows(n, seed=seed))
+
+
+def iter_chat_rows(n: int = 240, seed: int = 7) -> Iterator[dict[str, Any]]:
+    """sample_chat_rows's rows, the same ones in the same order, one at a time (bounded
+    memory at any `n`; row i depends only on the rows before it, so a prefix of a longer
+    run is the shorter run)."""
     rng = random.Random(seed)
-    rows = []
     for i in range(n):
         kind = rng.choices(["support", "code", "summarize", "tutor", "plain"], weights=[3, 2, 2, 3, 2])[0]
         if kind == "support":
@@ -107,8 +113,7 @@ def sample_chat_rows(n: int = 240, seed: int = 7) -> list[dict[str, Any]]:
         messages = ([{"role": "system", "content": SYSTEM_PROMPTS[kind]}] if kind != "plain" else []) + [
             {"role": "user", "content": user}
         ]
-        rows.append({"id": f"sample-{i:04d}", "messages": messages, "max_tokens": rng.choice([32, 48, 64, 96])})
-    return rows
+        yield {"id": f"sample-{i:04d}", "messages": messages, "max_tokens": rng.choice([32, 48, 64, 96])}
 
 
 def write_rows(rows: list[dict[str, Any]], path: str, row_group_size: int | None = None) -> None:

@@ -136,13 +136,33 @@ def attach(runner: Runner, folder: Path) -> ContextManager[Attached]:
 # ---------------------------------------------------------------- input
 
 
+def _input_rows(rows: int, seed: int, planted: Counter) -> Iterator[dict[str, Any]]:
+    """make_input's rows one at a time: bench.datasets' rows with ids `r<i>`, no
+    `max_tokens`, and the planted bad rows and duplicate ids (counted into `planted`)."""
+    from bench.datasets import iter_chat_rows
+
+    prev_id = None
+    for i, r in enumerate(iter_chat_rows(rows, seed=seed)):
+        r.pop("max_tokens")  # the job's max_tokens holds for every row
+        r["id"] = f"r{i:07d}"
+        if i % BAD_EVERY == BAD_EVERY - 1:
+            r["messages"] = None
+            planted["empty_prompt"] += 1
+        elif i % DUP_EVERY == DUP_EVERY // 2 and i:
+            r["id"] = prev_id
+            planted["duplicate_id"] += 1
+        prev_id = r["id"]
+        yield r
+
+
 def make_input(rows: int, seed: int = SAMPLE_SEED, root: Path = WORK / "scale") -> dict[str, Any]:
     """`rows` rows as FILES Parquet files, each cut into equal row groups of at most
-    ROW_GROUP_MAX rows (equal work units for the workers); cached by shape and seed."""
+    ROW_GROUP_MAX rows (equal work units for the workers); cached by shape and seed.
+    Streamed: one row group's rows are in memory at a time, at any `rows`."""
+    from itertools import islice
+
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from bench.datasets import sample_chat_rows
 
     folder = root / f"input-{rows}-{seed}"
     meta_path = folder / "INPUT.json"
@@ -154,22 +174,19 @@ def make_input(rows: int, seed: int = SAMPLE_SEED, root: Path = WORK / "scale") 
         meta = json.loads(meta_path.read_text())
         if all(meta.get(k) == v for k, v in shape.items()):
             return meta
-    data = sample_chat_rows(rows, seed=seed)
-    bad = dups = 0
-    for i, r in enumerate(data):
-        r.pop("max_tokens")  # the job's max_tokens holds for every row
-        r["id"] = f"r{i:07d}"
-        if i % BAD_EVERY == BAD_EVERY - 1:
-            r["messages"] = None
-            bad += 1
-        elif i % DUP_EVERY == DUP_EVERY // 2 and i:
-            r["id"] = data[i - 1]["id"]
-            dups += 1
+    planted: Counter = Counter()
+    stream = _input_rows(rows, seed, planted)
     folder.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([("id", pa.string()), ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])
     for k in range(FILES):
-        part = data[k * per_file:(k + 1) * per_file]
-        pq.write_table(pa.Table.from_pylist(part, schema=schema), folder / f"part-{k:03d}.parquet", row_group_size=group)
+        n = max(0, min(per_file, rows - k * per_file))  # the last files may be short, or empty
+        with pq.ParquetWriter(folder / f"part-{k:03d}.parquet", schema) as writer:
+            if not n:  # as pq.write_table of an empty table: one row group of no rows
+                writer.write_table(pa.Table.from_pylist([], schema=schema), row_group_size=group)
+            for start in range(0, n, group):
+                batch = list(islice(stream, min(group, n - start)))
+                writer.write_table(pa.Table.from_pylist(batch, schema=schema), row_group_size=group)
+    bad, dups = planted["empty_prompt"], planted["duplicate_id"]
     meta = {"path": str(folder), **shape, "planted": {"empty_prompt": bad, "duplicate_id": dups},
             "distinct_ids": rows - dups}
     meta_path.write_text(json.dumps(meta, indent=1))

@@ -113,6 +113,90 @@ def test_input_plants_bad_rows_and_duplicate_ids_across_files(tmp_path, monkeypa
     assert SC.make_input(1000, root=tmp_path) == json.loads((tmp_path / "input-1000-7" / "INPUT.json").read_text())
 
 
+def _inmemory_input(rows, folder, seed=SC.SAMPLE_SEED):
+    """make_input as it was before it streamed (all rows in one list): the reference the
+    streamed files must equal, row for row and row group for row group."""
+    from bench.datasets import sample_chat_rows
+
+    per_file = -(-rows // SC.FILES)
+    group = -(-per_file // -(-per_file // SC.ROW_GROUP_MAX))
+    data = sample_chat_rows(rows, seed=seed)
+    bad = dups = 0
+    for i, r in enumerate(data):
+        r.pop("max_tokens")
+        r["id"] = f"r{i:07d}"
+        if i % SC.BAD_EVERY == SC.BAD_EVERY - 1:
+            r["messages"] = None
+            bad += 1
+        elif i % SC.DUP_EVERY == SC.DUP_EVERY // 2 and i:
+            r["id"] = data[i - 1]["id"]
+            dups += 1
+    folder.mkdir(parents=True)
+    schema = pa.schema([("id", pa.string()), ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))])
+    for k in range(SC.FILES):
+        part = data[k * per_file:(k + 1) * per_file]
+        pq.write_table(pa.Table.from_pylist(part, schema=schema), folder / f"part-{k:03d}.parquet", row_group_size=group)
+    return {"empty_prompt": bad, "duplicate_id": dups}
+
+
+def _groups(path):
+    md = pq.ParquetFile(path).metadata
+    return [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+
+
+@pytest.mark.parametrize("rows, group_max, bad_every, dup_every", [
+    (5000, 300, SC.BAD_EVERY, SC.DUP_EVERY),  # 4 files of 5 row groups of 250, 50 bad rows, 10 duplicates
+    (4999, 300, 7, 11),  # a short last file and last row groups, dense planted rows
+    (5, 2, 3, 4),  # files of 2, 2, 1 and no rows
+])
+def test_streamed_input_equals_the_in_memory_input_file_for_file(tmp_path, monkeypatch, rows, group_max, bad_every, dup_every):
+    monkeypatch.setattr(SC, "ROW_GROUP_MAX", group_max)
+    monkeypatch.setattr(SC, "BAD_EVERY", bad_every)
+    monkeypatch.setattr(SC, "DUP_EVERY", dup_every)
+    planted = _inmemory_input(rows, tmp_path / "old")
+
+    import bench.datasets as DS
+    drawn, written, behind = [0], [0], []
+
+    def counted(n, seed):
+        for r in real_iter(n, seed=seed):
+            drawn[0] += 1
+            yield r
+
+    def write(self, table, row_group_size=None):
+        behind.append(drawn[0] - written[0])  # rows drawn from the generator and not yet written
+        written[0] += table.num_rows
+        return real_write(self, table, row_group_size=row_group_size)
+
+    real_iter, real_write = DS.iter_chat_rows, pq.ParquetWriter.write_table
+    monkeypatch.setattr(DS, "iter_chat_rows", counted)
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", write)
+    monkeypatch.setattr(DS, "sample_chat_rows", lambda *a, **k: pytest.fail("make_input built the whole list"))
+    meta = SC.make_input(rows, root=tmp_path / "new")
+
+    new = tmp_path / "new" / f"input-{rows}-7"
+    old_files = sorted(p.name for p in (tmp_path / "old").glob("*.parquet"))
+    assert sorted(p.name for p in new.glob("*.parquet")) == old_files and len(old_files) == SC.FILES
+    for name in old_files:
+        a, b = pq.read_table(tmp_path / "old" / name), pq.read_table(new / name)
+        assert b.equals(a), name  # the same rows, ids and planted rows, in the same order
+        assert _groups(new / name) == _groups(tmp_path / "old" / name), name
+        assert (new / name).read_bytes() == (tmp_path / "old" / name).read_bytes(), name
+    assert meta["planted"] == planted and meta["distinct_ids"] == rows - planted["duplicate_id"]
+    assert meta["row_group_rows"] == max(g for n in old_files for g in _groups(tmp_path / "old" / n))
+    assert max(behind) <= meta["row_group_rows"] and written[0] == drawn[0] == rows  # one row group at a time
+
+
+def test_iter_chat_rows_yields_sample_chat_rows_lazily():
+    from itertools import islice
+
+    from bench.datasets import iter_chat_rows, sample_chat_rows
+
+    assert list(iter_chat_rows(300, seed=3)) == sample_chat_rows(300, seed=3)
+    assert list(islice(iter_chat_rows(10**12), 5)) == sample_chat_rows(5)  # a prefix, without the rest
+    assert sample_chat_rows() == sample_chat_rows(240, seed=7) and len(sample_chat_rows()) == 240
+
+
 def _export(out, outputs, dead):
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist([{"id": i, "input_ref": r} for i, r in outputs]), out / "outputs.parquet")
