@@ -93,8 +93,9 @@ runs = Table(
     Column("finished_at", Float),
 )
 
-#: Which row of the input each id belongs to: the first in input order (duplicates
-#: are dead letters).  Filled by the claim pass before any prompt is generated.
+#: Which row of the input each id belongs to: the first in input order read so far
+#: (duplicates are dead letters).  Filled as each unit is read (ClaimIds); the write
+#: settles a duplicate answered before its id's first row was read (storage/results.py).
 id_claims = Table(
     "id_claims",
     metadata,
