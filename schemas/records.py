@@ -21,6 +21,11 @@ def format_ref(input_file: int, input_row: int) -> str:
     return f"{input_file}:{input_row}"
 
 
+def duplicate_message(rid: str, first: tuple[int, int]) -> str:
+    """A `duplicate_id` dead letter's message: which row of the input holds the id."""
+    return f"duplicate id {rid!r}: the row at {format_ref(*first)} came first"
+
+
 class _FromInput:
     """A record that knows where in the input it came from (`input_file`, `input_row`)."""
 

@@ -22,7 +22,7 @@ import apache_beam as beam
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas import storage as S
-from tokenmill.schemas.records import Chunk, FailedRecord, format_ref
+from tokenmill.schemas.records import Chunk, FailedRecord, duplicate_message
 from tokenmill.transforms.chunks import DEAD
 from tokenmill.transforms.read import MAX_UNIT_ROWS
 from tokenmill.transforms.validate import RAW_LIMIT, row_id
@@ -64,7 +64,7 @@ def duplicate(rec, first: tuple[int, int]) -> FailedRecord:
         input_row=rec.input_row,
         id=rec.id,
         reason=R.DUPLICATE_ID,
-        message=f"duplicate id {rec.id!r}: the row at {format_ref(*first)} came first",
+        message=duplicate_message(rec.id, first),
         raw=json.dumps({"id": rec.id, "prompt": rec.prompt, "messages": rec.messages}, ensure_ascii=False)[:RAW_LIMIT],
     )
 

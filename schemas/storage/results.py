@@ -25,7 +25,7 @@ from tokenmill.schemas.records import (
     OutputRow,
     StoredRow,
     WorkerRow,
-    format_ref,
+    duplicate_message,
 )
 from tokenmill.schemas.storage.database import SqlStore, chunks, dialect_insert, insert_ignore, table, write_lock
 
@@ -141,10 +141,10 @@ class ResultWriter(SqlStore):
     def id_claims(self, job_id: str, ids: Iterable[str]) -> dict[str, tuple[int, int]]:
         """The claiming row (input_file, input_row) of each of `ids` that has one."""
         with self.engine.connect() as conn:
-            return _claims(conn, job_id, list(set(ids)))
+            return _claims(conn, job_id, ids)
 
 
-def _claims(conn, job_id: str, ids: list[str], lock: bool = False) -> dict[str, tuple[int, int]]:
+def _claims(conn, job_id: str, ids: Iterable[str], lock: bool = False) -> dict[str, tuple[int, int]]:
     """(input_file, input_row) of each claimed id of `ids`; `lock`: held against a claim
     moving until the transaction ends (FOR SHARE on PostgreSQL)."""
     c = T.id_claims.c
@@ -178,7 +178,6 @@ def _duplicate(job_id: str, rid: str, input_file: int, input_row: int, first: tu
     (the answer is dropped; its batch's figures still count the work)."""
     return DeadLetterRow(
         job_id=job_id, input_file=input_file, input_row=input_row, id=rid, reason=DUPLICATE_ID,
-        message=f"duplicate id {rid!r}: the row at {format_ref(*first)} came first (it was read after this "
-                "row was answered; the answer is dropped)",
+        message=duplicate_message(rid, first) + " (it was read after this row was answered; the answer is dropped)",
         raw=json.dumps({"id": rid}, ensure_ascii=False), created_at=time.time(),
     ).as_dict()
