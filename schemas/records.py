@@ -9,6 +9,7 @@ field here plus its migration.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, ClassVar, Iterable, Iterator, Sequence
@@ -165,16 +166,25 @@ class Batch:
 # ---------------------------------------------------------------- stored rows
 
 _ARROW = {"str": pa.string(), "text": pa.string(), "int": pa.int64(), "bigint": pa.int64(), "float": pa.float64(),
-          "json": pa.string()}
+          "json": pa.string(), "bool": pa.bool_()}
+
+_TOKEN = pa.struct([("token", pa.string()), ("logprob", pa.float64())])
+#: An output's log-probabilities as exported: per output token, its text, its log-probability
+#: and the most likely alternatives at that position (`top_logprobs`, most likely first).
+LOGPROBS_TYPE = pa.list_(pa.struct([*_TOKEN, ("top_logprobs", pa.list_(_TOKEN))]))
+#: A `choice` row's answers with their probabilities (transforms/answers.py).
+CHOICE_PROBS_TYPE = pa.list_(pa.struct([("choice", pa.string()), ("prob", pa.float64())]))
 
 
-def column(sql: str, *, key: bool = False, required: bool = False, export: bool = True, metric: bool = False):
+def column(sql: str, *, key: bool = False, required: bool = False, export: bool = True, metric: bool = False,
+           arrow: pa.DataType | None = None):
     """A record field that is also a table column.
 
-    `sql` is "text", "int", "bigint", "float", "json" or "str:<length>"; `key` makes it part
-    of the primary key, `required` NOT NULL (both must be given; other fields default to None);
-    `export` puts it in the exported files; `metric` makes it one of METRIC_COLUMNS."""
-    meta = {"sql": sql, "key": key, "required": required, "export": export, "metric": metric}
+    `sql` is "text", "int", "bigint", "float", "bool", "json" or "str:<length>"; `key` makes it
+    part of the primary key, `required` NOT NULL (both must be given; other fields default to
+    None); `export` puts it in the exported files; `metric` makes it one of METRIC_COLUMNS;
+    `arrow` is a json column's type in the exported files (else its JSON text)."""
+    meta = {"sql": sql, "key": key, "required": required, "export": export, "metric": metric, "arrow": arrow}
     return field(metadata=meta) if key or required else field(default=None, metadata=meta)
 
 
@@ -218,6 +228,9 @@ class RequestFigures:
     e2e_s: float | None = column("float", metric=True)
     queue_s: float | None = column("float", metric=True)
     finished_at: float | None = column("float", export=False)
+    logprobs: list[dict[str, Any]] | None = column("json", arrow=LOGPROBS_TYPE)
+    """Per output token: {"token", "logprob", "top_logprobs": [{"token", "logprob"}, ...]}, for
+    a row that asked for `logprobs` (the engine's own figures, docs/REQUESTS.md); else None."""
 
     def figures(self) -> dict[str, Any]:
         """This record's request figures alone (a `Finished` carries more), as keywords for `OutputRow`."""
@@ -241,6 +254,15 @@ class OutputRow(RequestFigures, OutputKey):
 
     TABLE = "outputs"
     reference: str | None = column("text")
+    valid: bool | None = column("bool")
+    """A structured row's output met its constraint (a JSON schema, JSON, the regex, one of
+    the choices); None for free text and grammars (transforms/answers.py)."""
+    invalid_reason: str | None = column("text")
+    """Why a structured output did not meet its constraint (one line), else None."""
+    parsed: Any = column("json")
+    """A JSON row's output as JSON (exported as its JSON text), when it parses."""
+    choice_probs: list[dict[str, Any]] | None = column("json", arrow=CHOICE_PROBS_TYPE)
+    """A `choice` row's answers, each with its probability (None: not measured)."""
     batch_id: str | None = column("str:64", export=False)
     worker: str | None = column("str:128", export=False)
 
@@ -319,7 +341,8 @@ class WorkerRow(StoredRow):
 #: texts, the input position and what all of a job's rows share.
 REQUEST_COLUMNS = tuple(
     f.name for f in dataclasses.fields(OutputRow)
-    if f.name not in ("job_id", "model", "text", "reference", "input_file", "input_row")
+    if f.name not in ("job_id", "model", "text", "reference", "input_file", "input_row", "logprobs", "parsed",
+                      "choice_probs")
 )
 
 #: The per-request figures that metrics sum, count and take percentiles of, read as one
@@ -353,13 +376,23 @@ def _export_names(record: type[StoredRow]) -> tuple[str, ...]:
 @cache
 def export_schema(record: type[StoredRow]) -> pa.Schema:
     """The Arrow schema of the record's exported file."""
-    types = {f.name: _ARROW[f.metadata["sql"].split(":")[0]] for f in dataclasses.fields(record)}
+    types = {f.name: f.metadata["arrow"] or _ARROW[f.metadata["sql"].split(":")[0]] for f in dataclasses.fields(record)}
     types["input_ref"] = pa.string()
     return pa.schema([(n, types[n]) for n in _export_names(record)])  # type: ignore[arg-type]  # a record class is hashable
 
 
+@cache
+def _json_text_columns(record: type[StoredRow]) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(record)
+                 if f.metadata["sql"] == "json" and f.metadata["arrow"] is None and f.metadata["export"])
+
+
 def exported(record: type[StoredRow], row: dict[str, Any]) -> dict[str, Any]:
-    """A stored row (a dict of the table's columns) as the exported files show it."""
+    """A stored row (a dict of the table's columns) as the exported files show it: a json
+    column without an Arrow type as its JSON text."""
     out = {k: row.get(k) for k in _export_names(record) if k != "input_ref"}  # type: ignore[arg-type]  # a record class is hashable
+    for k in _json_text_columns(record):  # type: ignore[arg-type]  # a record class is hashable
+        if out.get(k) is not None:
+            out[k] = json.dumps(out[k], ensure_ascii=False)
     out["input_ref"] = format_ref(row["input_file"], row["input_row"])
     return out

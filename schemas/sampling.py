@@ -12,12 +12,22 @@ of a request, so a server that does not know it is never sent it unless a job se
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
+
+#: The structured-output constraints (docs/REQUESTS.md): a row sets at most one, and a
+#: row's constraint replaces the job's (`request_sampling`).
+STRUCTURED_KEYS = ("response_format", "regex", "choice", "grammar")
+#: The most alternatives per token `top_logprobs` may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+#: The keys that ask for more than free text: each engine translates them
+#: (transforms/engines/requests.py) rather than taking them as they are.
+ANSWER_KEYS = (*STRUCTURED_KEYS, "logprobs", "top_logprobs")
 
 
 class RowSampling(BaseModel):
@@ -39,6 +49,96 @@ class RowSampling(BaseModel):
     """Fewest output tokens before an end-of-sequence token or a stop string may end the row."""
     top_k: int | None = Field(None, ge=-1, json_schema_extra={"off": [-1, 0]})
     """Sample from the k most likely tokens only (-1 or unset: all)."""
+    response_format: dict[str, Any] | None = Field(None, json_schema_extra={"off": [{"type": "text"}]})
+    """OpenAI's `response_format`: `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": true}}` (JSON text in a Parquet column or a flag)."""
+    regex: str | None = None
+    """Output constrained to match this regular expression."""
+    choice: list[str] | None = None
+    """Output constrained to one of these answers; each answer's probability is stored."""
+    grammar: str | None = None
+    """Output constrained to this grammar (GBNF; vLLM also takes EBNF and Lark)."""
+    logprobs: bool | None = Field(None, json_schema_extra={"off": [False]})
+    """Store each output token's log-probability."""
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, json_schema_extra={"off": [0]})
+    """With logprobs, the most likely alternatives stored per token (0-20)."""
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _format_from_text(cls, v: Any) -> Any:
+        """A JSON text (a Parquet string column, a CLI flag) is read as its object."""
+        if isinstance(v, (str, bytes, bytearray)):
+            try:
+                return json.loads(v)
+            except ValueError as err:
+                raise ValueError(f"response_format is not valid JSON: {err}") from None
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        check_response_format(v)
+        return v
+
+    @field_validator("choice")
+    @classmethod
+    def _choices(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (len(set(v)) != len(v) or any(not c for c in v)):
+            raise ValueError("choice must list distinct, non-empty answers")
+        return v
+
+    @field_validator("regex")
+    @classmethod
+    def _regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            import re
+
+            try:
+                re.compile(v)
+            except re.error as err:
+                raise ValueError(f"regex does not compile: {err}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "RowSampling":
+        set_ = [k for k in STRUCTURED_KEYS if structured_kind({k: getattr(self, k)}) is not None]
+        if len(set_) > 1:
+            raise ValueError(f"set one structured-output key, not {' and '.join(set_)}")
+        return self
+
+
+def check_response_format(v: dict[str, Any]) -> None:
+    """ValueError (one line) unless `v` is a response_format tokenmill serves: text,
+    json_object, or json_schema with a schema that is itself valid (jsonschema's meta-schema)."""
+    kind = v.get("type")
+    if kind in ("text", "json_object"):
+        return
+    if kind != "json_schema":
+        raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+    spec = v.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ValueError("response_format json_schema needs json_schema.schema, an object")
+    from jsonschema import SchemaError, validators
+
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as err:
+        raise ValueError(f"response_format json_schema.schema is not a valid JSON Schema: {err.message}") from None
+
+
+def structured_kind(sampling: dict[str, Any]) -> str | None:
+    """The structured-output constraint a request's sampling sets: "json_schema",
+    "json_object", "regex", "choice" or "grammar"; None for free text."""
+    fmt = sampling.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object"):
+        return fmt["type"]
+    for key in ("regex", "choice", "grammar"):
+        if sampling.get(key):
+            return key
+    return None
 
 
 class RowSamplingError(ValueError):
@@ -120,9 +220,14 @@ def validate_row_sampling(values: dict[str, Any], model: type[RowSampling] = Row
             continue
         try:
             checked = model.__pydantic_validator__.validate_assignment(model.model_construct(), key, value, strict=True)
-        except ValidationError:
-            raise RowSamplingError(key, values[key], f"{key} must be {expected(info)}, got {_short(values[key])}") from None
+        except ValidationError as err:
+            own = next((e["ctx"]["error"] for e in err.errors() if e["type"] == "value_error"), None)
+            message = str(own) if own is not None else f"{key} must be {expected(info)}, got {_short(values[key])}"
+            raise RowSamplingError(key, values[key], message) from None
         out[key] = getattr(checked, key)
+    both = [k for k in STRUCTURED_KEYS if structured_kind({k: out.get(k)}) is not None]
+    if len(both) > 1:
+        raise RowSamplingError(both[1], out[both[1]], f"set one structured-output key, not {' and '.join(both)}")
     return out
 
 
@@ -131,6 +236,8 @@ def request_sampling(defaults: RowSampling, p: Any) -> dict[str, Any]:
     `defaults`, job-only keys such as `ignore_eos` too), the row's overrides (`p.sampling`)
     over them, and the row's resolved `p.max_tokens`."""
     s = defaults.model_dump()
+    if structured_kind(p.sampling) is not None:  # the row's constraint replaces the job's
+        s.update(dict.fromkeys(STRUCTURED_KEYS))
     s.update({k: v for k, v in p.sampling.items() if k != "max_tokens"})
     s["max_tokens"] = p.max_tokens
     return s

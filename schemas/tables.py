@@ -56,7 +56,8 @@ jobs = Table(
     Column("metrics", JSON),
 )
 
-_SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "bigint": BigInteger, "float": Float, "json": JSON}
+_SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "bigint": BigInteger, "float": Float, "json": JSON,
+                                     "bool": Boolean}
 
 
 def _sql_type(sql: str) -> TypeEngine:

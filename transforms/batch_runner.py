@@ -32,6 +32,7 @@ from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefau
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Batch, BatchStats, FailedRecord, OutputRow, TokenizedPrompt
 from tokenmill.schemas.sampling import request_sampling
+from tokenmill.transforms import answers
 from tokenmill.transforms.engines.protocol import EngineSession, Finished
 
 log = logging.getLogger(__name__)
@@ -144,10 +145,13 @@ class BatchRunner:
     def _output_row(self, p: TokenizedPrompt, f: Finished, batch_id: str) -> dict[str, Any]:
         self.generated_rows += 1
         self.generated_tokens += f.output_tokens or 0
+        figures = f.figures()
+        sampling = request_sampling(self.cfg.sampling, p)
+        figures.update(answers.answered(sampling, f.text or "", f.finish_reason, f.logprobs))
         return OutputRow(
             job_id=self.cfg.job_id, id=p.id, input_file=p.input_file, input_row=p.input_row,
             model=self.cfg.model_name, reference=p.reference, batch_id=batch_id, worker=self.worker,
-            **f.figures(),
+            **figures,
         ).as_dict()
 
     @staticmethod

@@ -81,6 +81,8 @@ def field_option(name: str, info: FieldInfo, help_text: str, metavar: str | None
         return click.option(flag, multiple=True, help=f"{help_text.rstrip('.')} (repeatable).")
     if get_origin(tp) is Literal:
         tp = click.Choice([str(v) for v in get_args(tp)])
+    if get_origin(tp) is dict:  # given as JSON text, which the model reads
+        tp, metavar = str, metavar or "JSON"
     return click.option(flag, type=tp, default=None, metavar=metavar, help=help_text)
 
 

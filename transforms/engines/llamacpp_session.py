@@ -341,7 +341,7 @@ class LlamaCppSession:
         self.cores = worker_cores(cores)
         self.server = LlamaServer(cfg, self.gguf, self.cores)
         try:
-            self.client = OpenAISession(client_config(cfg, f"{self.server.url}/v1"))
+            self.client = OpenAISession(client_config(cfg, f"{self.server.url}/v1"), dialect="llama.cpp")
         except BaseException:
             self.server.stop()
             raise

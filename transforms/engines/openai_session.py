@@ -47,6 +47,7 @@ from tokenmill.schemas import records as R
 from tokenmill.schemas.config import EngineConfig, SamplingDefaults
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.sampling import request_keys
+from tokenmill.transforms.engines import requests
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 
 log = logging.getLogger(__name__)
@@ -195,14 +196,18 @@ class _Down(Exception):
     """No connection could be made: the server is down (or unreachable)."""
 
 
-def request_body(model: str, source: str | list[dict[str, str]], sampling: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI request for one row: `messages` (chat) or `prompt` (raw text), and every
+def request_body(model: str, source: str | list[dict[str, str]], sampling: dict[str, Any],
+                 dialect: requests.Dialect = "openai") -> dict[str, Any]:
+    """The OpenAI request for one row: `messages` (chat) or `prompt` (raw text), every
     sampling key that is set (schemas/sampling.request_keys: a key at its "off" value is
     left out, so a server that does not know vLLM's extras, `min_tokens`, `top_k`,
-    `ignore_eos`, is sent them only when a job sets them)."""
+    `ignore_eos`, is sent them only when a job sets them), and the keys of its request
+    kind in the server's `dialect` (requests.http_body: structured outputs, logprobs)."""
+    chat = isinstance(source, list)
     body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
-    body["messages" if isinstance(source, list) else "prompt"] = source
-    body.update(request_keys(sampling, SamplingDefaults))
+    body["messages" if chat else "prompt"] = source
+    body.update(request_keys(requests.plain(sampling), SamplingDefaults))
+    body.update(requests.http_body(sampling, chat=chat, dialect=dialect))
     return body
 
 
@@ -217,12 +222,15 @@ class OpenAISession:
     """An OpenAI-compatible server driven as an `EngineSession` (see the module docstring)."""
 
     def __init__(self, cfg: OpenAIConfig, model_path: str = "", *,
-                 count_source: str = R.TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS):
+                 count_source: str = R.TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS,
+                 dialect: requests.Dialect = "openai"):
         """`model_path`: the local tokenizer's folder, when Tokenize counted the prompts with
         one; `count_source`: the token_count_source of a row the server sends no `usage` for
-        (how Tokenize counted them: counting.ROW_SOURCES)."""
+        (how Tokenize counted them: counting.ROW_SOURCES); `dialect`: how the server is asked
+        for structured outputs (requests.http_body)."""
         t = time.perf_counter()
         self.cfg = cfg
+        self.dialect = dialect
         self.max_num_seqs = cfg.max_in_flight
         check_server(cfg)
         self.count_source = count_source
@@ -250,7 +258,7 @@ class OpenAISession:
             raise ValueError("the openai engine sends text: this request has no prompt text or messages")
         if self._stop.is_set():
             raise RuntimeError("the openai session was stopped")
-        body = request_body(self.cfg.model, source, sampling)
+        body = request_body(self.cfg.model, source, sampling, self.dialect)
         with self._lock:
             self._live.add(request_id)
         self._todo.put((request_id, body, len(token_ids)))
@@ -366,6 +374,8 @@ class OpenAISession:
         limit = self.cfg.request_timeout_s
         t0 = time.perf_counter()
         pieces: list[str] = []
+        k = requests.logprobs_wanted_of_body(body)
+        logprobs: list[dict[str, Any]] | None = None if k is None else []
         chunks, first, last, finish, usage, done = 0, None, None, None, None, False
         try:
             with self._http.stream("POST", path, json=body) as r:
@@ -394,6 +404,8 @@ class OpenAISession:
                     if obj.get("error"):
                         raise _Retry(R.SERVER_ERROR, f"error in the stream: {first_line(str(obj['error']))[:200]}")
                     for c in obj.get("choices") or ():
+                        if logprobs is not None and k is not None:
+                            logprobs.extend(requests.http_logprobs(c, chat=chat, k=k))
                         piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
                         if piece:
                             now = time.perf_counter()
@@ -433,5 +445,5 @@ class OpenAISession:
             request_id=request_id, text="".join(pieces), finish_reason=finish,
             prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached_tokens=cached,
             ttft_s=ttft, tpot_s=tpot, e2e_s=end - t0, queue_s=None, finished_at=time.time(),
-            token_count_source=R.TOKENS_BY_ENGINE if usage else self.count_source,
+            token_count_source=R.TOKENS_BY_ENGINE if usage else self.count_source, logprobs=logprobs,
         )

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tokenmill.schemas.errors import first_line
-from tokenmill.transforms.engines import kv
+from tokenmill.transforms.engines import kv, requests
 from tokenmill.transforms.engines.checks import check_engine_config
 from tokenmill.transforms.engines.cpu import (
     apply_cpu_env,
@@ -114,7 +114,7 @@ def sampling_params(sampling: dict[str, Any]):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    kw = {k: v for k, v in sampling.items() if v is not None}
+    kw = requests.vllm_sampling(sampling)
     # Only finished requests are read (as `LLM.generate` does): the default, CUMULATIVE,
     # builds an output with the whole token list so far for every running request at
     # every step, which cost ~5% of generation time on the long-output workload here.
@@ -190,12 +190,16 @@ class VllmSession:
         self._start_death_watch()
         self.max_num_seqs = cfg.max_num_seqs
         self.device = "cuda" if on_gpu else "cpu"
+        self._logprobs: dict[str, int | None] = {}
+        """request id → the alternatives per token it asked for (None: no log-probabilities)"""
 
     def add(self, request_id: str, token_ids: Sequence[int], sampling: dict[str, Any], *, source: Any = None) -> None:
         """`source` (a prompt's text) is not used: vLLM is sent the token ids."""
         from vllm.inputs import TokensPrompt
 
-        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), sampling_params(sampling))
+        params = sampling_params(sampling)
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), params)
+        self._logprobs[request_id] = params.logprobs
 
     def step(self) -> list[Finished]:
         try:
@@ -234,6 +238,7 @@ class VllmSession:
                     queue_s=queue,
                     finished_at=now,
                     output_token_ids=list(c.token_ids),
+                    logprobs=requests.vllm_logprobs(list(c.token_ids), c.logprobs, self._logprobs.pop(o.request_id, None)),
                 )
             )
         return done
@@ -242,6 +247,8 @@ class VllmSession:
         return self.engine.get_num_unfinished_requests()
 
     def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._logprobs.pop(rid, None)
         try:
             self.engine.abort_request(request_ids)
         except Exception:
