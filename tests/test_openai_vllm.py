@@ -125,3 +125,19 @@ def test_a_server_model_not_on_local_disk_is_counted_by_the_servers_own_tokenize
     assert res.status == "succeeded" and (res.succeeded, res.failed) == (2, 0), res
     out = pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist()
     assert {r["token_count_source"] for r in out} == {"engine"}  # vLLM's usage still wins
+
+
+def test_structured_outputs_and_logprobs_through_vllms_own_server(vllm_server, tmp_path, sqlite_url):
+    """The mixed request kinds (tests/request_kinds.py) through the `openai` engine: the
+    standard response_format and logprobs, and vLLM's structured_outputs for a choice."""
+    from tests import request_kinds as K
+    from tokenmill.schemas import storage as S
+
+    base, _ = vllm_server
+    inp = write_parquet(tmp_path / "in.parquet", K.rows())
+    spec = job_spec(inp, tmp_path / "out", job_id="oai-kinds", sampling={"temperature": 0.0},
+                    engine={"kind": "openai", "base_url": base, "model": SERVED, "tokenizer": "smollm2-135m",
+                            "max_in_flight": 4, "max_model_len": TEST_ENGINE["max_model_len"]})
+    res = run_job(spec, db_url=sqlite_url)
+    assert res.status == "succeeded" and res.failed == 0, res
+    K.check_answers(K.outputs(tmp_path / "out"), S.JobStore(S.connect(sqlite_url)).get("oai-kinds")["metrics"])

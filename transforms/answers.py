@@ -10,11 +10,12 @@ is stored (the output row's `valid`, `invalid_reason`, `parsed`, `choice_probs`,
   (truncated at max_tokens says so).
 - A choice row's answers get probabilities from the engine's alternatives at the first
   output token (`requests.MAX_TOP_LOGPROBS` of them): an answer's probability is the
-  summed probability of the alternatives that begin it and no other answer; the answer
-  given is scored by its whole path (the product of its tokens' probabilities).  An
-  answer that shares its first token with another, not given, is None (not measured), and
-  so is one whose first token is not among the alternatives unless they hold all the
-  probability (then 0).
+  summed probability of the alternatives that begin it and no other answer (under a
+  constraint, such a token settles the answer, so this is the answer's probability).  The
+  answer given, when its first token begins another answer too, is scored by its own path
+  (the product of its tokens' probabilities).  Any other answer that shares its first
+  token is None (not measured), and so is one whose first token is not among the
+  alternatives unless they hold all the probability (then 0).
   The probabilities are the engine's own: vLLM's under the constraint, llama-server's
   before it (docs/REQUESTS.md), so they sum to at most 1 either way.
 """
@@ -91,10 +92,10 @@ def choice_probs(choices: list[str], text: str, logprobs: list[dict[str, Any]] |
     left = 1.0 - sum(math.exp(a["logprob"]) for a in first)
     out = []
     for c in choices:
-        if c == text:
-            prob: float | None = math.exp(sum(t["logprob"] for t in logprobs))
-        elif c in mass:
-            prob = mass[c]
+        if c in mass:
+            prob: float | None = mass[c]
+        elif c == text:  # begun by a token it shares: its own path
+            prob = math.exp(sum(t["logprob"] for t in logprobs))
         else:
             prob = 0.0 if c not in shared and left <= 1e-6 else None
         out.append({"choice": c, "prob": prob})

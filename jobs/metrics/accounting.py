@@ -118,7 +118,9 @@ def request_stats(rows: Sequence[dict[str, Any]] | Mapping[str, np.ndarray]) -> 
         n=len(cols["prompt_tokens"]), prompt=int(np.nansum(cols["prompt_tokens"])), output=int(np.nansum(outs)),
         cached=int(np.nansum(cols["cached_tokens"])), cached_known=bool(np.isfinite(cols["cached_tokens"]).any()),
         by_source=count_sources(cols), dists={c: dist(cols[c]) for c in DIST_COLUMNS},
-        mean_request_output_tok_per_s=float(per_req.mean()) if per_req.size else None)
+        mean_request_output_tok_per_s=float(per_req.mean()) if per_req.size else None,
+        **({} if isinstance(rows, Mapping) else {"checked": sum(r.get("valid") is not None for r in rows),
+                                                 "valid": sum(r.get("valid") is True for r in rows)}))
 
 
 def job_metrics(
@@ -220,6 +222,12 @@ def job_metrics(
             "weights_bytes": info.get("weights_file_bytes"),
             "kv_cache_bytes": info.get("kv_cache_bytes"),
             "kv_cache_tokens": info.get("kv_cache_tokens"),
+        },
+        "answers": {
+            "checked": s.checked, "valid": s.valid,
+            "valid_rate": (s.valid / s.checked) if s.checked else None,
+            "definition": "structured rows (a JSON schema, JSON, a regex or a choice) whose output met its "
+                          "constraint / structured rows answered (outputs.valid; grammars are not checked)",
         },
         "failures": {
             "rate": (failed / total) if total else 0.0,

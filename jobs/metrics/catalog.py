@@ -133,6 +133,10 @@ FIGURES: tuple[Figure, ...] = (
     _f("requests_succeeded", "requests.succeeded", "succeeded requests", "count", "higher", "answered requests"),
     _f("requests_failed", "requests.failed", "failed requests", "count", "lower", "dead-lettered input rows"),
     _f("failure_rate", "failures.rate", "failure rate", "pct", "lower", "dead-lettered rows / input rows"),
+    _f("structured_rows", "answers.checked", "structured rows checked", "count", "neutral",
+       "answered rows whose output was checked against its constraint (JSON schema, JSON, regex, choice)"),
+    _f("schema_valid_rate", "answers.valid_rate", "schema-valid rate", "pct", "higher",
+       "structured rows whose output met its constraint / structured rows answered"),
     _f("failures_by_reason", "failures.by_reason", "failed rows by reason", "text", "neutral",
        "dead-lettered rows per reason code (none: null)", derive=_none_if_empty),
     _f("failure_rate_by_reason", "failures.rate_by_reason", "failure rate by reason", "text", "neutral",
@@ -249,7 +253,7 @@ def _view(*entries: str | tuple[str, str]) -> tuple[tuple[str, Figure], ...]:
 VIEWS: dict[str, tuple[tuple[str, Figure], ...]] = {
     # `tokenmill report --compare`: two jobs side by side (compare_metrics)
     "compare": _view(
-        "requests_succeeded", "failure_rate", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "tpot_p50_s", "tpot_p95_s",
+        "requests_succeeded", "failure_rate", "schema_valid_rate", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "tpot_p50_s", "tpot_p95_s",
         "tpot_p99_s", "e2e_p50_s", "e2e_p95_s", "e2e_p99_s", "output_tok_per_s", "total_tok_per_s",
         "requests_per_s", "mean_request_output_tok_per_s", "generation_wall_s", "model_load_s",
         "prefix_cache_hit_rate", "kv_cache_bytes", "peak_worker_rss_bytes", "cpu_util_pct_mean",
@@ -259,7 +263,7 @@ VIEWS: dict[str, tuple[tuple[str, Figure], ...]] = {
     "status": _view(
         "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "tpot_p50_s", "tpot_p95_s", "e2e_p95_s", "e2e_p99_s",
         "total_tok_per_s", "requests_per_s", "generation_wall_s", "model_load_s", "prefix_cache_hit_rate",
-        "failures_by_reason", "dtype", "dtype_auto", "rows_by_token_count_source", "cost_per_1m_total_tokens",
+        "failures_by_reason", "structured_rows", "schema_valid_rate", "dtype", "dtype_auto", "rows_by_token_count_source", "cost_per_1m_total_tokens",
         "cost_per_successful_request", "cost_basis", "prices", "cost_held_per_1m_output_tokens",
         "cost_held_per_1m_total_tokens", "cost_held_per_successful_request", "cost_held_basis", "runs", "gpus",
         "nvml_errors"),

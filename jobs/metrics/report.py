@@ -152,6 +152,13 @@ def _gpu_lines(m: dict[str, Any]) -> list[tuple[str, str]]:
             for x in figure("gpu_utilization").value(m) or []]
 
 
+def _answers(m: dict[str, Any]) -> list[tuple[str, str]]:
+    """The schema-valid line, for a job with structured rows."""
+    if not figure("structured_rows").value(m):
+        return []
+    return [("schema-valid (structured rows)", f"{figure('schema_valid_rate').text(m)} of {figure('structured_rows').text(m)}")]
+
+
 def _prices_used(m: dict[str, Any]) -> list[tuple[str, str]]:
     return [("price used", line) for line in figure("prices").value(m) or []]
 
@@ -163,7 +170,7 @@ Line = tuple[str, str] | Callable[[dict[str, Any]], list[tuple[str, str]]]
 SECTIONS: tuple[tuple[str, tuple[Line, ...]], ...] = (
     ("Requests", (
         ("input rows", "{requests_total}"), ("succeeded", "{requests_succeeded}"),
-        ("failed", "{requests_failed} ({failure_rate})"), _failed_by_reason,
+        ("failed", "{requests_failed} ({failure_rate})"), _failed_by_reason, _answers,
         ("rows read / skipped as done", "{input_rows_read} / {input_rows_skipped_done}"),
         ("input bytes read / file size", "{input_bytes_read} / {input_file_bytes}"))),
     ("Concurrency (offline: all requests at once)", (

@@ -48,6 +48,10 @@ class RequestStats:
     """DIST_COLUMNS → mean, p50, p95, p99, max and n (the rows with a value)."""
     mean_request_output_tok_per_s: float | None = None
     """Mean over answered requests with output and time of output_tokens / e2e_s."""
+    checked: int = 0
+    """Answered rows whose output was checked against a structured-output constraint (`valid` set)."""
+    valid: int = 0
+    """Of those, the rows whose output met it."""
 
 
 def lerp_percentile(ranked: dict[int, float], n: int, q: float) -> float:
@@ -90,12 +94,15 @@ class RequestSummary(SqlStore):
                 dists[c] = self._dist(conn, job_id, c, int(count), mean, top) if count else empty_dist()
             per_req = conn.execute(select(func.avg(cast(o.c.output_tokens, Float) / o.c.e2e_s)).where(
                 mine, o.c.e2e_s > 0, o.c.output_tokens > 0)).scalar()
+            checked, valid = conn.execute(select(func.count(o.c.valid), func.count().filter(o.c.valid.is_(True)))
+                                          .where(mine)).one()
             groups = conn.execute(select(o.c.token_count_source, func.count(), func.coalesce(func.sum(o.c.prompt_tokens), 0),
                                          func.coalesce(func.sum(o.c.output_tokens), 0))
                                   .where(mine).group_by(o.c.token_count_source)).all()
         return RequestStats(n=n, prompt=prompt, output=output, cached=cached, cached_known=cached_rows > 0,
                             by_source=_by_source(groups), dists=dists,
-                            mean_request_output_tok_per_s=None if per_req is None else float(per_req))
+                            mean_request_output_tok_per_s=None if per_req is None else float(per_req),
+                            checked=int(checked or 0), valid=int(valid or 0))
 
     def _dist(self, conn, job_id: str, column: str, n: int, mean, top) -> dict[str, Any]:
         """Mean, max and numpy-exact percentiles of one column: the database ranks the
