@@ -18,7 +18,7 @@ from tests.conftest import TEST_ENGINE
 from tests.fakes import FakeSession
 from tests.helpers import job_spec
 from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.transforms.openai_batch import LineError, line_row, parse_request, plan_jsonl
+from tokenmill.transforms.openai_batch import LineError, line_row, parse_request, plan_jsonl, read_jsonl_shard
 from tokenmill.transforms.validate import validate_row
 
 
@@ -103,6 +103,181 @@ def test_plan_counts_request_lines_not_blank_ones(tmp_path):
     plan = plan_jsonl(str(p))
     assert plan.total_rows == 3
     assert plan.endpoints == {"/v1/chat/completions": 1, "/v1/completions": 1, "?": 1}
+
+
+# ---------------------------------------------------------------- structured outputs and log-probabilities
+
+PERSON = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": {
+    "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_a_file_of_request_kinds_reads_as_rows_and_refusals(tmp_path):
+    lines = [
+        chat_line("plain", "hi", max_tokens=4),
+        chat_line("schema", "hi", response_format=PERSON),
+        chat_line("lp", "hi", logprobs=True, top_logprobs=3),
+        completion_line("comp-lp", "Once", logprobs=2),
+        completion_line("comp-lp0", "Once", logprobs=0),
+        chat_line("so-choice", "hi", structured_outputs={"choice": ["yes", "no"]}),
+        chat_line("so-json", "hi", structured_outputs={"json": {"type": "object"}}),
+        chat_line("so-regex", "hi", structured_outputs={"regex": "[0-9]+", "json_object": False}),
+        chat_line("n3", "hi", n=3),
+        chat_line("tools", "hi", tools=[{"type": "function", "function": {"name": "f"}}]),
+        chat_line("so-bad", "hi", structured_outputs={"whitespace_pattern": " "}),
+    ]
+    plan = plan_jsonl(str(write_jsonl(tmp_path / "kinds.jsonl", lines)))
+    rows = {r["id"]: r for shard in plan.shards for r in read_jsonl_shard(shard)}
+    base = {"_file_index": 0, "messages": MSG, "prompt": None}
+    comp = {"_file_index": 0, "messages": None, "prompt": "Once"}
+    assert {k: rows[k] for k in list(rows)[:8]} == {
+        "plain": {**base, "_row": 0, "id": "plain", "max_tokens": 4},
+        "schema": {**base, "_row": 1, "id": "schema", "response_format": PERSON},
+        "lp": {**base, "_row": 2, "id": "lp", "logprobs": True, "top_logprobs": 3},
+        "comp-lp": {**comp, "_row": 3, "id": "comp-lp", "logprobs": True, "top_logprobs": 2},
+        "comp-lp0": {**comp, "_row": 4, "id": "comp-lp0", "logprobs": True, "top_logprobs": 0},
+        "so-choice": {**base, "_row": 5, "id": "so-choice", "choice": ["yes", "no"]},
+        "so-json": {**base, "_row": 6, "id": "so-json", "response_format": {
+            "type": "json_schema", "json_schema": {"name": "schema", "schema": {"type": "object"}}}},
+        "so-regex": {**base, "_row": 7, "id": "so-regex", "regex": "[0-9]+"},
+    }
+    errors = {k: r["_error"] for k, r in rows.items() if "_error" in r}
+    assert set(errors) == {"n3", "tools", "so-bad"} and {e[0] for e in errors.values()} == {"bad_request"}
+    assert errors["n3"][1].startswith("body.n=3 is not supported in batch jobs")
+    assert "tools (function calling) are not served" in errors["tools"][1]
+    assert errors["so-bad"][1].startswith("body.structured_outputs.whitespace_pattern is not supported")
+
+    # through Validate: the request kinds reach the row's sampling, the refusals are dead letters
+    recs = {k: validate_row(r) for k, r in rows.items()}
+    assert recs["schema"].sampling == {"response_format": PERSON}
+    assert recs["lp"].sampling == {"logprobs": True, "top_logprobs": 3}
+    assert recs["comp-lp"].sampling == {"logprobs": True, "top_logprobs": 2} and recs["comp-lp"].prompt == "Once"
+    assert recs["so-choice"].sampling == {"choice": ["yes", "no"]}
+    assert recs["so-json"].sampling["response_format"]["json_schema"]["schema"] == {"type": "object"}
+    assert {k: (recs[k].reason, recs[k].id) for k in errors} == {k: ("bad_request", k) for k in errors}
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        (chat_line("x", "hi", logprobs=2), "body.logprobs must be true, false or null for /v1/chat/completions"),
+        (chat_line("x", "hi", top_logprobs=2), r"body.top_logprobs=2 needs body.logprobs: true"),
+        (chat_line("x", "hi", logprobs=False, top_logprobs=1), "needs body.logprobs: true"),
+        (completion_line("x", "p", logprobs=True), r"body.logprobs must be an integer 0-5 or null for /v1/completions"),
+        (completion_line("x", "p", logprobs=6), "integer 0-5"),
+        (completion_line("x", "p", logprobs=-1), "integer 0-5"),
+        (completion_line("x", "p", logprobs=2, top_logprobs=2), "body.top_logprobs is not a /v1/completions field"),
+        (chat_line("x", "hi", structured_outputs={"regex": "a", "choice": ["a"]}), "sets regex and choice; set one"),
+        (chat_line("x", "hi", structured_outputs={"json": "{bad"}), "structured_outputs.json is not valid JSON"),
+        (chat_line("x", "hi", structured_outputs=["regex"]), "structured_outputs must be an object"),
+        (chat_line("x", "hi", response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+         "body.structured_outputs and body.response_format both set a structured output"),
+        (chat_line("x", "hi", stream=True), "body.stream=True is not supported in batch jobs"),
+    ],
+)
+def test_refused_request_kinds_say_why(line, says):
+    with pytest.raises(LineError, match=says):
+        parse_request(json.dumps(line))
+
+
+def test_served_spellings_of_the_request_kinds():
+    assert parse_request(json.dumps(chat_line("x", "hi", top_logprobs=0)))["top_logprobs"] == 0  # vLLM's default
+    text = parse_request(json.dumps(chat_line("x", "hi", response_format={"type": "text"},
+                                              structured_outputs={"grammar": "root ::= \"a\""})))
+    assert (text["response_format"], text["grammar"]) == ({"type": "text"}, 'root ::= "a"')  # text is no constraint
+    obj = parse_request(json.dumps(completion_line("x", "p", structured_outputs={"json_object": True})))
+    assert obj["response_format"] == {"type": "json_object"}
+    as_text = parse_request(json.dumps(chat_line("x", "hi", structured_outputs={"json": '{"type": "array"}'})))
+    assert as_text["response_format"]["json_schema"]["schema"] == {"type": "array"}
+    assert "logprobs" not in parse_request(json.dumps(completion_line("x", "p", logprobs=None)))
+
+
+def test_a_bad_response_format_is_a_bad_sampling_dead_letter():
+    row = line_row(json.dumps(chat_line("fmt", "hi", response_format={"type": "xml"})).encode(), 0, 0)
+    assert row["response_format"] == {"type": "xml"}  # passed on: Validate judges it
+    rec = validate_row(row)
+    assert (rec.reason, rec.id) == ("bad_sampling", "fmt") and "response_format.type must be" in rec.message
+    row = line_row(json.dumps(chat_line("schema", "hi", response_format={"type": "json_schema",
+                                                                         "json_schema": {"name": "s"}})).encode(), 0, 1)
+    assert validate_row(row).reason == "bad_sampling"
+    row = line_row(json.dumps(chat_line("top", "hi", logprobs=True, top_logprobs=21)).encode(), 0, 2)
+    assert validate_row(row).reason == "bad_sampling"  # OpenAI's 0-20, RowSampling's range
+
+
+# ---------------------------------------------------------------- log-probabilities out
+
+TOKENS = [
+    {"token": "Caf", "logprob": -0.25, "top_logprobs": [{"token": "Caf", "logprob": -0.25}, {"token": "Tea", "logprob": -1.5}]},
+    {"token": "é", "logprob": -0.01, "top_logprobs": [{"token": "é", "logprob": -0.01}, {"token": "e", "logprob": -4.75}]},
+    {"token": " ok", "logprob": -2.0, "top_logprobs": [{"token": " ok", "logprob": -2.0}, {"token": "!", "logprob": -2.5}]},
+]
+
+
+def output_row(**over):
+    row = {"job_id": "j", "id": "r1", "input_file": 0, "input_row": 0, "model": "m", "text": "Café ok",
+           "finish_reason": "stop", "prompt_tokens": 5, "output_tokens": 3, "finished_at": 1700000000.5,
+           "logprobs": None, "valid": None, "invalid_reason": None, "parsed": None, "choice_probs": None}
+    return {**row, **over}
+
+
+def as_line(body):
+    return {"id": "batch_req_x", "custom_id": "r1", "error": None,
+            "response": {"status_code": 200, "request_id": "x", "body": body}}
+
+
+def test_chat_body_carries_the_rows_logprobs_in_openai_shape():
+    from openai.types.chat import ChatCompletion
+
+    from tokenmill.jobs.lifecycle.openai_export import response_body
+    from tokenmill.transforms.openai_batch import CHAT
+
+    body = response_body(output_row(logprobs=TOKENS), CHAT, "m")
+    validate_with_vllm(as_line(body))
+    lp = ChatCompletion.model_validate(body).choices[0].logprobs
+    assert lp is not None and lp.content is not None and lp.refusal is None
+    assert [(t.token, t.logprob) for t in lp.content] == [(t["token"], t["logprob"]) for t in TOKENS]
+    assert [bytes(t.bytes or []).decode("utf-8") for t in lp.content] == ["Caf", "é", " ok"]
+    assert lp.content[1].bytes == [0xC3, 0xA9]
+    assert [[(a.token, a.logprob, bytes(a.bytes or []).decode()) for a in t.top_logprobs] for t in lp.content] == [
+        [(a["token"], a["logprob"], a["token"]) for a in t["top_logprobs"]] for t in TOKENS]
+    plain = response_body(output_row(), CHAT, "m")
+    assert plain["choices"][0]["logprobs"] is None and ChatCompletion.model_validate(plain).choices[0].logprobs is None
+    assert {k: v for k, v in body.items() if k != "choices"} == {k: v for k, v in plain.items() if k != "choices"}
+
+
+def test_completion_body_carries_the_rows_logprobs_in_the_legacy_shape():
+    from openai.types import Completion
+
+    from tokenmill.jobs.lifecycle.openai_export import response_body
+    from tokenmill.transforms.openai_batch import COMPLETIONS
+
+    body = response_body(output_row(logprobs=TOKENS), COMPLETIONS, "m")
+    validate_with_vllm(as_line(body))
+    lp = Completion.model_validate(body).choices[0].logprobs
+    assert lp is not None
+    assert lp.tokens == ["Caf", "é", " ok"] and lp.token_logprobs == [-0.25, -0.01, -2.0]
+    assert lp.top_logprobs == [{"Caf": -0.25, "Tea": -1.5}, {"é": -0.01, "e": -4.75}, {" ok": -2.0, "!": -2.5}]
+    assert lp.text_offset == [0, 3, 4]  # characters into the completion text
+    text = body["choices"][0]["text"]
+    assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+    plain = response_body(output_row(), COMPLETIONS, "m")
+    assert plain["choices"][0]["logprobs"] is None and Completion.model_validate(plain).choices[0].logprobs is None
+
+
+def test_a_structured_rows_body_is_its_text_as_openai_returns_it():
+    from openai.types.chat import ChatCompletion
+
+    from tokenmill.jobs.lifecycle.openai_export import response_body
+    from tokenmill.transforms.openai_batch import CHAT
+
+    text = '{"name": "Ada"}'
+    plain = response_body(output_row(text=text), CHAT, "m")
+    structured = response_body(output_row(text=text, valid=True, parsed={"name": "Ada"}), CHAT, "m")
+    assert structured == plain
+    message = ChatCompletion.model_validate(structured).choices[0].message
+    assert message.content == text and json.loads(message.content) == {"name": "Ada"}
+    choice = response_body(output_row(text="yes", valid=True, choice_probs=[{"choice": "yes", "prob": 0.9}]), CHAT, "m")
+    assert choice == response_body(output_row(text="yes"), CHAT, "m")
 
 
 # ---------------------------------------------------------------- a whole job (fake engine)

@@ -5,27 +5,42 @@ Input, one request per line (blank lines are skipped, as OpenAI and vLLM do)::
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "smollm2-135m", "messages": [...], "max_tokens": 64}}
 
-Each line becomes the same row dict the Parquet reader yields (a run of lines is a work unit, read by read.ReadPrompts) (`id` = custom_id,
-`messages` or `prompt`, and the per-row sampling keys of
-schemas/sampling.RowSampling, `max_completion_tokens` read as `max_tokens`), so
-Validate, dedup and the rest of the pipeline are unchanged.  A line that is not
-a usable request (bad JSON, no custom_id, another method or endpoint,
-unsupported body fields) becomes a `bad_request` dead letter carrying the
+Each line becomes the same row dict the Parquet reader yields (a run of lines is a
+work unit, read by read.ReadPrompts): `id` = custom_id, `messages` or `prompt`, and
+the per-row sampling keys of schemas/sampling.RowSampling read under their own names
+(`max_completion_tokens` read as `max_tokens`, `BODY_NAMES`), so Validate, dedup and
+the rest of the pipeline are unchanged.  Served beyond free text:
+
+- `response_format` (text, json_object, json_schema), passed on as the row's key;
+  Validate checks it (a `bad_sampling` dead letter when it is not one of those).
+- vLLM's `structured_outputs` object: its `regex`, `choice` and `grammar` become the
+  row keys of the same name, `json` (a schema) a json_schema `response_format` and
+  `json_object: true` a json_object one; one constraint per request, and no other
+  key in it (its options such as `whitespace_pattern` are not served).
+- Log-probabilities, as each endpoint names them: chat's `logprobs: true` with
+  `top_logprobs: k` (0-20, OpenAI's rule that it needs `logprobs: true`); the legacy
+  completions' `logprobs: k` (an integer 0-5; 0 is the sampled token's alone), read as
+  `logprobs=True, top_logprobs=k`.  The other endpoint's spelling is refused.
+
+Refused (`UNSUPPORTED`): `n` > 1, `stream`, `tools` (tools are not served).  A line
+that is not a usable request (bad JSON, no custom_id, another method or endpoint, a
+refused or misspelt body field) becomes a `bad_request` dead letter carrying the
 line; it never fails the job.
 
-The output files (`outputs.jsonl`, `errors.jsonl`) are written by the launcher
-at export: jobs/lifecycle/openai_export.py.
+The output files (`outputs.jsonl`, `errors.jsonl`, log-probabilities in OpenAI's
+shape per endpoint) are written by the launcher at export:
+jobs/lifecycle/openai_export.py.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Iterator
+from typing import AbstractSet, Any, Callable, Iterator
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.sampling import RowSampling
+from tokenmill.schemas.sampling import STRUCTURED_KEYS, RowSampling, structured_kind
 from tokenmill.transforms.read import InputError, InputPlan, expand_input
 
 CHAT = "/v1/chat/completions"
@@ -34,14 +49,20 @@ ENDPOINTS = (CHAT, COMPLETIONS)
 JSONL_PATTERNS = ("*.jsonl", "*.jsonl.gz")
 #: Lines per read shard: small enough to spread a big file over workers.
 SHARD_LINES = 2048
-#: Body fields that would change what a response means and that tokenmill does not serve.
-UNSUPPORTED = {
-    "n": lambda v: v not in (None, 1),
-    "stream": lambda v: bool(v),
-    "logprobs": lambda v: bool(v),
-    "tools": lambda v: bool(v),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
+#: Body fields that would change what a response means and that tokenmill does not serve:
+#: when the value is refused, and what the refusal adds.
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v not in (None, 1), "one choice per request is served"),
+    "stream": (lambda v: bool(v), "the answers are written to the output file"),
+    "tools": (lambda v: bool(v), "tools (function calling) are not served"),
 }
+#: The sampling keys each endpoint spells its own way (read by `_logprob_keys`, not by name).
+LOGPROB_KEYS = ("logprobs", "top_logprobs")
+#: The most alternatives per token the legacy completions endpoint's `logprobs` asks for (OpenAI's limit).
+MAX_COMPLETION_LOGPROBS = 5
+#: vLLM's `structured_outputs` keys named as a row's structured-output key (`json` and
+#: `json_object` become a `response_format`, `_structured_outputs`).
+SO_ROW_KEYS = tuple(k for k in STRUCTURED_KEYS if k != "response_format")
 #: Body names of a sampling key where the API has more than one (the first present wins);
 #: every other RowSampling key is read under its own name.
 BODY_NAMES = {"max_tokens": ("max_completion_tokens", "max_tokens")}
@@ -185,9 +206,9 @@ def parse_request(line: str | bytes) -> dict[str, Any]:
     body = obj.get("body")
     if not isinstance(body, dict):
         raise LineError(f"body must be an object, got {_short(body)}")
-    for key, bad in UNSUPPORTED.items():
+    for key, (bad, why) in UNSUPPORTED.items():
         if key in body and bad(body[key]):
-            raise LineError(f"body.{key}={_short(body[key])} is not supported in batch jobs")
+            raise LineError(f"body.{key}={_short(body[key])} is not supported in batch jobs: {why}")
     out["url"] = url
     out["model"] = body.get("model")
     if url == CHAT:
@@ -208,10 +229,73 @@ def parse_request(line: str | bytes) -> dict[str, Any]:
         out["prompt"] = prompt
         out["messages"] = None
     for key in RowSampling.model_fields:
+        if key in LOGPROB_KEYS:
+            continue
         value = next((body[k] for k in BODY_NAMES.get(key, (key,)) if body.get(k) is not None), None)
         if value is not None:
             out[key] = value
+    out.update(_logprob_keys(body, url))
+    so = _structured_outputs(body.get("structured_outputs"))
+    if so:
+        named = structured_kind(out)
+        if named is not None:
+            raise LineError(f"body.structured_outputs and body.{'response_format' if named.startswith('json') else named} "
+                            f"both set a structured output; set one")
+        out.update(so)
     return out
+
+
+def _logprob_keys(body: dict[str, Any], url: str) -> dict[str, Any]:
+    """The row's `logprobs` and `top_logprobs` from a body, as its endpoint spells them
+    (OpenAI's rules): chat `logprobs: true|false` and `top_logprobs: k`, which needs
+    `logprobs: true` when k > 0; completions `logprobs: k`, an integer 0-5."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if url == CHAT:
+        if lp is not None and not isinstance(lp, bool):
+            raise LineError(f"body.logprobs must be true, false or null for {CHAT}, got {_short(lp)} "
+                            f"(body.top_logprobs asks for the alternatives per token)")
+        if top is not None and top != 0 and lp is not True:
+            raise LineError(f"body.top_logprobs={_short(top)} needs body.logprobs: true")
+        return {k: v for k, v in (("logprobs", lp), ("top_logprobs", top)) if v is not None}
+    if top is not None:
+        raise LineError(f"body.top_logprobs is not a {COMPLETIONS} field: there body.logprobs, an integer "
+                        f"0-{MAX_COMPLETION_LOGPROBS}, asks for the alternatives per token")
+    if lp is None:
+        return {}
+    if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
+        raise LineError(f"body.logprobs must be an integer 0-{MAX_COMPLETION_LOGPROBS} or null for {COMPLETIONS} "
+                        f"(the alternatives per token), got {_short(lp)}")
+    return {"logprobs": True, "top_logprobs": lp}
+
+
+def _structured_outputs(so: Any) -> dict[str, Any]:
+    """vLLM's `structured_outputs` body object → the row's structured-output key (at most one)."""
+    if so is None:
+        return {}
+    if not isinstance(so, dict):
+        raise LineError(f"body.structured_outputs must be an object, got {_short(so)}")
+    out: dict[str, Any] = {}
+    for key, value in so.items():
+        if value is None or (key == "json_object" and value is False):
+            continue
+        if key in SO_ROW_KEYS:
+            out[key] = value
+        elif key == "json":
+            schema = value
+            if isinstance(value, str):
+                try:
+                    schema = json.loads(value)
+                except ValueError as err:
+                    raise LineError(f"body.structured_outputs.json is not valid JSON: {first_line(err)}") from None
+            out[key] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+        elif key == "json_object":
+            out[key] = {"type": "json_object"}
+        else:
+            raise LineError(f"body.structured_outputs.{key} is not supported in batch jobs "
+                            f"(served: {', '.join(('json', 'json_object', *SO_ROW_KEYS))})")
+    if len(out) > 1:
+        raise LineError(f"body.structured_outputs sets {' and '.join(out)}; set one")
+    return {("response_format" if k.startswith("json") else k): v for k, v in out.items()}
 
 
 def _short(v: Any) -> str:
