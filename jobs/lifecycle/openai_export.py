@@ -3,7 +3,8 @@
 `OpenAIBatchExport`, the exporter of `output_format: openai-jsonl`, runs in the
 launcher at export (jobs/lifecycle/sinks.py): one line per input line, matched by `custom_id`, in the OpenAI batch
 output format that vLLM's `BatchRequestOutput` model describes.  Successful
-requests get a `chat.completion` or `text_completion` body with `usage`; failed
+requests get a `chat.completion` or `text_completion` body with `usage` (and the
+row's log-probabilities in that endpoint's `logprobs` shape when it asked); failed
 ones `response.status_code` and `error: {code, message}`.  The endpoint and the
 model name of each request are read back from the input file (`RequestIndex`),
 so the database needs no column for them.  The input side is
@@ -76,8 +77,39 @@ def _ids(job_id: str, custom_id: str) -> tuple[str, str]:
     return f"batch_req_{h}", f"tokenmill-{h}"
 
 
+def _token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A row's log-probabilities (records.LOGPROBS_TYPE) as a chat choice's `logprobs`."""
+    if tokens is None:
+        return None
+    return {"content": [{**_token(t["token"], t["logprob"]),
+                         "top_logprobs": [_token(a["token"], a["logprob"]) for a in t.get("top_logprobs") or ()]}
+                        for t in tokens],
+            "refusal": None}
+
+
+def completion_logprobs(tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A row's log-probabilities as a legacy completion choice's `logprobs`: parallel lists,
+    the alternatives as {token: logprob}, and each token's character offset in the text."""
+    if tokens is None:
+        return None
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t["token"])
+    return {"tokens": [t["token"] for t in tokens],
+            "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in t.get("top_logprobs") or ()} for t in tokens],
+            "text_offset": offsets}
+
+
 def response_body(row: dict[str, Any], url: str, model: str | None) -> dict[str, Any]:
-    """A `chat.completion` or `text_completion` body with `usage` for one output row."""
+    """A `chat.completion` or `text_completion` body with `usage` for one output row, its
+    log-probabilities in the endpoint's shape when the row has them (a structured row's
+    text is its JSON or constrained text, as OpenAI returns it)."""
     _, rid = _ids(row["job_id"], row["id"])
     prompt, completion = int(row.get("prompt_tokens") or 0), int(row.get("output_tokens") or 0)
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -88,12 +120,13 @@ def response_body(row: dict[str, Any], url: str, model: str | None) -> dict[str,
     common = {"created": int(row.get("finished_at") or 0), "model": model or row.get("model") or "", "usage": usage}
     finish = row.get("finish_reason") or "stop"
     if url == COMPLETIONS:
-        choice = {"index": 0, "text": row.get("text") or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": row.get("text") or "", "logprobs": completion_logprobs(row.get("logprobs")),
+                  "finish_reason": finish}
         return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice], **common}
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": row.get("text") or ""},
-        "logprobs": None,
+        "logprobs": chat_logprobs(row.get("logprobs")),
         "finish_reason": finish,
     }
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": [choice], **common}
