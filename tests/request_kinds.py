@@ -25,7 +25,7 @@ def rows() -> list[dict]:
     row (raw prompt) and a free-text row; the keys as Parquet columns (JSON text for
     response_format)."""
     base = {"prompt": None, "messages": None, "response_format": None, "choice": None, "logprobs": None,
-            "top_logprobs": None, "max_tokens": 48}
+            "top_logprobs": None, "grammar": None, "max_tokens": 48}
     out = [{**base, "id": f"person-{i}", "messages": _chat(f"Give the person as JSON with name and age: {who}"),
             "response_format": json.dumps(PERSON_FORMAT)} for i, who in enumerate(["Alice, 31", "Bob, 45", "Carol, 27"])]
     out.append({**base, "id": "person-cut", "messages": _chat("Give the person as JSON with name and age: Dan, 50"),
@@ -36,16 +36,28 @@ def rows() -> list[dict]:
     out.append({**base, "id": "logprobs", "prompt": "The capital of France is", "logprobs": True, "top_logprobs": TOP,
                 "max_tokens": 6})
     out.append({**base, "id": "free", "prompt": "The three primary colors are", "max_tokens": 6})
+    out.append({**base, "id": "grammar", "prompt": "Is the sky blue? Answer:", "grammar": 'root ::= "yes" | "no"',
+                "max_tokens": 4})
+    out.append({**base, "id": "grammar-bad", "prompt": "Anything:", "grammar": "root ::= (((", "max_tokens": 4})
     return out
 
 
-def outputs(folder) -> dict[str, dict]:
-    return {r["id"]: r for r in pq.read_table(folder / "outputs.parquet").to_pylist()}
+#: The rows the engine cannot serve: a grammar it cannot compile, a dead letter of its own.
+REFUSED = {"grammar-bad"}
 
 
-def check_answers(out: dict[str, dict], metrics: dict) -> None:
+def outputs(folder) -> tuple[dict[str, dict], dict[str, dict]]:
+    """A finished job's outputs and dead letters, by id."""
+    return ({r["id"]: r for r in pq.read_table(folder / "outputs.parquet").to_pylist()},
+            {r["id"]: r for r in pq.read_table(folder / "dead_letters.parquet").to_pylist()})
+
+
+def check_answers(out: dict[str, dict], dead: dict[str, dict], metrics: dict) -> None:
     """What every engine's answers to `rows()` must satisfy."""
-    assert set(out) == {r["id"] for r in rows()}
+    assert set(out) == {r["id"] for r in rows()} - REFUSED and set(dead) == REFUSED, (set(out), dead)
+    bad = dead["grammar-bad"]
+    assert bad["reason"] == "bad_request" and "\n" not in bad["message"], bad
+    assert out["grammar"]["text"] in ("yes", "no") and out["grammar"]["valid"] is None, out["grammar"]
     people = [r for k, r in out.items() if k.startswith("person-") and k != "person-cut"]
     for r in people:
         if r["valid"]:

@@ -139,5 +139,5 @@ def test_structured_outputs_and_logprobs_through_vllms_own_server(vllm_server, t
                     engine={"kind": "openai", "base_url": base, "model": SERVED, "tokenizer": "smollm2-135m",
                             "max_in_flight": 4, "max_model_len": TEST_ENGINE["max_model_len"]})
     res = run_job(spec, db_url=sqlite_url)
-    assert res.status == "succeeded" and res.failed == 0, res
-    K.check_answers(K.outputs(tmp_path / "out"), S.JobStore(S.connect(sqlite_url)).get("oai-kinds")["metrics"])
+    assert res.failed == len(K.REFUSED), res
+    K.check_answers(*K.outputs(tmp_path / "out"), S.JobStore(S.connect(sqlite_url)).get("oai-kinds")["metrics"])

@@ -211,6 +211,15 @@ def request_body(model: str, source: str | list[dict[str, str]], sampling: dict[
     return body
 
 
+def _refusal(error: Any) -> bool:
+    """An error object in a stream that is the request's own fault: a 4xx code, not 429."""
+    code = error.get("code") if isinstance(error, dict) else None
+    try:
+        return 400 <= int(code) < 500 and int(code) != 429
+    except (TypeError, ValueError):
+        return False
+
+
 def _retry_after(r: httpx.Response) -> float | None:
     try:
         return min(BACKOFF_CAP_S, max(0.0, float(r.headers.get("retry-after", ""))))
@@ -402,7 +411,10 @@ class OpenAISession:
                     if not isinstance(obj, dict):
                         raise _Retry(R.BAD_RESPONSE, f"a stream chunk is not a JSON object: {data[:80]!r}")
                     if obj.get("error"):
-                        raise _Retry(R.SERVER_ERROR, f"error in the stream: {first_line(str(obj['error']))[:200]}")
+                        said = first_line(str(obj["error"]))[:300]
+                        if _refusal(obj["error"]):  # a 4xx the server put in the stream (vLLM: a bad grammar)
+                            raise _Refused(f"error in the stream: {said}")
+                        raise _Retry(R.SERVER_ERROR, f"error in the stream: {said}")
                     for c in obj.get("choices") or ():
                         if logprobs is not None and k is not None:
                             logprobs.extend(requests.http_logprobs(c, chat=chat, k=k))
