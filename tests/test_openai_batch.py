@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from openai.types.chat import ChatCompletion
 
 from tests.conftest import TEST_ENGINE
 from tests.fakes import FakeSession
@@ -350,6 +351,13 @@ def test_greedy_outputs_equal_vllm_run_batch(tmp_path, sqlite_url, model_path):
     lines = [chat_line(f"q{i}", q, model=model_path, max_tokens=16, temperature=0.0) for i, q in enumerate(questions)]
     lines.append(chat_line("sys", "Who are you?", model=model_path, max_tokens=12, temperature=0.0))
     lines[-1]["body"]["messages"].insert(0, {"role": "system", "content": "You are a terse pirate."})
+    # the request kinds beyond free text, which vLLM's run_batch serves too
+    from tests.request_kinds import PERSON, PERSON_FORMAT
+
+    lines.append(chat_line("json", "Give the person as JSON with name and age: Alice, 31", model=model_path,
+                           max_tokens=40, temperature=0.0, response_format=PERSON_FORMAT))
+    lines.append(chat_line("logprobs", "What is the capital of France?", model=model_path, max_tokens=8,
+                           temperature=0.0, logprobs=True, top_logprobs=2))
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
 
     spec = job_spec(inp, tmp_path / "out", job_id="oa-engine", engine=TEST_ENGINE)
@@ -358,6 +366,14 @@ def test_greedy_outputs_equal_vllm_run_batch(tmp_path, sqlite_url, model_path):
     ours = {o["custom_id"]: o for o in read_jsonl(tmp_path / "out" / "outputs.jsonl")}
     for o in ours.values():
         validate_with_vllm(o)
+        ChatCompletion.model_validate(o["response"]["body"])
+    import jsonschema
+
+    jsonschema.validate(json.loads(ours["json"]["response"]["body"]["choices"][0]["message"]["content"]), PERSON)
+    lp = ours["logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    text = ours["logprobs"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert "".join(t["token"] for t in lp).startswith(text)  # and the end-of-turn token, where it came
+    assert all(len(t["top_logprobs"]) == 2 for t in lp)
 
     # vLLM's own batch runner, same engine args (it starts its own engine in a child process).
     out = tmp_path / "vllm_out.jsonl"
@@ -378,6 +394,12 @@ def test_greedy_outputs_equal_vllm_run_batch(tmp_path, sqlite_url, model_path):
         assert ob["usage"]["prompt_tokens"] == tb["usage"]["prompt_tokens"], cid
         assert ob["usage"]["completion_tokens"] == tb["usage"]["completion_tokens"], cid
         assert ob["model"] == tb["model"] == model_path
+        if tb["choices"][0].get("logprobs"):  # the same tokens, each with the same log-probability
+            ours_lp, theirs_lp = ob["choices"][0]["logprobs"]["content"], tb["choices"][0]["logprobs"]["content"]
+            assert [t["token"] for t in ours_lp] == [t["token"] for t in theirs_lp], cid
+            for a, b in zip(ours_lp, theirs_lp):
+                assert abs(a["logprob"] - b["logprob"]) < 1e-3, (cid, a, b)
+                assert [x["token"] for x in a["top_logprobs"]] == [x["token"] for x in b["top_logprobs"]], cid
 
 
 def test_an_exported_body_says_when_its_usage_is_an_estimate():
