@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-quant bench-tune bench-scale bench-rerun bench-layout bench-report bench-db gpu-check clean help
+.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-quant bench-tune bench-scale bench-rerun bench-layout bench-report bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -26,6 +26,7 @@ help:
 	@echo "make bench  - throughput benchmark, then the dtype A/B (docs/BENCHMARKS.md)"
 	@echo "make bench-dtype - the demo job in float32 and bfloat16, A B B A, against dtype auto's choice"
 	@echo "make bench-engines - vLLM, W8A8, llama.cpp GGUFs, openai->vllm serve, llama-server direct (docs/ENGINES.md)"
+	@echo "make bench-kinds - JSON-schema structured output against free text, same prompts, vLLM and llama.cpp"
 	@echo "make bench-quant - RTN against calibrated quantization (docs/QUANTIZATION.md)"
 	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
 	@echo "make bench-layout - one row group against 8,192-row groups, the same rows side by side (bench/layout.py)"
@@ -157,6 +158,13 @@ bench-dtype: prepare
 # your own rows as workload (a): BENCH_ARGS="--input my.parquet --workloads a".
 bench-engines: prepare llamacpp
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.engines $(BENCH_ARGS)
+
+# Structured JSON-schema output against free text on the same N prompts (bench/request_kinds.py): per engine
+# (vLLM, then llama.cpp) one warm-up and A B B A whole jobs; structured / free output tok/s per round and the
+# schema-valid rate of both arms, bench/results/kinds-<stamp>.json; ~10 min on 2 cores.
+# Shorter: BENCH_ARGS="--n 8 --reps 1 --engines llamacpp".
+bench-kinds: prepare llamacpp
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.request_kinds $(BENCH_ARGS)
 
 bench-quant: prepare llamacpp llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant $(BENCH_ARGS)

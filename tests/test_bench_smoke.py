@@ -68,3 +68,45 @@ def test_docs_section_replaces_only_the_throughput_heading(tmp_path):
     T.write_docs("## Throughput\nnew\n", doc)
     text = doc.read_text()
     assert "new" in text and "old" not in text and "keep\n" in text and "## Load\nkeep too" in text
+
+
+def test_request_kinds_bench_workload_check_rounds_and_report(tmp_path):
+    from bench import request_kinds as K
+
+    rows = K.write_input(tmp_path / "in.parquet", 6, seed=7)
+    table = pq.read_table(tmp_path / "in.parquet")
+    assert table.column_names == ["id", "messages"] and rows == K.people(6, seed=7)  # the seed alone decides
+    p = rows[0]["person"]
+    assert p["name"] in rows[0]["prompt"] and str(p["age"]) in rows[0]["prompt"] and p["city"] in rows[0]["prompt"]
+    good = '{"name": "Ana Silva", "age": 30, "city": "Porto"}'
+    assert K.schema_check(good) == {"strict": True, "lenient": True}
+    assert K.schema_check(f"```json\n{good}\n```") == {"strict": False, "lenient": True}
+    assert not any(K.schema_check('{"name": "Ana", "age": "30", "city": "Porto"}').values())  # age not an integer
+    assert not any(K.schema_check(good[:-1] + ', "job": "x"}').values())  # additionalProperties false
+    assert K.order(2) == ["A", "B", "B", "A"] and K.order(1) == ["A", "B"]
+
+    def run(arm, tok_s, valid):
+        return {"arm": arm, "kind": K.ARMS[arm], "output_tok_per_s": tok_s, "rows_per_s": tok_s / 10,
+                "generation_wall_s": 1.0, "rows": 6, "output_tokens": 60, "cut_at_max_tokens": 0, "valid_rate": valid,
+                "lenient_valid_rate": valid, "status_valid_rate": valid if arm == "B" else None, "model_load_s": 1.0,
+                "process_wall_s": 5.0, "dtype": None}
+
+    runs = [run("A", 100.0, 0.0), run("B", 80.0, 1.0), run("B", 90.0, 1.0), run("A", 100.0, 0.0)]
+    assert K.paired(runs) == [0.8, 0.9]
+    assert K.verdict([0.8, 0.9]).startswith("structured slower") and K.verdict([1.1, 1.2]).startswith("structured faster")
+    assert K.verdict([0.9, 1.1]).startswith("not resolved") and K.verdict([0.8]).startswith("not resolved: one round")
+    res = {"hardware": {"cpu_model": "X"}, "cpu_features": "2-core X", "command": "c", "started_at": "2026-12-03T00:00",
+           "finished_at": "f", "n": 6, "seed": 7, "max_tokens": 96, "dtype": "auto", "example_prompt": rows[0]["prompt"],
+           "order": ["warm-up B", *K.order(2)],
+           "engines": {"llamacpp": {"versions": {}, "warmup": run("B", 50.0, 1.0), "runs": runs, "ratios": [0.8, 0.9],
+                                    "rows_per_s_ratios": [0.8, 0.9], "verdict": K.verdict([0.8, 0.9]),
+                                    "free_valid_rate": 0.0, "structured_valid_rate": 1.0}}}
+    md = K.markdown(res, "kinds-x.json")
+    assert md.startswith(K.TITLE) and "2-core X, 2026-12-03" in md and md.count("| B structured |") == 3
+    assert "per round: 0.80, 0.90" in md and "free 0%, structured 100%" in md
+    doc = tmp_path / "B.md"
+    doc.write_text("# Benchmarks\n\n## Dtype\nkeep\n")
+    K.write_docs(md, doc)
+    K.write_docs(md.replace("2026-12-03", "2026-12-04"), doc)
+    text = doc.read_text()
+    assert text.count(K.TITLE) == 1 and "## Dtype\nkeep" in text and text.index("2026-12-04") < text.index("2026-12-03")
