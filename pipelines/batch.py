@@ -83,7 +83,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     tok = unique | "Tokenize" >> Tokenize(
         parts.counter or TokenCounter.local(parts.model_path, model=spec.engine.model),
         spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks,
-        keep_source=engine_of(spec.engine.kind).takes_text,
+        keep_source=engine_of(spec.engine.kind).takes_text, default_samples=spec.sampling.n,
     )
     dead["Tokenize"] = tok[DEAD]
     # The part is taken from the whole unit, before the database is asked what is done,

@@ -115,10 +115,12 @@ class TokenizedPrompt(_FromInput):
     source: str | list[dict[str, str]] | None = None
     """The prompt as the row gave it (its text, or its chat messages), kept only for an
     engine that takes text rather than token ids (the `openai` engine)."""
+    samples: int = 1
+    """The row's `n`: its requests in the engine (one prompt, shared by prefix caching)."""
 
     @property
     def budget_tokens(self) -> int:
-        return len(self.token_ids) + self.max_tokens
+        return len(self.token_ids) + self.max_tokens * self.samples
 
 
 @dataclass(slots=True)
@@ -177,14 +179,17 @@ CHOICE_PROBS_TYPE = pa.list_(pa.struct([("choice", pa.string()), ("prob", pa.flo
 
 
 def column(sql: str, *, key: bool = False, required: bool = False, export: bool = True, metric: bool = False,
-           arrow: pa.DataType | None = None):
+           arrow: pa.DataType | None = None, default: Any = dataclasses.MISSING):
     """A record field that is also a table column.
 
     `sql` is "text", "int", "bigint", "float", "bool", "json" or "str:<length>"; `key` makes it
     part of the primary key, `required` NOT NULL (both must be given; other fields default to
     None); `export` puts it in the exported files; `metric` makes it one of METRIC_COLUMNS;
-    `arrow` is a json column's type in the exported files (else its JSON text)."""
+    `arrow` is a json column's type in the exported files (else its JSON text); `default`: a
+    key's value when none is given."""
     meta = {"sql": sql, "key": key, "required": required, "export": export, "metric": metric, "arrow": arrow}
+    if default is not dataclasses.MISSING:
+        return field(default=default, metadata=meta)
     return field(metadata=meta) if key or required else field(default=None, metadata=meta)
 
 
@@ -244,6 +249,8 @@ class OutputKey(StoredRow):
     id: str = column("str:512", key=True)
     input_file: int = column("int", required=True)
     input_row: int = column("int", required=True)
+    sample: int = column("int", key=True, default=0)
+    """Which of the row's `n` samples this is (0 for a row that asked for one)."""
     model: str | None = column("str:512")
 
 

@@ -25,6 +25,8 @@ from pydantic.fields import FieldInfo
 STRUCTURED_KEYS = ("response_format", "regex", "choice", "grammar")
 #: The most alternatives per token `top_logprobs` may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+#: The most samples one row may ask for (`n`).
+MAX_SAMPLES = 64
 #: The keys that ask for more than free text: each engine translates them
 #: (transforms/engines/requests.py) rather than taking them as they are.
 ANSWER_KEYS = (*STRUCTURED_KEYS, "logprobs", "top_logprobs")
@@ -58,6 +60,9 @@ class RowSampling(BaseModel):
     """Output constrained to one of these answers; each answer's probability is stored."""
     grammar: str | None = None
     """Output constrained to this grammar (GBNF; vLLM also takes EBNF and Lark)."""
+    n: int = Field(1, ge=1, le=MAX_SAMPLES, json_schema_extra={"off": [1]})
+    """Samples per row: each is an output row of its own (`sample` 0..n-1, with its own tokens
+    and times; with a seed, sample i uses seed + i)."""
     logprobs: bool | None = Field(None, json_schema_extra={"off": [False]})
     """Store each output token's log-probability."""
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, json_schema_extra={"off": [0]})
@@ -242,6 +247,17 @@ def request_sampling(defaults: RowSampling, p: Any) -> dict[str, Any]:
     s["max_tokens"] = p.max_tokens
     return s
 
+
+
+def sample_requests(sampling: dict[str, Any]) -> list[dict[str, Any]]:
+    """One request's sampling per sample it asks for (`n`, which no engine is sent): sample i
+    of a seeded row is seeded seed + i, so each sample is reproducible and they differ."""
+    n = int(sampling.get("n") or 1)
+    one = {k: v for k, v in sampling.items() if k != "n"}
+    if n == 1:
+        return [one]
+    seed = one.get("seed")
+    return [{**one, "seed": None if seed is None else seed + i} for i in range(n)]
 
 
 def request_keys(sampling: dict[str, Any], model: type[BaseModel] = RowSampling) -> dict[str, Any]:

@@ -25,7 +25,7 @@ def rows() -> list[dict]:
     row (raw prompt) and a free-text row; the keys as Parquet columns (JSON text for
     response_format)."""
     base = {"prompt": None, "messages": None, "response_format": None, "choice": None, "logprobs": None,
-            "top_logprobs": None, "grammar": None, "max_tokens": 48}
+            "top_logprobs": None, "grammar": None, "n": None, "temperature": None, "seed": None, "max_tokens": 48}
     out = [{**base, "id": f"person-{i}", "messages": _chat(f"Give the person as JSON with name and age: {who}"),
             "response_format": json.dumps(PERSON_FORMAT)} for i, who in enumerate(["Alice, 31", "Bob, 45", "Carol, 27"])]
     out.append({**base, "id": "person-cut", "messages": _chat("Give the person as JSON with name and age: Dan, 50"),
@@ -39,7 +39,12 @@ def rows() -> list[dict]:
     out.append({**base, "id": "grammar", "prompt": "Is the sky blue? Answer:", "grammar": 'root ::= "yes" | "no"',
                 "max_tokens": 4})
     out.append({**base, "id": "grammar-bad", "prompt": "Anything:", "grammar": "root ::= (((", "max_tokens": 4})
+    out.append({**base, "id": "samples", "prompt": "Name a fruit:", "n": SAMPLES, "temperature": 1.0, "seed": 5,
+                "max_tokens": 8})
     return out
+
+
+SAMPLES = 3
 
 
 #: The rows the engine cannot serve: a grammar it cannot compile, a dead letter of its own.
@@ -47,14 +52,19 @@ REFUSED = {"grammar-bad"}
 
 
 def outputs(folder) -> tuple[dict[str, dict], dict[str, dict]]:
-    """A finished job's outputs and dead letters, by id."""
-    return ({r["id"]: r for r in pq.read_table(folder / "outputs.parquet").to_pylist()},
+    """A finished job's outputs (sample i > 0 of a row as "<id>#<i>") and dead letters, by id."""
+    return ({r["id"] + (f"#{r['sample']}" if r["sample"] else ""): r
+             for r in pq.read_table(folder / "outputs.parquet").to_pylist()},
             {r["id"]: r for r in pq.read_table(folder / "dead_letters.parquet").to_pylist()})
 
 
 def check_answers(out: dict[str, dict], dead: dict[str, dict], metrics: dict) -> None:
     """What every engine's answers to `rows()` must satisfy."""
-    assert set(out) == {r["id"] for r in rows()} - REFUSED and set(dead) == REFUSED, (set(out), dead)
+    extra = {f"samples#{i}" for i in range(1, SAMPLES)}
+    assert set(out) == ({r["id"] for r in rows()} - REFUSED) | extra and set(dead) == REFUSED, (set(out), dead)
+    drawn = [out["samples"], *(out[k] for k in sorted(extra))]
+    assert [r["sample"] for r in drawn] == list(range(SAMPLES)) and all(r["output_tokens"] > 0 for r in drawn)
+    assert len({r["text"] for r in drawn}) > 1, drawn  # seeds 5, 6, 7 at temperature 1: not one answer
     bad = dead["grammar-bad"]
     assert bad["reason"] == "bad_request" and "\n" not in bad["message"], bad
     assert out["grammar"]["text"] in ("yes", "no") and out["grammar"]["valid"] is None, out["grammar"]
@@ -90,6 +100,7 @@ def check_answers(out: dict[str, dict], dead: dict[str, dict], metrics: dict) ->
         assert t["top_logprobs"][0]["token"] == t["token"] and math.isclose(tops[0], t["logprob"], abs_tol=1e-4), t
     free = out["free"]
     assert free["valid"] is None and free["logprobs"] is None and free["choice_probs"] is None
+    assert metrics["requests"]["samples"] == len(out) and metrics["requests"]["succeeded"] == len(out) - len(extra)
     answers = metrics["answers"]
     structured = people + [cut] + [out[f"label-{i}"] for i in range(3)]
     assert answers["checked"] == len(structured)

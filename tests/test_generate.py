@@ -158,3 +158,61 @@ def test_a_units_last_batches_decode_while_the_next_unit_is_fed():
     assert s.max_inflight <= 2 * 4  # never more than max_inflight_batches batches in the engine
     assert runner.admitted_rows == runner.generated_rows == 16
     runner.close()
+
+
+# ---------------------------------------------------------------- n samples per row
+
+
+class Recording(FakeSession):
+    """A fake that keeps each request's sampling, and gives up on request ids in `give_up`."""
+
+    def __init__(self, *a, give_up=(), **kw):
+        super().__init__(*a, **kw)
+        self.sampling: dict[str, dict] = {}
+        self.give_up = set(give_up)
+
+    def add(self, request_id, token_ids, sampling, **_):
+        super().add(request_id, token_ids, sampling)
+        self.sampling[request_id] = sampling
+
+    def step(self):
+        out = super().step()
+        for f in out:
+            if f.request_id in self.give_up:
+                f.error_reason, f.error = R.SERVER_ERROR, "HTTP 500 (after 4 attempts)"
+        return out
+
+
+def sampled(n, k=3, seed=10):
+    return [TokenizedPrompt(id=f"p{i}", input_file=0, input_row=i, token_ids=[i + 1000, 1, 2], prefix_key="00",
+                            max_tokens=3, sampling={"n": k, "seed": seed}, samples=k) for i in range(n)]
+
+
+def test_a_row_asking_for_n_samples_is_n_output_rows_seeded_apart():
+    s = Recording(max_num_seqs=8)
+    rows, dead, stats = run(BatchRunner(cfg(), lambda: s, lambda: s), pack(sampled(4), token_budget=1000))
+    assert not dead
+    assert sorted((r["id"], r["sample"]) for r in rows) == [(f"p{i}", j) for i in range(4) for j in range(3)]
+    seeds = sorted(v["seed"] for v in s.sampling.values())
+    assert seeds == sorted([10, 11, 12] * 4) and all("n" not in v for v in s.sampling.values())  # no engine is sent n
+    assert sum(st["requests"] for st in stats) == 4  # a batch's requests are its rows
+    assert sampled(1)[0].budget_tokens == 3 + 3 * 3  # the prompt once, each sample's output
+
+
+def test_a_row_whose_sample_fails_is_one_dead_letter_and_none_of_its_samples():
+    s = Recording(max_num_seqs=8, give_up={"b0.1~2"})
+    rows, dead, _ = run(BatchRunner(cfg(), lambda: s, lambda: s),
+                        [R.Batch("b0", sampled(3))])
+    assert sorted({r["id"] for r in rows}) == ["p0", "p2"] and len(rows) == 6
+    assert [(d.id, d.reason) for d in dead] == [("p1", R.SERVER_ERROR)]
+    rejected = FakeSession(max_num_seqs=8, reject_token=1001)
+    rows, dead, _ = run(BatchRunner(cfg(), lambda: rejected, lambda: rejected), [R.Batch("b1", sampled(2))])
+    assert [(d.id, d.reason) for d in dead] == [("p1", R.BAD_REQUEST)] and {r["id"] for r in rows} == {"p0"}
+
+
+def test_a_poison_row_with_samples_is_isolated_and_the_others_keep_all_theirs():
+    slot = Restarting(max_num_seqs=8, poison_token=1002)
+    runner = BatchRunner(cfg(), lambda: slot.current() if slot.current().alive() else slot.restart(), slot.restart)
+    rows, dead, _ = run(runner, pack(sampled(5), token_budget=1000))
+    assert [(d.id, d.reason) for d in dead] == [("p2", R.ENGINE_ERROR)]
+    assert sorted((r["id"], r["sample"]) for r in rows) == [(f"p{i}", j) for i in (0, 1, 3, 4) for j in range(3)]

@@ -83,7 +83,7 @@ def test_completion_line_and_text_parts_and_max_completion_tokens():
         (json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}}), "custom_id"),
         (json.dumps({**chat_line("x", "hi"), "url": "/v1/embeddings"}), "url must be one of"),
         (json.dumps({**chat_line("x", "hi"), "method": "GET"}), "method must be POST"),
-        (json.dumps(chat_line("x", "hi", n=2)), "body.n=2 is not supported"),
+        (json.dumps(chat_line("x", "hi", stream=True)), "body.stream=True is not supported"),
         (json.dumps(completion_line("x", 5)), "body.prompt must be a string"),
     ],
 )
@@ -131,7 +131,7 @@ def test_a_file_of_request_kinds_reads_as_rows_and_refusals(tmp_path):
     rows = {r["id"]: r for shard in plan.shards for r in read_jsonl_shard(shard)}
     base = {"_file_index": 0, "messages": MSG, "prompt": None}
     comp = {"_file_index": 0, "messages": None, "prompt": "Once"}
-    assert {k: rows[k] for k in list(rows)[:8]} == {
+    assert {k: rows[k] for k in list(rows)[:9]} == {
         "plain": {**base, "_row": 0, "id": "plain", "max_tokens": 4},
         "schema": {**base, "_row": 1, "id": "schema", "response_format": PERSON},
         "lp": {**base, "_row": 2, "id": "lp", "logprobs": True, "top_logprobs": 3},
@@ -141,10 +141,10 @@ def test_a_file_of_request_kinds_reads_as_rows_and_refusals(tmp_path):
         "so-json": {**base, "_row": 6, "id": "so-json", "response_format": {
             "type": "json_schema", "json_schema": {"name": "schema", "schema": {"type": "object"}}}},
         "so-regex": {**base, "_row": 7, "id": "so-regex", "regex": "[0-9]+"},
+        "n3": {**base, "_row": 8, "id": "n3", "n": 3},
     }
     errors = {k: r["_error"] for k, r in rows.items() if "_error" in r}
-    assert set(errors) == {"n3", "tools", "so-bad"} and {e[0] for e in errors.values()} == {"bad_request"}
-    assert errors["n3"][1].startswith("body.n=3 is not supported in batch jobs")
+    assert set(errors) == {"tools", "so-bad"} and {e[0] for e in errors.values()} == {"bad_request"}
     assert "tools (function calling) are not served" in errors["tools"][1]
     assert errors["so-bad"][1].startswith("body.structured_outputs.whitespace_pattern is not supported")
 
@@ -410,3 +410,25 @@ def test_an_exported_body_says_when_its_usage_is_an_estimate():
     assert "token_count_source" not in response_body({**row, "token_count_source": "engine"}, CHAT, "m")["usage"]
     est = response_body({**row, "token_count_source": "local_tokenizer+stream_chunks"}, CHAT, "m")["usage"]
     assert est["token_count_source"] == "local_tokenizer+stream_chunks" and est["total_tokens"] == 7
+
+
+def test_a_requests_samples_are_one_line_with_n_choices_also_across_chunks():
+    from openai.types import Completion
+
+    from tokenmill.jobs.lifecycle.openai_export import by_request, response_body
+    from tokenmill.transforms.openai_batch import CHAT, COMPLETIONS
+
+    def row(i, k, text):
+        return {"job_id": "j", "id": f"r{i}", "input_file": 0, "input_row": i, "sample": k, "text": text,
+                "finish_reason": "stop", "prompt_tokens": 7, "output_tokens": 2 + k, "finished_at": 100.0 + k}
+
+    samples = [row(0, k, f"t{k}") for k in range(3)]
+    body = ChatCompletion.model_validate(response_body(samples, CHAT, "m"))
+    assert [(c.index, c.message.content) for c in body.choices] == [(0, "t0"), (1, "t1"), (2, "t2")]
+    assert (body.usage.prompt_tokens, body.usage.completion_tokens, body.created) == (7, 2 + 3 + 4, 102)
+    comp = Completion.model_validate(response_body(samples, COMPLETIONS, "m"))
+    assert [c.text for c in comp.choices] == ["t0", "t1", "t2"]
+    # a chunk of the export ending between a row's samples: still one request
+    chunks = [[row(0, 0, "a"), row(0, 1, "b")], [row(0, 2, "c"), row(1, 0, "d")], [row(2, 0, "e")]]
+    got = [[[r["text"] for r in req] for req in part] for part in by_request(chunks)]
+    assert got == [[["a", "b", "c"]], [["d"]], [["e"]]]

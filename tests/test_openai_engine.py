@@ -22,6 +22,7 @@ from tokenmill.schemas.config import load_spec
 from tokenmill.schemas.records import Batch, TokenizedPrompt
 from tokenmill.transforms.batch_runner import BatchRunner, GenerateConfig
 from tokenmill.transforms.engines import openai_session as O
+from tokenmill.transforms.engines import requests
 from tokenmill.transforms.engines.protocol import EngineStartError
 
 KEY = "sk-test-7f3a9c1e5b2d4860a1b2c3d4e5f60718"
@@ -105,10 +106,10 @@ def test_without_usage_in_the_stream_each_row_says_its_counts_are_the_local_toke
 def test_request_body_maps_the_sampling_keys():
     s = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": None, "stop": ["\n"], "min_tokens": None,
          "ignore_eos": False}
-    chat = O.request_body("m", [{"role": "user", "content": "hi"}], s)
+    chat = requests.request_body("m", [{"role": "user", "content": "hi"}], s)
     assert chat == {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 7,
                     "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5, "top_p": 0.9, "stop": ["\n"]}
-    raw = O.request_body("m", "hi", {**s, "seed": 3, "min_tokens": 2, "ignore_eos": True})
+    raw = requests.request_body("m", "hi", {**s, "seed": 3, "min_tokens": 2, "ignore_eos": True})
     assert raw["prompt"] == "hi" and "messages" not in raw
     assert (raw["seed"], raw["min_tokens"], raw["ignore_eos"]) == (3, 2, True)
 

@@ -67,7 +67,7 @@ def test_report_json_carries_metrics_job_description_and_html_path(jobs_db, tmp_
     assert d["job"]["id"] == "job-b" and d["job"]["status"] == "partial"
     assert d["job"]["device_type"] == "cpu" and d["job"]["versions"]["tokenmill"]
     m = d["metrics"]
-    assert m["requests"] == {"total": N + 1, "succeeded": N, "failed": 1}
+    assert m["requests"] == {"total": N + 1, "succeeded": N, "failed": 1, "samples": N}
     assert m["tokens"]["output"] == N * 8
     assert m["failures"]["by_reason"] == {"empty_prompt": 1}
     assert m["cost"]["price_per_hour"] == 1.0 and m["cost"]["price_source"] == "job spec price_per_hour"

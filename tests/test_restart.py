@@ -1,7 +1,8 @@
 """A real `tokenmill run` killed with kill -9 (its whole process tree, engine core
 included) mid-run resumes with `--job-id`: answered rows are skipped, the rest
 are answered (the engine is sent each unanswered row once and no answered one),
-every id ends up exactly once.  Real engine, real subprocesses."""
+every id ends up exactly once, and each row that asked for n samples has each sample
+exactly once.  Real engine, real subprocesses."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from tokenmill.schemas import storage as S
 pytestmark = pytest.mark.engine
 ROWS = 600
 JOB = "killed-job"
+#: Every SAMPLED-th row asks for N samples (sampled, seeded): n output rows each.
+SAMPLED, N = 10, 3
 
 
 def cli(inp, out, db):
@@ -33,8 +36,10 @@ def cli(inp, out, db):
 
 
 def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, model_path):
-    inp = write_parquet(tmp_path / "in.parquet",
-                        [{"id": f"q{i:04d}", "prompt": f"Write one word about the number {i}."} for i in range(ROWS)])
+    inp = write_parquet(tmp_path / "in.parquet", [
+        {"id": f"q{i:04d}", "prompt": f"Write one word about the number {i}.",
+         **({"n": N, "temperature": 0.9, "seed": i} if i % SAMPLED == 0 else {"n": None, "temperature": None, "seed": None})}
+        for i in range(ROWS)])
     out = tmp_path / "out"
     proc = subprocess.Popen(cli(inp, out, sqlite_url), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -82,8 +87,16 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
     assert f"rows in {ROWS} / succeeded {ROWS} / failed 0" in rerun.stdout
 
     rows = pq.read_table(out / "outputs.parquet").to_pylist()
-    ids = [r["id"] for r in rows]
-    assert len(ids) == len(set(ids)) == ROWS and set(ids) == {f"q{i:04d}" for i in range(ROWS)}
+    samples: dict[str, list[int]] = {}
+    for r in rows:
+        samples.setdefault(r["id"], []).append(r["sample"])
+    assert set(samples) == {f"q{i:04d}" for i in range(ROWS)}
+    # each row once, and a row that asked for N samples each of them once
+    assert all(s == (list(range(N)) if int(i[1:]) % SAMPLED == 0 else [0]) for i, s in samples.items()), samples
+    texts = {}
+    for r in rows:
+        texts.setdefault(r["id"], set()).add(r["text"])
+    assert any(len(texts[f"q{i:04d}"]) > 1 for i in range(0, ROWS, SAMPLED))  # seeds i, i+1, i+2: not one answer
     # The outputs table cannot show a row answered twice (its primary key keeps the first
     # answer), so count what each run sent to the engine: every finished batch's `requests`
     # (len of the prompts it fed the engine), keyed by batch id, which names its run.
@@ -93,6 +106,7 @@ def test_kill_9_of_the_process_tree_mid_run_then_resume(tmp_path, sqlite_url, mo
     assert all(r["output_tokens"] > 0 for r in rows)
     job = S.JobStore(eng).get(JOB)
     assert (job["status"], job["total"], job["succeeded"], job["failed"]) == ("succeeded", ROWS, ROWS, 0)
+    assert job["metrics"]["requests"]["samples"] == len(rows) == ROWS + (N - 1) * (ROWS // SAMPLED)
     _check_accounting_of_the_two_runs(eng, job["metrics"])
 
 

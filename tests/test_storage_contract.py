@@ -160,6 +160,38 @@ class StorageContract:
             "local_tokenizer+stream_chunks": {"rows": 1, "prompt": 10, "output": 5},
             "not_recorded": {"rows": 1, "prompt": 10, "output": 5}}
 
+    def test_outputs_stored_before_samples_upgrade_as_sample_0_and_take_more_samples(self, db_url):
+        """A database at revision 0007 (outputs keyed by job and id) with an answered row: after
+        the upgrade it is sample 0, the same id takes samples 1 and 2, a repeated sample is
+        skipped, and the row counts once as answered."""
+        from alembic import command
+
+        eng = db_engine(db_url)
+        with eng.begin() as conn:
+            command.upgrade(S.alembic_config(conn), "0007")
+        with eng.begin() as conn:
+            conn.execute(text("INSERT INTO outputs (job_id, id, input_file, input_row, text, output_tokens) "
+                              "VALUES ('old', 'a', 0, 0, 'first', 5)"))
+        _fresh(db_url)
+        eng = S.connect(db_url)  # migrates on first use
+        w = S.ResultWriter(eng)
+        assert w.insert_rows(OutputRow, [_output("old", 0, id="a", sample=k, text=f"s{k}") for k in (0, 1, 2)]) == 2
+        got = [(r["id"], r["sample"], r["text"]) for rows in S.MetricsReader(eng).stream_rows(OutputRow, "old") for r in rows]
+        assert got == [("a", 0, "first"), ("a", 1, "s1"), ("a", 2, "s2")]
+        assert S.MetricsReader(eng).counts("old") == {"succeeded": 1, "failed": 0}
+        st = S.RequestSummary(eng).stats("old")
+        assert (st.n, st.rows) == (3, 1)
+
+    def test_a_duplicate_ids_samples_become_one_dead_letter(self, db_url):
+        eng = S.connect(db_url)
+        w = S.ResultWriter(eng)
+        w.claim_ids("j-dup-s", [("x", 0, 5)])
+        lost = w.commit_batch([_output("j-dup-s", 9, id="x", sample=k) for k in range(3)], [], [])
+        assert lost == 1 and S.MetricsReader(eng).counts("j-dup-s") == {"succeeded": 0, "failed": 1}
+        w.commit_batch([_output("j-dup-s", 7, id="y", sample=k) for k in range(3)], [], [])
+        assert w.claim_ids("j-dup-s", [("y", 0, 1)]) == 1  # the three samples, retracted as one dead letter
+        assert S.MetricsReader(eng).counts("j-dup-s") == {"succeeded": 0, "failed": 2}
+
     def test_migrated_tables_match_the_declared_ones(self, db_url):
         from alembic.autogenerate import compare_metadata
         from alembic.runtime.migration import MigrationContext

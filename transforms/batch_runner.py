@@ -31,7 +31,7 @@ from tokenmill.schemas import records as R
 from tokenmill.schemas.config import BatchingConfig, EngineConfig, SamplingDefaults
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Batch, BatchStats, FailedRecord, OutputRow, TokenizedPrompt
-from tokenmill.schemas.sampling import request_sampling
+from tokenmill.schemas.sampling import request_sampling, sample_requests
 from tokenmill.transforms import answers
 from tokenmill.transforms.engines.protocol import EngineSession, Finished
 
@@ -133,8 +133,10 @@ class BatchRunner:
         self._pending: deque[Batch] = deque()
         self._active: dict[str, dict[str, Any]] = {}
         """batch id → its state, for the batches in the engine"""
-        self._owner: dict[str, tuple[str, TokenizedPrompt]] = {}
-        """request id → (batch id, prompt), for the requests in the engine"""
+        self._owner: dict[str, tuple[str, TokenizedPrompt, int]] = {}
+        """request id → (batch id, prompt, sample), for the requests in the engine"""
+        self._samples: dict[tuple[str, int, int], list[Any]] = {}
+        """(batch id, input position) → the finished samples of a row asking for n > 1, until all are in"""
         self.admitted_rows = 0
         """Requests handed to the engine, retries included: engine-side work, for rework figures."""
         self.generated_rows = 0
@@ -142,17 +144,32 @@ class BatchRunner:
         self.generated_tokens = 0
 
     # -- helpers
-    def _output_row(self, p: TokenizedPrompt, f: Finished, batch_id: str) -> dict[str, Any]:
+    def _output_row(self, p: TokenizedPrompt, f: Finished, batch_id: str, sample: int = 0) -> dict[str, Any]:
         self.generated_rows += 1
         self.generated_tokens += f.output_tokens or 0
         figures = f.figures()
         sampling = request_sampling(self.cfg.sampling, p)
         figures.update(answers.answered(sampling, f.text or "", f.finish_reason, f.logprobs))
         return OutputRow(
-            job_id=self.cfg.job_id, id=p.id, input_file=p.input_file, input_row=p.input_row,
+            job_id=self.cfg.job_id, id=p.id, sample=sample, input_file=p.input_file, input_row=p.input_row,
             model=self.cfg.model_name, reference=p.reference, batch_id=batch_id, worker=self.worker,
             **figures,
         ).as_dict()
+
+    def _finished(self, p: TokenizedPrompt, f: Finished, bid: str, sample: int):
+        """One finished engine request: the row's output rows and dead letter once all its
+        samples are in (([], None) until then; a row whose sample the engine gave up on is
+        that dead letter alone, none of its samples stored)."""
+        result = self._gave_up(p, f) if f.error_reason is not None else self._output_row(p, f, bid, sample)
+        if p.samples == 1:
+            return ([], result) if isinstance(result, FailedRecord) else ([result], None)
+        got = self._samples.setdefault((bid, p.input_file, p.input_row), [])
+        got.append(result)
+        if len(got) < p.samples:
+            return [], None
+        del self._samples[(bid, p.input_file, p.input_row)]
+        dead = next((r for r in got if isinstance(r, FailedRecord)), None)
+        return ([], dead) if dead is not None else (sorted(got, key=lambda r: r["sample"]), None)
 
     @staticmethod
     def _gave_up(p: TokenizedPrompt, f: Finished) -> FailedRecord:
@@ -160,14 +177,22 @@ class BatchRunner:
         reason = f.error_reason or R.ENGINE_ERROR
         return FailedRecord(p.input_file, p.input_row, p.id, reason, f.error or reason)
 
-    def _add(self, s: EngineSession, p: TokenizedPrompt, rid: str) -> FailedRecord | None:
+    def _add(self, s: EngineSession, p: TokenizedPrompt, rid: str) -> list[str] | FailedRecord:
+        """Hand the engine a row's requests (one per sample, `rid` and `rid~i`): their request
+        ids, or the row's dead letter when the engine rejects one (the others are aborted)."""
+        added: list[str] = []
         try:
             source = {} if p.source is None else {"source": p.source}
-            s.add(rid, p.token_ids, request_sampling(self.cfg.sampling, p), **source)
+            for i, sampling in enumerate(sample_requests(request_sampling(self.cfg.sampling, p))):
+                one = rid if i == 0 else f"{rid}~{i}"
+                s.add(one, p.token_ids, sampling, **source)
+                added.append(one)
         except Exception as err:
+            if added:
+                s.abort(added)
             return FailedRecord(p.input_file, p.input_row, p.id, R.BAD_REQUEST, f"engine rejected the request: {first_line(err)}")
-        self.admitted_rows += 1
-        return None
+        self.admitted_rows += len(added)
+        return added
 
     def run(self, batches: list[Batch]):
         """Yield (rows, dead, stats) per finished batch, until every batch is answered."""
@@ -207,6 +232,7 @@ class BatchRunner:
         self._pending.clear()
         self._active.clear()
         self._owner.clear()
+        self._samples.clear()
         self.close()
 
     def close(self) -> None:
@@ -252,13 +278,13 @@ class BatchRunner:
                                       "done_times": [], "idle": 0.0}
                 active[b.batch_id] = st
                 for i, p in enumerate(b.prompts):
-                    rid = f"{b.batch_id}.{i}"
-                    bad = self._add(s, p, rid)
-                    if bad is not None:
-                        st["dead"].append(bad)
-                    else:
-                        owner[rid] = (b.batch_id, p)
-                        st["left"] += 1
+                    added = self._add(s, p, f"{b.batch_id}.{i}")
+                    if isinstance(added, FailedRecord):
+                        st["dead"].append(added)
+                        continue
+                    for j, rid in enumerate(added):
+                        owner[rid] = (b.batch_id, p, j)
+                    st["left"] += len(added)
             if not pending and not drain:
                 return  # every fed batch is in the engine: the caller's next unit comes next
             if not active:
@@ -282,15 +308,15 @@ class BatchRunner:
                 entry = owner.pop(f.request_id, None)
                 if entry is None:
                     continue
-                bid, p = entry
+                bid, p, sample = entry
                 st = active[bid]
                 if f.retries is not None:  # an HTTP engine's retries of this row, by reason
                     st.setdefault("retries", Counter()).update(f.retries)
-                if f.error_reason is not None:  # the engine gave up on this row (after its retries)
-                    st["dead"].append(self._gave_up(p, f))
-                else:
-                    st["rows"].append(self._output_row(p, f, bid))
-                    st["done_times"].append(f.finished_at)
+                rows, dead = self._finished(p, f, bid, sample)  # the engine gave up on it: a dead letter
+                if dead is not None:
+                    st["dead"].append(dead)
+                st["rows"].extend(rows)
+                st["done_times"].extend(r["finished_at"] for r in rows)
                 st["left"] -= 1
             for bid in [b for b, st in active.items() if st["left"] <= 0]:
                 st = active.pop(bid)
@@ -329,6 +355,7 @@ class BatchRunner:
         """A step failed: abort what is in flight, restart the engine if it died,
         and answer the in-flight batches one by one with bisection."""
         s.abort(list(owner))
+        self._samples.clear()  # the rows whose samples were not all in are answered again, whole
         for bid, st in list(active.items()):
             done_ids = {r["id"] for r in st["rows"]}
             todo = [p for p in st["batch"].prompts if p.id not in done_ids and all(d.id != p.id for d in st["dead"])]
@@ -341,27 +368,30 @@ class BatchRunner:
 
     def _run_sync(self, prompts: list[TokenizedPrompt], bid: str):
         s = self._live_session()
-        owner: dict[str, TokenizedPrompt] = {}
+        owner: dict[str, tuple[TokenizedPrompt, int]] = {}
         rows: list[dict[str, Any]] = []
         dead: list[FailedRecord] = []
         for i, p in enumerate(prompts):
-            rid = f"{bid}.r{time.monotonic_ns()}.{i}"
-            bad = self._add(s, p, rid)
-            if bad is not None:
-                dead.append(bad)
-            else:
-                owner[rid] = p
+            added = self._add(s, p, f"{bid}.r{time.monotonic_ns()}.{i}")
+            if isinstance(added, FailedRecord):
+                dead.append(added)
+                continue
+            for j, rid in enumerate(added):
+                owner[rid] = (p, j)
         started = self._clock()
         try:
             while owner:
                 for f in self._step(s, started):
-                    done = owner.pop(f.request_id, None)
-                    if done is not None and f.error_reason is not None:
-                        dead.append(self._gave_up(done, f))
-                    elif done is not None:
-                        rows.append(self._output_row(done, f, bid))
+                    entry = owner.pop(f.request_id, None)
+                    if entry is None:
+                        continue
+                    got, bad = self._finished(entry[0], f, bid, entry[1])
+                    rows.extend(got)
+                    if bad is not None:
+                        dead.append(bad)
         except Exception:
             s.abort(list(owner))
+            self._samples.clear()
             raise
         return rows, dead
 

@@ -22,7 +22,9 @@ the rest of the pipeline are unchanged.  Served beyond free text:
   completions' `logprobs: k` (an integer 0-5; 0 is the sampled token's alone), read as
   `logprobs=True, top_logprobs=k`.  The other endpoint's spelling is refused.
 
-Refused (`UNSUPPORTED`): `n` > 1, `stream`, `tools` (tools are not served).  A line
+`n` (samples per request) is the row key `n`: the request's samples are its output
+rows, written back as one line with n choices.  Refused (`UNSUPPORTED`): `stream`,
+`tools` (tools are not served).  A line
 that is not a usable request (bad JSON, no custom_id, another method or endpoint, a
 refused or misspelt body field) becomes a `bad_request` dead letter carrying the
 line; it never fails the job.
@@ -52,7 +54,6 @@ SHARD_LINES = 2048
 #: Body fields that would change what a response means and that tokenmill does not serve:
 #: when the value is refused, and what the refusal adds.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v not in (None, 1), "one choice per request is served"),
     "stream": (lambda v: bool(v), "the answers are written to the output file"),
     "tools": (lambda v: bool(v), "tools (function calling) are not served"),
 }

@@ -45,6 +45,7 @@ def tokenize_record(
     block_size: int = DEFAULT_BLOCK_SIZE,
     prefix_blocks: int = 4,
     keep_source: bool = False,
+    default_samples: int = 1,
 ) -> TokenizedPrompt | FailedRecord:
     max_tokens = rec.sampling.get("max_tokens", default_max_tokens)
     try:
@@ -74,12 +75,13 @@ def tokenize_record(
         sampling=rec.sampling,
         reference=rec.reference,
         source=(rec.messages if rec.messages is not None else rec.prompt) if keep_source else None,
+        samples=rec.sampling.get("n", default_samples),
     )
 
 
 class TokenizeFn(MapRows):
     def __init__(self, counter: TokenCounter, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
-                 keep_source: bool = False):
+                 keep_source: bool = False, default_samples: int = 1):
         self._counter = counter
         self._kw: dict[str, Any] = dict(
             max_model_len=max_model_len,
@@ -87,6 +89,7 @@ class TokenizeFn(MapRows):
             block_size=block_size,
             prefix_blocks=prefix_blocks,
             keep_source=keep_source,
+            default_samples=default_samples,
         )
         self._encoder: Encoder | None = None
 
@@ -108,9 +111,10 @@ class Tokenize(beam.PTransform):
     that takes text (`EngineKind.takes_text`); the token ids still size, order and batch it."""
 
     def __init__(self, counter: TokenCounter, max_model_len: int, default_max_tokens: int, block_size: int,
-                 prefix_blocks: int, keep_source: bool = False):
+                 prefix_blocks: int, keep_source: bool = False, default_samples: int = 1):
         super().__init__()
-        self._fn = TokenizeFn(counter, max_model_len, default_max_tokens, block_size, prefix_blocks, keep_source)
+        self._fn = TokenizeFn(counter, max_model_len, default_max_tokens, block_size, prefix_blocks, keep_source,
+                              default_samples)
 
     def expand(self, chunks):
         return chunks | with_dead(self._fn, "ChatTemplateAndCount")

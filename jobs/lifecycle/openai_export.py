@@ -106,47 +106,72 @@ def completion_logprobs(tokens: list[dict[str, Any]] | None) -> dict[str, Any] |
             "text_offset": offsets}
 
 
-def response_body(row: dict[str, Any], url: str, model: str | None) -> dict[str, Any]:
-    """A `chat.completion` or `text_completion` body with `usage` for one output row, its
-    log-probabilities in the endpoint's shape when the row has them (a structured row's
-    text is its JSON or constrained text, as OpenAI returns it)."""
+def response_body(rows: dict[str, Any] | list[dict[str, Any]], url: str, model: str | None) -> dict[str, Any]:
+    """A `chat.completion` or `text_completion` body with `usage` for one request: its output
+    row, or its n samples' rows (one choice each, `index` the sample; the prompt counted
+    once, the completions summed, as OpenAI counts `n`), with log-probabilities in the
+    endpoint's shape where a row has them (a structured row's text is its JSON or
+    constrained text, as OpenAI returns it)."""
+    samples = [rows] if isinstance(rows, dict) else rows
+    row = samples[0]
     _, rid = _ids(row["job_id"], row["id"])
-    prompt, completion = int(row.get("prompt_tokens") or 0), int(row.get("output_tokens") or 0)
+    prompt = int(row.get("prompt_tokens") or 0)
+    completion = sum(int(r.get("output_tokens") or 0) for r in samples)
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if row.get("cached_tokens") is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": int(row["cached_tokens"])}
     if row.get("token_count_source") not in (None, "engine"):  # estimates say so (records.TOKEN_COUNT_SOURCES)
         usage["token_count_source"] = row["token_count_source"]
-    common = {"created": int(row.get("finished_at") or 0), "model": model or row.get("model") or "", "usage": usage}
-    finish = row.get("finish_reason") or "stop"
+    created = int(max(r.get("finished_at") or 0 for r in samples))
+    common = {"created": created, "model": model or row.get("model") or "", "usage": usage}
     if url == COMPLETIONS:
-        choice = {"index": 0, "text": row.get("text") or "", "logprobs": completion_logprobs(row.get("logprobs")),
-                  "finish_reason": finish}
-        return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": [choice], **common}
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": row.get("text") or ""},
-        "logprobs": chat_logprobs(row.get("logprobs")),
-        "finish_reason": finish,
-    }
-    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": [choice], **common}
+        choices = [{"index": r.get("sample") or 0, "text": r.get("text") or "",
+                    "logprobs": completion_logprobs(r.get("logprobs")), "finish_reason": r.get("finish_reason") or "stop"}
+                   for r in samples]
+        return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": choices, **common}
+    choices = [{
+        "index": r.get("sample") or 0,
+        "message": {"role": "assistant", "content": r.get("text") or ""},
+        "logprobs": chat_logprobs(r.get("logprobs")),
+        "finish_reason": r.get("finish_reason") or "stop",
+    } for r in samples]
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": choices, **common}
+
+
+def by_request(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[list[dict[str, Any]]]]:
+    """Chunks of output rows in input order → chunks of requests, each its rows (a row's
+    samples together, also where a chunk ends between them)."""
+    held: list[dict[str, Any]] = []
+    for rows in chunks:
+        out: list[list[dict[str, Any]]] = []
+        for r in rows:
+            if held and (held[0]["input_file"], held[0]["input_row"]) != (r["input_file"], r["input_row"]):
+                out.append(held)
+                held = []
+            held.append(r)
+        if out:
+            yield out
+    if held:
+        yield [held]
 
 
 def output_lines(chunks: Iterable[list[dict[str, Any]]], source: str | None = None) -> Iterator[list[str]]:
-    """Chunks of output rows → chunks of OpenAI batch output lines (one per row).
+    """Chunks of output rows → chunks of OpenAI batch output lines (one per request, its
+    samples as its choices).
 
     `source` is the job's input (file, folder or glob); it tells each row's endpoint
     and the model name its request asked for."""
     index = RequestIndex.from_input(source)
-    for rows in chunks:
+    for requests in by_request(chunks):
         out = []
-        for r in rows:
+        for samples in requests:
+            r = samples[0]
             url, model = index.lookup(r["input_file"], r["input_row"])
             line_id, request_id = _ids(r["job_id"], r["id"])
             out.append(json.dumps({
                 "id": line_id,
                 "custom_id": r["id"],
-                "response": {"status_code": 200, "request_id": request_id, "body": response_body(r, url, model)},
+                "response": {"status_code": 200, "request_id": request_id, "body": response_body(samples, url, model)},
                 "error": None,
             }, ensure_ascii=False))
         yield out

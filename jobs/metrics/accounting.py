@@ -164,7 +164,7 @@ def job_metrics(
     peak_rss = max((w.get("peak_rss_bytes") or 0 for w in workers), default=0)
     info = next((w.get("engine_info") for w in workers if w.get("engine_info")), {}) or {}
     m: dict[str, Any] = {
-        "requests": {"total": total, "succeeded": n, "failed": failed},
+        "requests": {"total": total, "succeeded": n if s.rows is None else s.rows, "failed": failed, "samples": n},
         "concurrency": {
             "arrival": "offline: all requests available at start; admitted by token budget",
             "max_num_seqs": engine_config.get("max_num_seqs"),

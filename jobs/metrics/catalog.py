@@ -130,7 +130,9 @@ def _f(name: str, path: str, label: str, unit: str, better: Better, counts: str,
 _GEN = "over generation wall time"
 FIGURES: tuple[Figure, ...] = (
     _f("requests_total", "requests.total", "input rows", "count", "neutral", "input rows of the job"),
-    _f("requests_succeeded", "requests.succeeded", "succeeded requests", "count", "higher", "answered requests"),
+    _f("requests_succeeded", "requests.succeeded", "succeeded requests", "count", "higher", "answered input rows"),
+    _f("samples", "requests.samples", "output rows (samples)", "count", "neutral",
+       "output rows: a row asking for n samples has n, each an engine request"),
     _f("requests_failed", "requests.failed", "failed requests", "count", "lower", "dead-lettered input rows"),
     _f("failure_rate", "failures.rate", "failure rate", "pct", "lower", "dead-lettered rows / input rows"),
     _f("structured_rows", "answers.checked", "structured rows checked", "count", "neutral",
@@ -263,7 +265,7 @@ VIEWS: dict[str, tuple[tuple[str, Figure], ...]] = {
     "status": _view(
         "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "tpot_p50_s", "tpot_p95_s", "e2e_p95_s", "e2e_p99_s",
         "total_tok_per_s", "requests_per_s", "generation_wall_s", "model_load_s", "prefix_cache_hit_rate",
-        "failures_by_reason", "structured_rows", "schema_valid_rate", "dtype", "dtype_auto", "rows_by_token_count_source", "cost_per_1m_total_tokens",
+        "failures_by_reason", "samples", "structured_rows", "schema_valid_rate", "dtype", "dtype_auto", "rows_by_token_count_source", "cost_per_1m_total_tokens",
         "cost_per_successful_request", "cost_basis", "prices", "cost_held_per_1m_output_tokens",
         "cost_held_per_1m_total_tokens", "cost_held_per_successful_request", "cost_held_basis", "runs", "gpus",
         "nvml_errors"),

@@ -19,8 +19,10 @@ class MetricsReader(SqlStore):
     """Read-only queries over one job's rows; each returns plain values or dicts of columns."""
 
     def counts(self, job_id: str) -> dict[str, int]:
+        """Input rows answered (a row's n samples count once) and dead-lettered."""
+        o = T.outputs.c
         with self.engine.connect() as conn:
-            ok = conn.execute(select(func.count()).select_from(T.outputs).where(T.outputs.c.job_id == job_id)).scalar()
+            ok = conn.execute(select(func.count()).select_from(T.outputs).where(o.job_id == job_id, o.sample == 0)).scalar()
             bad = conn.execute(
                 select(func.count()).select_from(T.dead_letters).where(T.dead_letters.c.job_id == job_id)
             ).scalar()
@@ -41,11 +43,13 @@ class MetricsReader(SqlStore):
             return int(conn.execute(q).scalar() or 0)
 
     def stream_rows(self, record: type[StoredRow], job_id: str) -> Iterator[list[dict[str, Any]]]:
-        """A job's rows of one table in input order (file, then row), in chunks of CHUNK_ROWS."""
+        """A job's rows of one table in input order (file, then row, then a row's samples), in
+        chunks of CHUNK_ROWS."""
         tbl = table(record)
+        order = [tbl.c.input_file, tbl.c.input_row, *([tbl.c.sample] if "sample" in tbl.c else [])]
         with self.engine.connect() as conn:
             res = conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(
-                select(tbl).where(tbl.c.job_id == job_id).order_by(tbl.c.input_file, tbl.c.input_row)
+                select(tbl).where(tbl.c.job_id == job_id).order_by(*order)
             )
             for part in res.mappings().partitions(CHUNK_ROWS):
                 yield [dict(r) for r in part]

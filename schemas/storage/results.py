@@ -58,7 +58,7 @@ class ResultWriter(SqlStore):
                 first = claims.get(o["id"])
                 if first is None or first == (o["input_file"], o["input_row"]):
                     keep.append(o)
-                else:
+                elif o.get("sample", 0) == 0:  # one dead letter for a row's samples
                     lost.append(_duplicate(o["job_id"], o["id"], o["input_file"], o["input_row"], first))
             for record, rows in ((OutputRow, keep), (DeadLetterRow, dead_letters + lost), (BatchStats, stats)):
                 if rows:
@@ -161,14 +161,14 @@ def _retract_losers(conn, job_id: str, ids: list[str]) -> int:
     """Outputs of `ids` stored for a row that no longer holds the id's claim: deleted, and
     stored as `duplicate_id` dead letters naming the claiming row."""
     o, c = T.outputs.c, T.id_claims.c
-    q = (select(o.id, o.input_file, o.input_row, c.input_file, c.input_row)
+    q = (select(o.id, o.input_file, o.input_row, c.input_file, c.input_row).distinct()  # once for a row's samples
          .join(T.id_claims, and_(c.job_id == o.job_id, c.id == o.id))
          .where(o.job_id == job_id, o.id.in_(ids),
                 or_(o.input_file != c.input_file, o.input_row != c.input_row)))
     losers = conn.execute(q).all()
     if not losers:
         return 0
-    conn.execute(delete(T.outputs).where(o.job_id == job_id, o.id.in_([i for i, *_ in losers])))  # key: (job, id)
+    conn.execute(delete(T.outputs).where(o.job_id == job_id, o.id.in_([i for i, *_ in losers])))  # key: (job, id, sample)
     insert_ignore(conn, T.dead_letters, [_duplicate(job_id, i, f, r, (cf, cr)) for i, f, r, cf, cr in losers])
     return len(losers)
 

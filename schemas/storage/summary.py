@@ -36,6 +36,9 @@ class RequestStats:
     """What a job's metrics take from its answered requests (accounting.job_metrics)."""
 
     n: int = 0
+    """Output rows: engine requests answered (a row's n samples are n)."""
+    rows: int | None = None
+    """Input rows answered (a row's samples once); None: the same as `n`."""
     prompt: int = 0
     output: int = 0
     cached: int = 0
@@ -94,15 +97,16 @@ class RequestSummary(SqlStore):
                 dists[c] = self._dist(conn, job_id, c, int(count), mean, top) if count else empty_dist()
             per_req = conn.execute(select(func.avg(cast(o.c.output_tokens, Float) / o.c.e2e_s)).where(
                 mine, o.c.e2e_s > 0, o.c.output_tokens > 0)).scalar()
-            checked, valid = conn.execute(select(func.count(o.c.valid), func.count().filter(o.c.valid.is_(True)))
-                                          .where(mine)).one()
+            checked, valid, rows = conn.execute(select(
+                func.count(o.c.valid), func.count().filter(o.c.valid.is_(True)), func.count().filter(o.c.sample == 0),
+            ).where(mine)).one()
             groups = conn.execute(select(o.c.token_count_source, func.count(), func.coalesce(func.sum(o.c.prompt_tokens), 0),
                                          func.coalesce(func.sum(o.c.output_tokens), 0))
                                   .where(mine).group_by(o.c.token_count_source)).all()
         return RequestStats(n=n, prompt=prompt, output=output, cached=cached, cached_known=cached_rows > 0,
                             by_source=_by_source(groups), dists=dists,
                             mean_request_output_tok_per_s=None if per_req is None else float(per_req),
-                            checked=int(checked or 0), valid=int(valid or 0))
+                            checked=int(checked or 0), valid=int(valid or 0), rows=int(rows or 0))
 
     def _dist(self, conn, job_id: str, column: str, n: int, mean, top) -> dict[str, Any]:
         """Mean, max and numpy-exact percentiles of one column: the database ranks the

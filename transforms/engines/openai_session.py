@@ -44,9 +44,8 @@ import httpx
 from pydantic import Field, field_validator, model_validator
 
 from tokenmill.schemas import records as R
-from tokenmill.schemas.config import EngineConfig, SamplingDefaults
+from tokenmill.schemas.config import EngineConfig
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.sampling import request_keys
 from tokenmill.transforms.engines import requests
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 
@@ -196,28 +195,13 @@ class _Down(Exception):
     """No connection could be made: the server is down (or unreachable)."""
 
 
-def request_body(model: str, source: str | list[dict[str, str]], sampling: dict[str, Any],
-                 dialect: requests.Dialect = "openai") -> dict[str, Any]:
-    """The OpenAI request for one row: `messages` (chat) or `prompt` (raw text), every
-    sampling key that is set (schemas/sampling.request_keys: a key at its "off" value is
-    left out, so a server that does not know vLLM's extras, `min_tokens`, `top_k`,
-    `ignore_eos`, is sent them only when a job sets them), and the keys of its request
-    kind in the server's `dialect` (requests.http_body: structured outputs, logprobs)."""
-    chat = isinstance(source, list)
-    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
-    body["messages" if chat else "prompt"] = source
-    body.update(request_keys(requests.plain(sampling), SamplingDefaults))
-    body.update(requests.http_body(sampling, chat=chat, dialect=dialect))
-    return body
-
-
 def _refusal(error: Any) -> bool:
     """An error object in a stream that is the request's own fault: a 4xx code, not 429."""
-    code = error.get("code") if isinstance(error, dict) else None
     try:
-        return 400 <= int(code) < 500 and int(code) != 429
-    except (TypeError, ValueError):
+        code = int(error.get("code"))  # not a dict: AttributeError
+    except (AttributeError, TypeError, ValueError):
         return False
+    return 400 <= code < 500 and code != 429
 
 
 def _retry_after(r: httpx.Response) -> float | None:
@@ -267,7 +251,7 @@ class OpenAISession:
             raise ValueError("the openai engine sends text: this request has no prompt text or messages")
         if self._stop.is_set():
             raise RuntimeError("the openai session was stopped")
-        body = request_body(self.cfg.model, source, sampling, self.dialect)
+        body = requests.request_body(self.cfg.model, source, sampling, self.dialect)
         with self._lock:
             self._live.add(request_id)
         self._todo.put((request_id, body, len(token_ids)))

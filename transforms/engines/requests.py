@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from tokenmill.schemas.sampling import ANSWER_KEYS, MAX_TOP_LOGPROBS, structured_kind
+from tokenmill.schemas.config import SamplingDefaults
+from tokenmill.schemas.sampling import ANSWER_KEYS, MAX_TOP_LOGPROBS, request_keys, structured_kind
 
 Dialect = Literal["openai", "llama.cpp"]
 
@@ -126,6 +127,21 @@ def http_body(sampling: dict[str, Any], *, chat: bool, dialect: Dialect) -> dict
     else:
         out["structured_outputs"] = {kind: sampling[kind]}
     return out
+
+
+def request_body(model: str, source: str | list[dict[str, str]], sampling: dict[str, Any],
+                 dialect: Dialect = "openai") -> dict[str, Any]:
+    """The OpenAI request for one row: `messages` (chat) or `prompt` (raw text), every
+    sampling key that is set (schemas/sampling.request_keys: a key at its "off" value is
+    left out, so a server that does not know vLLM's extras, `min_tokens`, `top_k`,
+    `ignore_eos`, is sent them only when a job sets them), and the keys of its request
+    kind in the server's `dialect` (http_body: structured outputs, logprobs)."""
+    chat = isinstance(source, list)
+    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+    body["messages" if chat else "prompt"] = source
+    body.update(request_keys(plain(sampling), SamplingDefaults))
+    body.update(http_body(sampling, chat=chat, dialect=dialect))
+    return body
 
 
 def _alternatives(top: Any, k: int) -> list[dict[str, Any]]:
