@@ -155,27 +155,32 @@ def kv_plan(model, max_model_len, batch, kv_cache_dtype, dtype, scheme, memory, 
 @main.command(context_settings=CONTEXT_SETTINGS)
 @click.argument("base_job")
 @click.argument("candidate_job")
-@click.option("--max-drop", type=float, default=None, help="Allowed accuracy drop (or disagreement without references) as a fraction; default 0.05.")
+@click.option("--max-drop", type=float, default=None, help="Allowed accuracy drop (or disagreement without references), "
+              "and allowed schema-valid rate drop of structured rows, as a fraction; default 0.05.")
+@click.option("--min-cosine", type=float, default=None, help="Embedding jobs: the lowest mean cosine similarity of "
+              "the rows' vectors that passes; default 0.99.")
 @click.option("--show", type=int, default=5, show_default=True, help="How many of the most different rows to list.")
 @db_option
 @json_option
-def compare(base_job, candidate_job, max_drop, show, db_url, as_json):
+def compare(base_job, candidate_job, max_drop, min_cosine, show, db_url, as_json):
     """Quality gate: compare a candidate job's outputs with a base job's (exit 6 if worse than allowed).
 
     \b
-    Example:
+    Examples:
       tokenmill compare eval-bf16 eval-w8a8 --max-drop 0.05
+      tokenmill compare embed-bf16 embed-w8a8 --min-cosine 0.995
     """
-    from tokenmill.jobs.modeltools.compare import DEFAULT_MAX_DROP, CompareError, compare_jobs, format_comparison
+    from tokenmill.jobs.modeltools import compare as C
 
     try:
-        c = compare_jobs(connect(db_url), base_job, candidate_job,
-                         max_drop=DEFAULT_MAX_DROP if max_drop is None else max_drop, show=show)
-    except CompareError as err:
+        c = C.compare_jobs(connect(db_url), base_job, candidate_job,
+                           max_drop=C.DEFAULT_MAX_DROP if max_drop is None else max_drop,
+                           min_cosine=C.DEFAULT_MIN_COSINE if min_cosine is None else min_cosine, show=show)
+    except C.CompareError as err:
         raise Failure(str(err)) from None
     if as_json:
         emit_json(c.as_dict())
     else:
-        click.echo(format_comparison(c))
+        click.echo(C.format_comparison(c))
     if not c.passed:
         raise SystemExit(EXIT_QUALITY)
