@@ -333,7 +333,7 @@ class Bench:
 
     def arm_setup(self, arm: str, wl: str) -> dict[str, Any]:
         """The arm's engine config, workers and what its parallelism is, in words."""
-        from tokenmill.transforms.engines.openai_session import OpenAIConfig
+        from tokenmill.transforms.engines.openai_config import OpenAIConfig
 
         workers = 2 if wl == "b" else 1
         slots = self.args.slots

@@ -66,7 +66,7 @@ def engines_per_host(spec: JobSpec) -> int:
 def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dict[str, Any]:
     block = parts.block_size or spec.engine.block_size or DEFAULT_BLOCK_SIZE
     plan = parts.plan
-    served = tuple(getattr(plan, "served_models", ()) or ())
+    served = plan.rules() if hasattr(plan, "rules") else None  # an OpenAI batch input's lines
     units = plan_units(plan, spec.batching.unit_bytes)
     work = p | "PlanUnits" >> PlanUnits(plan_work(units, spec.runner.num_workers))
     ids = not (plan.format == "parquet" and "id" not in plan.columns)  # else ids come from positions: no duplicates
@@ -82,7 +82,8 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(
         parts.counter or TokenCounter.local(parts.model_path, model=spec.engine.model),
-        spec.engine.max_model_len, spec.sampling.max_tokens, block, spec.batching.prefix_blocks,
+        spec.engine.max_model_len, 0 if spec.engine.task == "embed" else spec.sampling.max_tokens, block,
+        spec.batching.prefix_blocks,
         keep_source=engine_of(spec.engine.kind).takes_text, default_samples=spec.sampling.n,
     )
     dead["Tokenize"] = tok[DEAD]

@@ -87,6 +87,25 @@ class EngineConfig(_Strict):
     """The KV cache block size (prefix keys align to it); default: the engine's own."""
     extra: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"flag": False})
     """Passed through to the engine unchanged (its module says how)."""
+    task: Literal["generate", "embed"] = Field("generate", json_schema_extra={
+        "flag_help": "generate (text out) or embed (one vector per row; docs/REQUESTS.md)."})
+    """`generate`: text out; `embed`: one vector per row (vLLM's pooling runner on the same
+    model folder, llama-server with --embeddings, an OpenAI-compatible server's /v1/embeddings)."""
+    pooling: Literal["last", "mean", "cls"] | None = Field(None, json_schema_extra={
+        "flag_help": "embed: how the tokens' states become one vector (default last; openai: the server's)."})
+    """With `task: embed`, how the tokens' hidden states become the row's vector: `last` (the
+    last token's, the default for a causal LM), `mean` or `cls`; the vector is L2-normalized.
+    Unset for the `openai` engine: the server's own pooling."""
+
+    @model_validator(mode="after")
+    def _pooling_embeds(self) -> "EngineConfig":
+        if self.pooling is not None and self.task != "embed":
+            raise ValueError("pooling is for task: embed")
+        return self
+
+    def embedding_pooling(self) -> str | None:
+        """The pooling an embedding job runs with (None: a generate job, or the server's own)."""
+        return None if self.task != "embed" else (self.pooling or "last")
 
     def batch_timeout_problem(self, batch_timeout_s: float) -> str | None:
         """Why one row could outlast `batching.batch_timeout_s` on this engine (one line), or

@@ -168,7 +168,9 @@ class Batch:
 # ---------------------------------------------------------------- stored rows
 
 _ARROW = {"str": pa.string(), "text": pa.string(), "int": pa.int64(), "bigint": pa.int64(), "float": pa.float64(),
-          "json": pa.string(), "bool": pa.bool_()}
+          "json": pa.string(), "bool": pa.bool_(), "bytes": pa.binary()}
+#: An embedding as exported: float32 values (a fixed-size list of the job's dimension in the files).
+EMBEDDING_TYPE = pa.list_(pa.float32())
 
 _TOKEN = pa.struct([("token", pa.string()), ("logprob", pa.float64())])
 #: An output's log-probabilities as exported: per output token, its text, its log-probability
@@ -182,7 +184,7 @@ def column(sql: str, *, key: bool = False, required: bool = False, export: bool 
            arrow: pa.DataType | None = None, default: Any = dataclasses.MISSING):
     """A record field that is also a table column.
 
-    `sql` is "text", "int", "bigint", "float", "bool", "json" or "str:<length>"; `key` makes it
+    `sql` is "text", "int", "bigint", "float", "bool", "json", "bytes" or "str:<length>"; `key` makes it
     part of the primary key, `required` NOT NULL (both must be given; other fields default to
     None); `export` puts it in the exported files; `metric` makes it one of METRIC_COLUMNS;
     `arrow` is a json column's type in the exported files (else its JSON text); `default`: a
@@ -233,6 +235,9 @@ class RequestFigures:
     e2e_s: float | None = column("float", metric=True)
     queue_s: float | None = column("float", metric=True)
     finished_at: float | None = column("float", export=False)
+    embedding: bytes | None = column("bytes", arrow=EMBEDDING_TYPE)
+    """An embedding job's vector: float32 little-endian bytes (`embedding_values`), exported as
+    a list of floats; None for a generate job."""
     logprobs: list[dict[str, Any]] | None = column("json", arrow=LOGPROBS_TYPE)
     """Per output token: {"token", "logprob", "top_logprobs": [{"token", "logprob"}, ...]}, for
     a row that asked for `logprobs` (the engine's own figures, docs/REQUESTS.md); else None."""
@@ -349,7 +354,7 @@ class WorkerRow(StoredRow):
 REQUEST_COLUMNS = tuple(
     f.name for f in dataclasses.fields(OutputRow)
     if f.name not in ("job_id", "model", "text", "reference", "input_file", "input_row", "logprobs", "parsed",
-                      "choice_probs")
+                      "choice_probs", "embedding")
 )
 
 #: The per-request figures that metrics sum, count and take percentiles of, read as one
@@ -394,12 +399,29 @@ def _json_text_columns(record: type[StoredRow]) -> tuple[str, ...]:
                  if f.metadata["sql"] == "json" and f.metadata["arrow"] is None and f.metadata["export"])
 
 
+def embedding_bytes(values: Any) -> bytes:
+    """A vector as the `embedding` column stores it (float32, little-endian)."""
+    import numpy as np
+
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def embedding_values(blob: bytes) -> list[float]:
+    """The `embedding` column's bytes as floats."""
+    import numpy as np
+
+    return np.frombuffer(blob, dtype="<f4").tolist()
+
+
 def exported(record: type[StoredRow], row: dict[str, Any]) -> dict[str, Any]:
     """A stored row (a dict of the table's columns) as the exported files show it: a json
-    column without an Arrow type as its JSON text."""
+    column without an Arrow type as its JSON text, an embedding as its floats."""
     out = {k: row.get(k) for k in _export_names(record) if k != "input_ref"}  # type: ignore[arg-type]  # a record class is hashable
     for k in _json_text_columns(record):  # type: ignore[arg-type]  # a record class is hashable
         if out.get(k) is not None:
             out[k] = json.dumps(out[k], ensure_ascii=False)
+    blob = out.get("embedding")
+    if blob is not None:
+        out["embedding"] = embedding_values(blob)
     out["input_ref"] = format_ref(row["input_file"], row["input_row"])
     return out

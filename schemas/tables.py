@@ -17,6 +17,7 @@ from sqlalchemy import (
     Float,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -57,7 +58,7 @@ jobs = Table(
 )
 
 _SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "bigint": BigInteger, "float": Float, "json": JSON,
-                                     "bool": Boolean}
+                                     "bool": Boolean, "bytes": LargeBinary}
 
 
 def _sql_type(sql: str) -> TypeEngine:

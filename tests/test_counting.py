@@ -17,7 +17,7 @@ from tokenmill.schemas import storage as S
 from tokenmill.schemas.records import PromptRecord
 from tokenmill.transforms import counting as C
 from tokenmill.transforms.engines import openai_engine
-from tokenmill.transforms.engines.openai_session import OpenAIConfig
+from tokenmill.transforms.engines.openai_config import OpenAIConfig
 from tokenmill.transforms.engines.protocol import EngineStartError
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}]

@@ -104,7 +104,8 @@ class TestOpenAIEngine(EngineContract):
             yield s
 
     def start(self, request):
-        from tokenmill.transforms.engines.openai_session import OpenAIConfig, OpenAISession
+        from tokenmill.transforms.engines.openai_config import OpenAIConfig
+        from tokenmill.transforms.engines.openai_session import OpenAISession
 
         return OpenAISession(OpenAIConfig(kind="openai", base_url=self.fault_server.base_url, model="test-model",
                                           max_in_flight=2, request_timeout_s=5.0, max_retries=0))

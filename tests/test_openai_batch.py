@@ -81,7 +81,7 @@ def test_completion_line_and_text_parts_and_max_completion_tokens():
     [
         ("{not json", "not valid JSON"),
         (json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}}), "custom_id"),
-        (json.dumps({**chat_line("x", "hi"), "url": "/v1/embeddings"}), "url must be one of"),
+        (json.dumps({**chat_line("x", "hi"), "url": "/v1/moderations"}), "url must be one of"),
         (json.dumps({**chat_line("x", "hi"), "method": "GET"}), "method must be POST"),
         (json.dumps(chat_line("x", "hi", stream=True)), "body.stream=True is not supported"),
         (json.dumps(completion_line("x", 5)), "body.prompt must be a string"),

@@ -47,7 +47,10 @@ from tokenmill.transforms.read import InputError, InputPlan, expand_input
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS)
+EMBEDDINGS = "/v1/embeddings"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+#: The endpoints a job serves, by its engine's task (a line to another is refused, saying so).
+TASK_ENDPOINTS = {"generate": (CHAT, COMPLETIONS), "embed": (EMBEDDINGS,)}
 JSONL_PATTERNS = ("*.jsonl", "*.jsonl.gz")
 #: Lines per read shard: small enough to spread a big file over workers.
 SHARD_LINES = 2048
@@ -102,6 +105,19 @@ class JsonlPlan(InputPlan[JsonlShard]):
     served_models: tuple[str, ...] = ()
     """Names the job's engine answers to (set by the job runner); a line whose body names
     another model is a `bad_request` dead letter, as the OpenAI API answers 404.  Empty: any."""
+    task: str = "generate"
+    """The job's engine task (set by the job runner): the endpoints its lines may name."""
+
+    def rules(self) -> "LineRules":
+        return LineRules(self.served_models, TASK_ENDPOINTS[self.task])
+
+
+@dataclass(frozen=True)
+class LineRules:
+    """What a job serves of the lines it reads: the model names (empty: any) and endpoints."""
+
+    models: tuple[str, ...] = ()
+    urls: tuple[str, ...] = (CHAT, COMPLETIONS)
 
 
 def _open(path: str):
@@ -212,6 +228,8 @@ def parse_request(line: str | bytes) -> dict[str, Any]:
             raise LineError(f"body.{key}={_short(body[key])} is not supported in batch jobs: {why}")
     out["url"] = url
     out["model"] = body.get("model")
+    if url == EMBEDDINGS:
+        return {**out, **_embedding_input(body)}
     if url == CHAT:
         msgs = body.get("messages")
         if not isinstance(msgs, list):
@@ -244,6 +262,21 @@ def parse_request(line: str | bytes) -> dict[str, Any]:
                             f"both set a structured output; set one")
         out.update(so)
     return out
+
+
+def _embedding_input(body: dict[str, Any]) -> dict[str, Any]:
+    """An /v1/embeddings body's one text input as the row's prompt (float vectors, the model's
+    own dimension: other encodings, `dimensions` and several inputs per line are refused)."""
+    text = body.get("input")
+    if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
+        text = text[0]
+    if not isinstance(text, str):
+        raise LineError(f"body.input must be one string for {EMBEDDINGS} (a line per input), got {_short(text)}")
+    if body.get("encoding_format") not in (None, "float"):
+        raise LineError(f"body.encoding_format={_short(body['encoding_format'])} is not served: float vectors only")
+    if body.get("dimensions") is not None:
+        raise LineError("body.dimensions is not served: vectors have the model's own dimension")
+    return {"prompt": text, "messages": None}
 
 
 def _logprob_keys(body: dict[str, Any], url: str) -> dict[str, Any]:
@@ -304,13 +337,18 @@ def _short(v: Any) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def line_row(line: bytes, file_index: int, line_no: int, served_models: tuple[str, ...] = ()) -> dict[str, Any]:
+def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | None = None) -> dict[str, Any]:
     """The row dict Validate expects (the Parquet reader's shape) for one input line."""
     row: dict[str, Any] = {"_row": line_no, "_file_index": file_index}
+    rules = served or LineRules()
     try:
         req = parse_request(line)
-        if served_models and req["model"] is not None and req["model"] not in served_models:
-            raise LineError(f"body.model {req['model']!r} is not served by this job (it serves {served_models[0]!r})")
+        if rules.models and req["model"] is not None and req["model"] not in rules.models:
+            raise LineError(f"body.model {req['model']!r} is not served by this job (it serves {rules.models[0]!r})")
+        if req["url"] not in rules.urls:
+            task = "task: embed" if req["url"] == EMBEDDINGS else "task: generate"
+            raise LineError(f"url {req['url']} is not served by this job (it serves {', '.join(rules.urls)}): "
+                            f"these lines need a job of their own with engine {task}")
     except LineError as err:
         row[ERROR_KEY] = (R.BAD_REQUEST, str(err))
         row[RAW_KEY] = line.decode("utf-8", errors="replace").rstrip("\n")[:2000]
@@ -328,7 +366,7 @@ def line_row(line: bytes, file_index: int, line_no: int, served_models: tuple[st
     return row
 
 
-def read_jsonl_shard(shard: JsonlShard, served_models: tuple[str, ...] = (),
+def read_jsonl_shard(shard: JsonlShard, served: LineRules | None = None,
                      skip: AbstractSet[int] = frozenset()) -> Iterator[dict[str, Any]]:
     """The rows of a run of lines but those whose line number is in `skip` (a rerun's done rows)."""
     with _open(shard.path) as fh:
@@ -343,4 +381,4 @@ def read_jsonl_shard(shard: JsonlShard, served_models: tuple[str, ...] = (),
             if not line:
                 break
             if line.strip() and first + k not in skip:
-                yield line_row(line, shard.file_index, first + k, served_models)
+                yield line_row(line, shard.file_index, first + k, served)

@@ -324,14 +324,14 @@ def _records(rb, places: list[int], file_index: int) -> Iterator[dict[str, Any]]
         yield rec
 
 
-def read_unit(unit, columns: list[str] | None = None, served_models: tuple[str, ...] = (),
+def read_unit(unit, columns: list[str] | None = None, served: Any = None,
               skip: AbstractSet[int] = frozenset(), spilled: Iterator | None = None) -> list[dict[str, Any]]:
     """The rows of one work unit (a Parquet slice or a JSONL run of lines) but those in `skip`."""
     if isinstance(unit, Shard):
         return list(read_shard(unit, columns, skip, spilled))
     from tokenmill.transforms.openai_batch import read_jsonl_shard
 
-    return list(read_jsonl_shard(unit, served_models, skip))
+    return list(read_jsonl_shard(unit, served, skip))
 
 
 @dataclass(frozen=True)
@@ -367,10 +367,10 @@ class ReadUnitFn(beam.DoFn):
     """Work item → its unit's rows; with a job's database and a unit in one part, only the
     rows it has not yet answered or dead-lettered (a done unit is not opened at all)."""
 
-    def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = (),
+    def __init__(self, columns: list[str] | None = None, served: Any = None,
                  db_url: str | None = None, job_id: str | None = None):
         self._columns = columns
-        self._served = served_models
+        self._served = served  # an OpenAI batch input's `openai_batch.LineRules`
         self._url, self._job_id = db_url, job_id
         self._read = beam.metrics.Metrics.counter("tokenmill", "rows_read")
         self._skipped = beam.metrics.Metrics.counter("tokenmill", "rows_skipped_done")
@@ -424,10 +424,10 @@ class ReadPrompts(beam.PTransform):
     """Work items → one `Chunk` of row dicts per item (its unit's rows; with `db_url` and
     `job_id`, those the job has not yet answered or dead-lettered)."""
 
-    def __init__(self, columns: list[str] | None = None, served_models: tuple[str, ...] = (),
+    def __init__(self, columns: list[str] | None = None, served: Any = None,
                  db_url: str | None = None, job_id: str | None = None):
         super().__init__()
-        self._fn = ReadUnitFn(columns, served_models, db_url, job_id)
+        self._fn = ReadUnitFn(columns, served, db_url, job_id)
 
     def expand(self, units):
         return units | "ReadUnit" >> beam.ParDo(self._fn)

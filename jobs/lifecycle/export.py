@@ -120,9 +120,15 @@ class Exporter(Protocol):
 
 
 def _write_rows(dest: str, eng: Engine, record: type[StoredRow], job_id: str) -> int:
-    """A job's rows of one table, in input order, as the record's exported Parquet file."""
+    """A job's rows of one table, in input order, as the record's exported Parquet file (an
+    embedding job's vectors as a fixed-size list of their dimension)."""
+    schema = export_schema(record)
+    dim = MetricsReader(eng).embedding_dim(job_id) if "embedding" in schema.names else None
+    if dim:
+        i = schema.get_field_index("embedding")
+        schema = schema.set(i, pa.field("embedding", pa.list_(pa.float32(), dim)))
     chunks = ([exported(record, r) for r in rows] for rows in MetricsReader(eng).stream_rows(record, job_id))
-    return write_parquet(dest, export_schema(record), chunks)
+    return write_parquet(dest, schema, chunks)
 
 
 class ParquetExport:

@@ -24,10 +24,12 @@ from tokenmill.jobs.lifecycle.export import job_input, write_jsonl
 from tokenmill.schemas import records as R
 from tokenmill.schemas.records import DeadLetterRow, OutputRow
 from tokenmill.schemas.storage import MetricsReader
-from tokenmill.transforms.openai_batch import CHAT, COMPLETIONS, JSONL_PATTERNS, peek_request, scan_lines
+from tokenmill.transforms.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS, JSONL_PATTERNS, peek_request, scan_lines
 from tokenmill.transforms.read import InputError, expand_input
 
 STATUS_BY_REASON = {R.ENGINE_ERROR: 500, R.ENGINE_TIMEOUT: 500}
+#: The endpoints an input line may name, by their code in `RequestIndex` (0: unknown, read as chat).
+KINDS = ("", CHAT, COMPLETIONS, EMBEDDINGS)
 
 
 class RequestIndex:
@@ -37,7 +39,7 @@ class RequestIndex:
     again fall back to a chat completion under the row's own model name."""
 
     def __init__(self) -> None:
-        self._kind: dict[int, array] = {}  # file index → per line: 0 unknown, 1 chat, 2 completion
+        self._kind: dict[int, array] = {}  # file index → per line: an index into KINDS (0: unknown)
         self._model: dict[int, array] = {}  # file index → per line: index into _models
         self._models: list[str | None] = [None]
 
@@ -55,7 +57,7 @@ class RequestIndex:
             kinds, models = array("B"), array("I")
             for _, _, line in scan_lines(f):
                 url, model = peek_request(line) if line.strip() else ("?", None)
-                kinds.append(1 if url == CHAT else 2 if url == COMPLETIONS else 0)
+                kinds.append(KINDS.index(url) if url in KINDS else 0)
                 if model not in names:
                     names[model] = len(idx._models)
                     idx._models.append(model)
@@ -66,7 +68,7 @@ class RequestIndex:
     def lookup(self, f: int, line: int) -> tuple[str, str | None]:
         try:
             kind = self._kind[f][line]
-            return (COMPLETIONS if kind == 2 else CHAT), self._models[self._model[f][line]]
+            return (KINDS[kind] or CHAT), self._models[self._model[f][line]]
         except (KeyError, IndexError):
             return CHAT, None
 
@@ -114,6 +116,8 @@ def response_body(rows: dict[str, Any] | list[dict[str, Any]], url: str, model: 
     constrained text, as OpenAI returns it)."""
     samples = [rows] if isinstance(rows, dict) else rows
     row = samples[0]
+    if url == EMBEDDINGS or row.get("embedding") is not None:
+        return embedding_body(row, model)
     _, rid = _ids(row["job_id"], row["id"])
     prompt = int(row.get("prompt_tokens") or 0)
     completion = sum(int(r.get("output_tokens") or 0) for r in samples)
@@ -136,6 +140,15 @@ def response_body(rows: dict[str, Any] | list[dict[str, Any]], url: str, model: 
         "finish_reason": r.get("finish_reason") or "stop",
     } for r in samples]
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": choices, **common}
+
+
+def embedding_body(row: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """A `list` of one `embedding` (float values) with `usage`, for an embedding row."""
+    prompt = int(row.get("prompt_tokens") or 0)
+    vector = R.embedding_values(row["embedding"]) if row.get("embedding") is not None else []
+    return {"object": "list", "model": model or row.get("model") or "",
+            "data": [{"object": "embedding", "index": 0, "embedding": vector}],
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
 
 
 def by_request(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[list[dict[str, Any]]]]:

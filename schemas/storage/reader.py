@@ -74,8 +74,15 @@ class MetricsReader(SqlStore):
         """A job's output texts and references, by id."""
         o = T.outputs.c
         with self.engine.connect() as conn:
-            res = conn.execute(select(o.id, o.text, o.reference).where(o.job_id == job_id))
+            res = conn.execute(select(o.id, o.text, o.reference).where(o.job_id == job_id, o.sample == 0))
             return {r.id: {"text": r.text, "reference": r.reference} for r in res}
+
+    def embedding_dim(self, job_id: str) -> int | None:
+        """The dimension of a job's embeddings (float32 values of its first vector); None: it has none."""
+        o = T.outputs.c
+        with self.engine.connect() as conn:
+            blob = conn.execute(select(o.embedding).where(o.job_id == job_id, o.embedding.is_not(None)).limit(1)).scalar()
+        return None if blob is None else len(blob) // 4
 
     def engine_info(self, job_id: str) -> dict[str, Any] | None:
         """The first worker's `engine_info` of a job (by worker name), or None when it has none."""

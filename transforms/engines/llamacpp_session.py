@@ -45,7 +45,8 @@ from tokenmill.schemas.models import (
     quantization_record,
     tokenmill_home,
 )
-from tokenmill.transforms.engines.openai_session import HttpClientConfig, OpenAIConfig, OpenAISession
+from tokenmill.transforms.engines.openai_config import HttpClientConfig, OpenAIConfig
+from tokenmill.transforms.engines.openai_session import OpenAISession
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,9 @@ def server_args(cfg: LlamaCppConfig, gguf: Path, port: int, threads: int) -> lis
             "--seed", str(cfg.seed), "--no-webui"]
     if cfg.max_num_batched_tokens:
         args += ["-b", str(cfg.max_num_batched_tokens)]
+    pooling = cfg.embedding_pooling()
+    if pooling is not None:  # an embedding server: a prompt's tokens in one micro-batch, as pooling needs
+        args += ["--embeddings", "--pooling", pooling, "-ub", str(cfg.max_model_len), "-b", str(cfg.max_model_len)]
     extra = cfg.extra.get("server_args") or []
     if not isinstance(extra, list) or not all(isinstance(a, (str, int, float)) for a in extra):
         raise EngineStartError("engine.extra.server_args must be a list of llama-server flags")
@@ -321,10 +325,11 @@ class LlamaServer:
 
 def client_config(cfg: LlamaCppConfig, base_url: str) -> OpenAIConfig:
     """The `openai` engine config that drives a local server: its URL, the job's model
-    name (the server's alias), requests in flight = its slots, the retry limits."""
+    name (the server's alias), requests in flight = its slots, the retry limits, the task
+    (its pooling is the server's own, started with it)."""
     return OpenAIConfig(kind="openai", base_url=base_url, model=cfg.model, max_in_flight=cfg.max_in_flight,
                         request_timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries,
-                        max_model_len=cfg.max_model_len)
+                        max_model_len=cfg.max_model_len, task=cfg.task)
 
 
 class LlamaCppSession:

@@ -15,7 +15,8 @@ from tokenmill.schemas.models import ModelNotFound, resolve_model
 from tokenmill.transforms.counting import TokenCounter, probe_server, server_root
 from tokenmill.transforms.engines.kinds import EngineCheck, EngineKind
 from tokenmill.transforms.engines.kv import JobTokens
-from tokenmill.transforms.engines.openai_session import OpenAIConfig, OpenAISession, api_key, check_server
+from tokenmill.transforms.engines.openai_config import OpenAIConfig, api_key
+from tokenmill.transforms.engines.openai_session import OpenAISession, check_server
 from tokenmill.transforms.engines.protocol import EngineSession, EngineStartError
 
 #: The figures this engine measures on the client's clock (the worker's HTTP call), network

@@ -31,114 +31,27 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import random
-import re
 import threading
 import time
 from collections import Counter
-from typing import Any, Literal
+from typing import Any
 
 import httpx
-from pydantic import Field, field_validator, model_validator
 
 from tokenmill.schemas import records as R
-from tokenmill.schemas.config import EngineConfig
 from tokenmill.schemas.errors import first_line
 from tokenmill.transforms.engines import requests
+from tokenmill.transforms.engines.openai_config import BACKOFF_CAP_S, OpenAIConfig, api_key
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 
 log = logging.getLogger(__name__)
 
 #: Backoff before retry n (0-based): uniform in [d/2, d], d = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**n).
 BACKOFF_BASE_S = 0.5
-#: The longest wait between two attempts of a request (the backoff's cap).
-BACKOFF_CAP_S = 30.0
 #: How long checking the server (/v1/models) may take.
 CHECK_TIMEOUT_S = 10.0
-
-
-class HttpClientConfig(EngineConfig):
-    """The keys of an engine driven over HTTP by this module's client (this engine, and
-    `llamacpp` through its own server): requests in flight, their time limit and retries."""
-
-    max_in_flight: int = Field(16, ge=1, le=4096, json_schema_extra={"flag": False})
-    """Requests each worker has open at once (for `llamacpp`: the server's parallel slots, `-np`,
-    each holding `max_model_len` tokens)."""
-    request_timeout_s: float = Field(300.0, gt=0, json_schema_extra={"flag": False})
-    """The longest one attempt of a request may take (and wait between bytes)."""
-    max_retries: int = Field(3, ge=0, le=100, json_schema_extra={"flag": False})
-    """Retries of a request after a 429, a 5xx, a timeout, a dropped connection or a malformed
-    response (exponential backoff with jitter); then the row is a dead letter."""
-
-    def http_worst_case_s(self) -> float:
-        """The longest one row may take: every attempt timing out, with the longest backoff between them."""
-        return (self.max_retries + 1) * self.request_timeout_s + self.max_retries * BACKOFF_CAP_S
-
-    def batch_timeout_problem(self, batch_timeout_s: float) -> str | None:
-        worst = self.http_worst_case_s()
-        if worst < batch_timeout_s:
-            return None
-        return (f"a row may take {worst:g} s over its {self.max_retries + 1} attempts "
-                f"(request_timeout_s {self.request_timeout_s:g} each, plus backoff), not under "
-                f"batching.batch_timeout_s {batch_timeout_s:g}: lower request_timeout_s or "
-                "max_retries, or raise batch_timeout_s")
-
-
-class OpenAIConfig(HttpClientConfig):
-    """`engine:` for `kind: openai`: any OpenAI-compatible HTTP server at `base_url`.  `model`
-    is the name the server serves (as its /v1/models lists it)."""
-
-    kind: Literal["openai"] = Field(json_schema_extra={"flag": False})
-    base_url: str | None = Field(None, json_schema_extra={
-        "flag_help": "--engine openai: the server's API root, e.g. http://HOST:8000/v1."})
-    """The server's OpenAI API root, e.g. `http://10.0.0.5:8000/v1`."""
-    api_key_env: str | None = Field(None, json_schema_extra={
-        "metavar": "VAR", "flag_help": "--engine openai: the environment variable holding the API key (never the key)."})
-    """The environment variable that holds the API key (read by each worker; the key itself
-    is never in the spec).  Unset: no key is sent."""
-
-    token_count: Literal["auto", "server", "tokenizer", "estimate"] = Field("auto", json_schema_extra={
-        "flag_help": "--engine openai: how prompts are counted before they are sent: auto (the "
-                     "tokenizer when given, else the server's /tokenize, else the model as a local folder, "
-                     "else an estimate), server, tokenizer or estimate."})
-    """How the prompts are counted (and ordered, and batched) before they are sent
-    (transforms/counting.py): `auto` uses `tokenizer` when it is set, else the server's own
-    `/tokenize` when it has one, else `model` as a local tokenizer folder, else an estimate
-    (one token per 4 bytes of text); `server`, `tokenizer` and `estimate` insist on one.
-    The server's `usage` counts still win where it sends them."""
-
-    @field_validator("api_key_env")
-    @classmethod
-    def _key_env(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-            raise ValueError(f"must name an environment variable (letters, digits, '_'), not hold a key; got {len(v)} characters")
-        return v
-
-    @field_validator("base_url")
-    @classmethod
-    def _base_url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"https?://[^/\s]+", v):
-            raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
-        return v.rstrip("/") if v is not None else v
-
-    @model_validator(mode="after")
-    def _needs_base_url(self) -> "OpenAIConfig":
-        if not self.base_url:
-            raise ValueError("kind openai needs base_url (the server's OpenAI API root, e.g. http://HOST:8000/v1)")
-        return self
-
-
-def api_key(cfg: OpenAIConfig) -> str | None:
-    """The API key from the variable `cfg.api_key_env` names (None when it names none);
-    EngineStartError when that variable is not set."""
-    if not cfg.api_key_env:
-        return None
-    key = os.environ.get(cfg.api_key_env)
-    if not key:
-        raise EngineStartError(f"engine.api_key_env names {cfg.api_key_env}, which is not set in this environment")
-    return key
 
 
 def _client(cfg: OpenAIConfig, key: str | None, timeout: float, connections: int) -> httpx.Client:
@@ -251,7 +164,10 @@ class OpenAISession:
             raise ValueError("the openai engine sends text: this request has no prompt text or messages")
         if self._stop.is_set():
             raise RuntimeError("the openai session was stopped")
-        body = requests.request_body(self.cfg.model, source, sampling, self.dialect)
+        if self.cfg.task == "embed":
+            body = requests.embedding_body(self.cfg.model, source)
+        else:
+            body = requests.request_body(self.cfg.model, source, sampling, self.dialect)
         with self._lock:
             self._live.add(request_id)
         self._todo.put((request_id, body, len(token_ids)))
@@ -355,6 +271,19 @@ class OpenAISession:
                 done(self._failed(request_id, R.ENGINE_ERROR, f"openai engine: {type(err).__name__}: {first_line(err)}"))
                 return
 
+    def _embedding(self, request_id: str, answer: Any, prompt_len: int, e2e: float) -> Finished:
+        """An /embeddings answer: its vector and its prompt tokens (the server's usage, else Tokenize's count)."""
+        try:
+            vector = answer["data"][0]["embedding"]
+            usage = answer.get("usage") or {}
+            prompt_tokens = int(usage["prompt_tokens"]) if "prompt_tokens" in usage else prompt_len
+            blob = R.embedding_bytes(vector)
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise _Retry(R.BAD_RESPONSE, f"not an embeddings answer: {str(answer)[:120]}") from None
+        return Finished(request_id=request_id, text=None, finish_reason=None, prompt_tokens=prompt_tokens,
+                        output_tokens=0, cached_tokens=None, e2e_s=e2e, finished_at=time.time(), embedding=blob,
+                        token_count_source=R.TOKENS_BY_ENGINE if "prompt_tokens" in usage else self.count_source)
+
     @staticmethod
     def _failed(request_id: str, reason: str, message: str) -> Finished:
         return Finished(request_id=request_id, text="", finish_reason=None, prompt_tokens=0, output_tokens=0,
@@ -362,9 +291,10 @@ class OpenAISession:
                         finished_at=time.time(), error_reason=reason, error=message)
 
     def _attempt(self, request_id: str, body: dict[str, Any], prompt_len: int) -> Finished:
-        chat = "messages" in body
-        path = "/chat/completions" if chat else "/completions"
+        chat, embed = "messages" in body, "input" in body
+        path = "/embeddings" if embed else "/chat/completions" if chat else "/completions"
         limit = self.cfg.request_timeout_s
+        answer: Any = None
         t0 = time.perf_counter()
         pieces: list[str] = []
         k = requests.logprobs_wanted_of_body(body)
@@ -379,7 +309,9 @@ class OpenAISession:
                 if r.status_code >= 400:
                     r.read()
                     raise _Refused(f"HTTP {r.status_code}: {first_line(r.text)[:300]}")
-                for line in r.iter_lines():
+                if embed:  # one JSON answer, not a stream
+                    answer, done = json.loads(r.read()), True
+                for line in () if embed else r.iter_lines():
                     if time.perf_counter() - t0 > limit:
                         raise _Retry(R.REQUEST_TIMEOUT, f"no complete answer within {limit:g} s (request_timeout_s)")
                     if not line.startswith("data:"):
@@ -422,8 +354,10 @@ class OpenAISession:
             raise _Retry(R.REQUEST_TIMEOUT, f"no answer within {limit:g} s (request_timeout_s): {type(err).__name__}") from None
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
             raise _Retry(R.CONNECTION_DROPPED, f"connection dropped: {first_line(err) or type(err).__name__}") from None
-        except (httpx.DecodingError, UnicodeDecodeError) as err:
+        except (httpx.DecodingError, UnicodeDecodeError, ValueError) as err:
             raise _Retry(R.BAD_RESPONSE, f"undecodable response: {first_line(err)}") from None
+        if embed:
+            return self._embedding(request_id, answer, prompt_len, time.perf_counter() - t0)
         if not done:
             raise _Retry(R.BAD_RESPONSE, "the stream ended without [DONE] (truncated)")
         end = time.perf_counter()

@@ -144,6 +144,14 @@ def request_body(model: str, source: str | list[dict[str, str]], sampling: dict[
     return body
 
 
+def embedding_body(model: str, source: Any) -> dict[str, Any]:
+    """An /embeddings request for one row's text; a conversation is refused (an embedding
+    input is text)."""
+    if not isinstance(source, str):
+        raise UnsupportedRequest("an embedding row takes text (`prompt`), not chat messages")
+    return {"model": model, "input": source, "encoding_format": "float"}
+
+
 def _alternatives(top: Any, k: int) -> list[dict[str, Any]]:
     if isinstance(top, dict):  # completions: {token: logprob}
         pairs = [{"token": t, "logprob": float(v)} for t, v in top.items()]

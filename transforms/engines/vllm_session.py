@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
 from tokenmill.transforms.engines import kv, requests
 from tokenmill.transforms.engines.checks import check_engine_config
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 
 
 #: VllmConfig fields that are not `EngineArgs`: `kind` picks the engine, `model` names the
-#: model (the path is passed instead), `extra` holds further EngineArgs, merged last.
-NOT_ENGINE_ARGS = {"kind", "model", "extra"}
+#: model (the path is passed instead), `extra` holds further EngineArgs, merged last; `task`
+#: and `pooling` are translated (`embed_kwargs`).
+NOT_ENGINE_ARGS = {"kind", "model", "extra", "task", "pooling"}
 
 
 def engine_kwargs(cfg: VllmConfig, model_path: str, *, on_gpu: bool, resolve_auto: bool = True) -> dict[str, Any]:
@@ -49,6 +51,15 @@ def engine_kwargs(cfg: VllmConfig, model_path: str, *, on_gpu: bool, resolve_aut
     if resolve_auto and not on_gpu and kw.get("dtype", "auto") == "auto":
         kw["dtype"] = cpu_dtype(model_path, kw)
     return kw
+
+
+def embed_kwargs(cfg: VllmConfig) -> dict[str, Any]:
+    """For `task: embed`, the pooling runner on the same causal-LM folder (vLLM converts it to
+    an embedding model) with the job's pooling and normalized vectors; else nothing."""
+    pooling = cfg.embedding_pooling()
+    if pooling is None:
+        return {}
+    return {"runner": "pooling", "convert": "embed", "pooler_config": {"pooling_type": pooling.upper()}}
 
 
 def _single_process_env(kwargs: dict[str, Any]) -> dict[str, str] | None:
@@ -152,6 +163,10 @@ class VllmSession:
         self.dtype_auto = None if on_gpu else _measured_auto(model_path, self.kwargs)
         if self.dtype_auto:
             self.kwargs["dtype"] = self.dtype_auto["choice"]
+        self.kwargs.update(embed_kwargs(cfg))  # after the dtype: `auto` is measured generating
+        self.embed = cfg.task == "embed"
+        self._added: dict[str, float] = {}
+        """request id → when it was added, for an embedding request (its output has no timings)"""
         self.kv_sizing: dict[str, Any] = {"source": "vllm"}
         omp_env: dict[str, str] | None = None
         if not on_gpu:
@@ -197,8 +212,15 @@ class VllmSession:
         """`source` (a prompt's text) is not used: vLLM is sent the token ids."""
         from vllm.inputs import TokensPrompt
 
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        if self.embed:
+            from vllm import PoolingParams
+
+            self.engine.add_request(request_id, prompt, PoolingParams(task="embed"))
+            self._added[request_id] = time.time()
+            return
         params = sampling_params(sampling)
-        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), params)
+        self.engine.add_request(request_id, prompt, params)
         self._logprobs[request_id] = params.logprobs
 
     def step(self) -> list[Finished]:
@@ -211,6 +233,9 @@ class VllmSession:
         done = []
         for o in outs:
             if not o.finished:
+                continue
+            if self.embed:
+                done.append(self._embedded(o, now))
                 continue
             c = o.outputs[0]
             n_out = len(c.token_ids)
@@ -243,12 +268,22 @@ class VllmSession:
             )
         return done
 
+    def _embedded(self, o: Any, now: float) -> Finished:
+        """A finished pooling request: its vector, its prompt tokens, its time since added."""
+        added = self._added.pop(o.request_id, None)
+        return Finished(
+            request_id=o.request_id, text=None, finish_reason=None, prompt_tokens=len(o.prompt_token_ids or []),
+            output_tokens=0, cached_tokens=int(o.num_cached_tokens or 0), e2e_s=None if added is None else now - added,
+            finished_at=now, embedding=R.embedding_bytes(o.outputs.data.float().cpu().numpy()),
+        )
+
     def num_unfinished(self) -> int:
         return self.engine.get_num_unfinished_requests()
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._logprobs.pop(rid, None)
+            self._added.pop(rid, None)
         try:
             self.engine.abort_request(request_ids)
         except Exception:
@@ -340,6 +375,8 @@ class VllmSession:
             "kv_sizing": self.kv_sizing,
             "executor": self.executor,
             "dtype_auto": dtype_auto_summary(self.dtype_auto),
+            "task": self.cfg.task, "pooling": self.cfg.embedding_pooling(),
+            "embedding_dim": mc.get_hidden_size() if self.embed else None,
             "engine_kwargs": {k: v for k, v in self.kwargs.items() if k not in ("model", "tokenizer")},
         }
 
