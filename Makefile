@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-quant bench-tune bench-scale bench-rerun bench-layout bench-report bench-db gpu-check clean help
+.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-quant bench-tune bench-scale bench-rerun bench-layout bench-report bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-dtype - the demo job in float32 and bfloat16, A B B A, against dtype auto's choice"
 	@echo "make bench-engines - vLLM, W8A8, llama.cpp GGUFs, openai->vllm serve, llama-server direct (docs/ENGINES.md)"
 	@echo "make bench-kinds - JSON-schema structured output against free text, same prompts, vLLM and llama.cpp"
+	@echo "make bench-embed - an embedding job against vLLM's LLM.embed on the same rows, A B B A"
 	@echo "make bench-quant - RTN against calibrated quantization (docs/QUANTIZATION.md)"
 	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
 	@echo "make bench-layout - one row group against 8,192-row groups, the same rows side by side (bench/layout.py)"
@@ -165,6 +166,11 @@ bench-engines: prepare llamacpp
 # Shorter: BENCH_ARGS="--n 8 --reps 1 --engines llamacpp".
 bench-kinds: prepare llamacpp
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.request_kinds $(BENCH_ARGS)
+
+# An embedding job (`tokenmill run --task embed`) against vLLM's own LLM.embed on the same 2,000 texts,
+# each a whole process, warm-up then A B B A: rows/s, target >= 0.9x (bench/embed.py); ~6 min on 2 cores.
+bench-embed: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.embed $(BENCH_ARGS)
 
 bench-quant: prepare llamacpp llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant $(BENCH_ARGS)

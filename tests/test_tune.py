@@ -295,6 +295,30 @@ def test_gate_judges_a_comparison():
     assert (passed, loss, metric) == (False, 1.0, "exact_match")
 
 
+def test_gate_judges_embedding_and_structured_comparisons():
+    import numpy as np
+
+    from tokenmill.jobs.modeltools.compare import compare_rows
+    from tokenmill.schemas.records import embedding_bytes
+
+    a, b = np.array([1.0, 0.0]), np.array([np.cos(0.3), np.sin(0.3)])  # cosine cos(0.3) = 0.955
+    base = {"1": {"text": None, "embedding": embedding_bytes(a)}}
+    cand = {"1": {"text": None, "embedding": embedding_bytes(b)}}
+    c = compare_rows(base, cand)
+    passed, loss, metric = T.parse_gate("auto<=3%").judge(c)
+    assert (passed, metric) == (False, "mean_cosine") and loss == pytest.approx(1 - np.cos(0.3), abs=1e-6)
+    assert T.parse_gate("cosine>=0.95").judge(c)[0] and not T.parse_gate("cosine>=0.96").judge(c)[0]
+    with pytest.raises(T.TuneError, match="measures text"):
+        T.parse_gate("similarity>=0.9").judge(c)
+    structured = {str(i): {"text": "{}", "valid": True, "parsed": {}} for i in range(4)}
+    worse = {**structured, "3": {"text": "{", "valid": False, "parsed": None}}
+    s = compare_rows(structured, worse)
+    assert T.parse_gate("schema_valid_drop<=30%").judge(s)[:2] == (True, pytest.approx(0.25))
+    assert not T.parse_gate("schema_valid_drop<=20%").judge(s)[0]
+    with pytest.raises(T.TuneError, match="needs embedding jobs"):
+        T.parse_gate("cosine>=0.9").judge(s)
+
+
 def test_candidates_from_the_space(tmp_path):
     space = tmp_path / "space.yaml"
     space.write_text("grid:\n  engine.dtype: [float32, bfloat16]\n  engine.max_num_seqs: [8, 32]\n"

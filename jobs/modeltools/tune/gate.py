@@ -7,12 +7,16 @@ from dataclasses import dataclass
 
 from tokenmill.jobs.modeltools.tune.common import TuneError
 
-#: Without --gate: the compare gate's own measure (accuracy drop where the input has
-#: references, else disagreement = 1 - word similarity), at most 3 points.
+#: Without --gate: the compare gate's own measure as a loss (accuracy drop where the input has
+#: references, else disagreement = 1 - word similarity; for an embedding job 1 - the mean
+#: cosine similarity to the reference vectors), at most 3 points.
 DEFAULT_GATE = "auto<=3%"
 
 #: gate metric → the comparison it reads and the direction of its limit
-GATE_METRICS = {"auto": "<=", "accuracy_drop": "<=", "disagreement": "<=", "exact_match": ">=", "similarity": ">="}
+GATE_METRICS = {"auto": "<=", "accuracy_drop": "<=", "disagreement": "<=", "exact_match": ">=", "similarity": ">=",
+                "cosine": ">=", "schema_valid_drop": "<="}
+#: The measures of a text comparison, which an embedding job (no text) does not have.
+TEXT_METRICS = ("disagreement", "exact_match", "similarity")
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,18 @@ class Gate:
         """(passed, quality loss as a fraction, the measure used) of one compare.Comparison.
         The loss is what the plots show: the accuracy drop, or 1 - agreement."""
         if self.metric == "auto":
-            return c.gate_value <= self.limit + 1e-12, c.gate_value, c.gate_metric
+            loss = 1.0 - c.gate_value if c.gate_metric == "mean_cosine" else c.gate_value  # a similarity, as a loss
+            return loss <= self.limit + 1e-12, loss, c.gate_metric
+        if self.metric == "cosine":
+            if c.cosine_mean is None:
+                raise TuneError("gate cosine needs embedding jobs (engine task: embed)")
+            return c.cosine_mean >= self.limit - 1e-12, 1.0 - c.cosine_mean, "cosine"
+        if self.metric == "schema_valid_drop":
+            if c.valid_rate_drop is None:
+                raise TuneError("gate schema_valid_drop needs structured rows (response_format, regex or choice)")
+            return c.valid_rate_drop <= self.limit + 1e-12, c.valid_rate_drop, "schema_valid_drop"
+        if c.word_similarity is None or c.exact_match_rate is None:
+            raise TuneError(f"gate {self.metric} measures text; these jobs' rows are embeddings: use cosine or auto")
         if self.metric == "accuracy_drop":
             if c.accuracy_drop is None:
                 raise TuneError("gate accuracy_drop needs reference answers: set reference_column in the job spec")
