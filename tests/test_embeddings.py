@@ -41,6 +41,10 @@ def _job(tmp_path, sqlite_url, job_id, engine) -> dict[str, list[float]]:
     inp = write_parquet(tmp_path / "in.parquet", _rows())
     res = run_job(job_spec(inp, tmp_path / "out", job_id=job_id, engine=engine), db_url=sqlite_url)
     assert res.status == "succeeded" and res.succeeded == len(TEXTS), res
+    from tokenmill.jobs.cli.run import format_summary
+
+    said = format_summary(res.summary())  # the run summary speaks of input tokens and rows, not output
+    assert "rows/s (over generation wall time; embeddings: no output tokens" in said and "output 0" not in said, said
     table = pq.read_table(tmp_path / "out" / "outputs.parquet")
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), HIDDEN)
     out = {r["id"]: r for r in table.to_pylist()}

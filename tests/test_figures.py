@@ -154,7 +154,8 @@ def test_status_and_the_run_summary_keep_their_keys_and_lines(monkeypatch):
     assert set(s) == {"job_id", "status", "rows_in", "succeeded", "failed", "prompt_tokens", "output_tokens",
                       "total_tokens", "wall_s", "model_load_s", "generation_wall_s", "output_tok_per_s",
                       "total_tok_per_s", "prefix_cache_hit_rate", "cost_per_1m_output_tokens",
-                      "cost_held_per_1m_output_tokens", "outputs", "dtype_auto", "note"}  # `run --json`
+                      "cost_held_per_1m_output_tokens", "outputs", "dtype_auto", "note", "task", "requests_per_s",
+                      "cost_per_1m_total_tokens", "cost_held_per_1m_total_tokens"}  # `run --json`
     assert _lines(RUN.format_summary(s))[1:6] == [
         "  rows in 8 / succeeded 6 / failed 2",
         "  tokens: prompt 75, output 105, total 180",

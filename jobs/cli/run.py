@@ -40,7 +40,14 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  output {num(s['output_tok_per_s'])} tok/s, total {num(s['total_tok_per_s'])} tok/s "
         f"(over generation wall time); prefix cache hit rate {num(s['prefix_cache_hit_rate'], '{:.1%}')}",
     ]
-    if s.get("cost_per_1m_output_tokens") is not None:
+    if s.get("task") == "embed":  # no output tokens: input tokens and rows per second, cost per input token
+        lines[-1] = (f"  input {num(s['total_tok_per_s'])} tok/s, {num(s.get('requests_per_s'))} rows/s (over generation "
+                     f"wall time; embeddings: no output tokens, no TTFT or TPOT)")
+        if s.get("cost_per_1m_total_tokens") is not None:
+            held = s.get("cost_held_per_1m_total_tokens")
+            lines.append(f"  cost ${s['cost_per_1m_total_tokens']:.4f} per 1M input tokens over generation only"
+                         + ("" if held is None else f", ${held:.4f} over all held time (start-up, load, export)"))
+    elif s.get("cost_per_1m_output_tokens") is not None:
         held = s.get("cost_held_per_1m_output_tokens")
         lines.append(f"  cost ${s['cost_per_1m_output_tokens']:.4f} per 1M output tokens over generation only"
                      + ("" if held is None else f", ${held:.4f} over all held time (start-up, load, export)"))

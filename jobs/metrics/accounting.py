@@ -204,7 +204,8 @@ def job_metrics(
         "workers": [worker_summary(w) for w in workers],
         "devices": device_summary(workers),
         # the dtype the engine ran, and on a CPU with `dtype: auto` the measurement that chose it
-        "engine": {"dtype": info.get("dtype"), "dtype_auto": info.get("dtype_auto")},
+        "engine": {"dtype": info.get("dtype"), "dtype_auto": info.get("dtype_auto"),
+                   "task": info.get("task") or engine_config.get("task") or "generate"},
         "prefix_cache": {
             "hit_rate": (cached / prompt) if prompt and not cache_unknown else None,
             "cached_prompt_tokens": None if cache_unknown else cached,

@@ -187,6 +187,7 @@ FIGURES: tuple[Figure, ...] = (
     _f("mean_batch_requests", "concurrency.mean_batch_requests", "mean requests per batch", "count", "neutral",
        "requests per batch, mean over batches"),
     _f("dtype", "engine.dtype", "dtype", "text", "neutral", "the dtype the engine ran"),
+    _f("task", "engine.task", "task", "text", "neutral", "generate (text out) or embed (a vector per row)"),
     _f("dtype_auto", "engine.dtype_auto", "dtype auto", "text", "neutral",
        "on a CPU with `dtype: auto`, the measurement that chose the dtype"),
     _f("checkpoint", "checkpoint", "checkpoint", "text", "neutral", "the model checkpoint's description"),
@@ -275,7 +276,7 @@ VIEWS: dict[str, tuple[tuple[str, Figure], ...]] = {
     "summary": _view(
         "prompt_tokens", "output_tokens", "total_tokens", "model_load_s", "generation_wall_s", "output_tok_per_s",
         "total_tok_per_s", "prefix_cache_hit_rate", "cost_per_1m_output_tokens", "cost_held_per_1m_output_tokens",
-        "dtype_auto"),
+        "dtype_auto", "task", "requests_per_s", "cost_per_1m_total_tokens", "cost_held_per_1m_total_tokens"),
     # `tokenmill tune`: each run's figures and the table's columns ("cost" ranks the candidates)
     "tune": _view(("cost", "cost_per_1m_output_tokens"), "output_tok_per_s", "ttft_p95_s", "tpot_p95_s",
                   "e2e_p95_s", ("peak_rss_bytes", "peak_worker_rss_bytes")),
