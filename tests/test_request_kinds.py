@@ -85,6 +85,11 @@ def test_streamed_logprobs_in_the_chat_and_the_legacy_completions_shapes_read_al
     assert requests.http_logprobs(chat, chat=True, k=1) == want
     assert requests.http_logprobs(legacy, chat=False, k=1) == want
     assert requests.http_logprobs({"logprobs": None}, chat=True, k=1) == []
+    # a token the constraint ruled out (-inf) is no alternative, and JSON could not hold it
+    ruled = {"logprobs": {"content": [{"token": "a", "logprob": 0.0,
+                                       "top_logprobs": [{"token": "a", "logprob": 0.0}, {"token": "b", "logprob": float("-inf")}]}]}}
+    assert requests.http_logprobs(ruled, chat=True, k=5) == [{"token": "a", "logprob": 0.0,
+                                                              "top_logprobs": [{"token": "a", "logprob": 0.0}]}]
 
 
 def test_outputs_are_checked_against_their_constraint_with_a_reason():
@@ -115,6 +120,11 @@ def test_choice_probabilities_from_the_first_tokens_alternatives():
     lps = [tok("ne", math.log(0.3), [("pos", math.log(0.5)), ("ne", math.log(0.3))]), tok("utral", math.log(0.5), [])]
     got = {p["choice"]: p["prob"] for p in answers.choice_probs(["positive", "negative", "neutral"], "neutral", lps)}
     assert math.isclose(got["neutral"], 0.15) and got["negative"] is None and math.isclose(got["positive"], 0.5)
+    # ...added to what its own first tokens hold (as vLLM answered "negative" via "n" + "egative", 2026-12-03)
+    lps = [tok("n", math.log(0.5), [("n", math.log(0.5)), ("pos", math.log(0.36)), ("negative", math.log(0.13))]),
+           tok("egative", math.log(0.84), [])]
+    got = {p["choice"]: p["prob"] for p in answers.choice_probs(["positive", "negative", "neutral"], "negative", lps)}
+    assert math.isclose(got["negative"], 0.13 + 0.42) and math.isclose(got["positive"], 0.36) and got["neutral"] is None
     # distinct first tokens holding all the probability (a constrained distribution): the rest is 0
     lps = [tok("yes", math.log(0.8), [("yes", math.log(0.8)), ("no", math.log(0.2))])]
     got = {p["choice"]: p["prob"] for p in answers.choice_probs(["yes", "no", "maybe"], "yes", lps)}

@@ -12,10 +12,11 @@ is stored (the output row's `valid`, `invalid_reason`, `parsed`, `choice_probs`,
   output token (`requests.MAX_TOP_LOGPROBS` of them): an answer's probability is the
   summed probability of the alternatives that begin it and no other answer (under a
   constraint, such a token settles the answer, so this is the answer's probability).  The
-  answer given, when its first token begins another answer too, is scored by its own path
-  (the product of its tokens' probabilities).  Any other answer that shares its first
-  token is None (not measured), and so is one whose first token is not among the
-  alternatives unless they hold all the probability (then 0).
+  answer given, when its first token begins another answer too, adds its own path (the
+  product of its tokens' probabilities) to that: a lower bound, since other ways to it
+  through shared tokens are not measured.  Any other answer that shares its first token
+  and has no token of its own is None (not measured), and so is one whose first token is
+  not among the alternatives unless they hold all the probability (then 0).
   The probabilities are the engine's own: vLLM's under the constraint, llama-server's
   before it (docs/REQUESTS.md), so they sum to at most 1 either way.
 """
@@ -90,12 +91,17 @@ def choice_probs(choices: list[str], text: str, logprobs: list[dict[str, Any]] |
     # an answer whose first token is not among the alternatives has at most the mass they leave
     # out: 0 when they hold all of it (vLLM's constrained distribution), else not measured
     left = 1.0 - sum(math.exp(a["logprob"]) for a in first)
+    # the answer given, begun by a token it shares with another: its own path adds to it (a
+    # disjoint way to it; other ways through shared tokens are not measured: a lower bound)
+    taken = logprobs[0]["token"]
+    path = sum(-math.inf if t["logprob"] is None else t["logprob"] for t in logprobs)
+    own = math.exp(path) if sum(c.startswith(taken) for c in choices if taken) > 1 else 0.0
     out = []
     for c in choices:
-        if c in mass:
-            prob: float | None = mass[c]
-        elif c == text:  # begun by a token it shares: its own path
-            prob = math.exp(sum(t["logprob"] for t in logprobs))
+        if c == text and (own or c not in mass):
+            prob: float | None = mass.get(c, 0.0) + own
+        elif c in mass:
+            prob = mass[c]
         else:
             prob = 0.0 if c not in shared and left <= 1e-6 else None
         out.append({"choice": c, "prob": prob})

@@ -148,8 +148,9 @@ class BatchRunner:
         self.generated_rows += 1
         self.generated_tokens += f.output_tokens or 0
         figures = f.figures()
-        sampling = request_sampling(self.cfg.sampling, p)
-        figures.update(answers.answered(sampling, f.text or "", f.finish_reason, f.logprobs))
+        if f.embedding is None:  # an embedding has no text to check
+            sampling = request_sampling(self.cfg.sampling, p)
+            figures.update(answers.answered(sampling, f.text or "", f.finish_reason, f.logprobs))
         return OutputRow(
             job_id=self.cfg.job_id, id=p.id, sample=sample, input_file=p.input_file, input_row=p.input_row,
             model=self.cfg.model_name, reference=p.reference, batch_id=batch_id, worker=self.worker,

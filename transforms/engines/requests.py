@@ -20,6 +20,7 @@ per output token, alternatives most likely first (schemas/records.LOGPROBS_TYPE)
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 from tokenmill.schemas.config import SamplingDefaults
@@ -87,10 +88,18 @@ def vllm_logprobs(token_ids: list[int], logprobs: Any, k: int | None) -> list[di
                         key=lambda t: t[0])
         out.append({
             "token": (chosen.decoded_token if chosen else None) or "",
-            "logprob": float(chosen.logprob) if chosen else float("nan"),
-            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": float(lp.logprob)} for _, lp in ranked][:k],
+            "logprob": _finite(chosen.logprob) if chosen else None,
+            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": float(lp.logprob)} for _, lp in ranked
+                             if math.isfinite(lp.logprob)][:k],
         })
     return out
+
+
+def _finite(v: Any) -> float | None:
+    """A log-probability as stored: None for a token the engine ruled out (-inf under a
+    constraint) or did not score, which JSON cannot hold."""
+    v = None if v is None else float(v)
+    return v if v is not None and math.isfinite(v) else None
 
 
 # ---------------------------------------------------------------- over HTTP
@@ -154,10 +163,11 @@ def embedding_body(model: str, source: Any) -> dict[str, Any]:
 
 def _alternatives(top: Any, k: int) -> list[dict[str, Any]]:
     if isinstance(top, dict):  # completions: {token: logprob}
-        pairs = [{"token": t, "logprob": float(v)} for t, v in top.items()]
+        pairs = [{"token": t, "logprob": _finite(v)} for t, v in top.items()]
     else:  # chat: [{"token", "logprob", ...}]
-        pairs = [{"token": a.get("token") or "", "logprob": float(a["logprob"])} for a in top or ()]
-    return sorted(pairs, key=lambda a: -a["logprob"])[:k]
+        pairs = [{"token": a.get("token") or "", "logprob": _finite(a.get("logprob"))} for a in top or ()]
+    kept = [a for a in pairs if a["logprob"] is not None]  # a ruled-out alternative says nothing
+    return sorted(kept, key=lambda a: -a["logprob"])[:k]
 
 
 def http_logprobs(choice: dict[str, Any], *, chat: bool, k: int) -> list[dict[str, Any]]:
@@ -166,11 +176,11 @@ def http_logprobs(choice: dict[str, Any], *, chat: bool, k: int) -> list[dict[st
     if not lp:
         return []
     if chat or "content" in lp:  # the chat shape (llama-server streams completions in it too)
-        return [{"token": t.get("token") or "", "logprob": float(t["logprob"]),
+        return [{"token": t.get("token") or "", "logprob": _finite(t.get("logprob")),
                  "top_logprobs": _alternatives(t.get("top_logprobs"), k)} for t in lp.get("content") or ()]
     tokens, values = lp.get("tokens") or [], lp.get("token_logprobs") or []
     tops = lp.get("top_logprobs") or [None] * len(tokens)
-    return [{"token": t, "logprob": float(v) if v is not None else float("nan"), "top_logprobs": _alternatives(a, k)}
+    return [{"token": t, "logprob": _finite(v), "top_logprobs": _alternatives(a, k)}
             for t, v, a in zip(tokens, values, tops)]
 
 
