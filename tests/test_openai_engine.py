@@ -434,7 +434,8 @@ def test_a_server_that_dies_mid_job_leaves_the_unanswered_rows_for_the_resume(se
 
 
 def test_kill_9_of_a_run_then_resume_answers_each_id_once(server, tmp_path, sqlite_url):
-    """A real `tokenmill run --engine openai` killed with kill -9 mid-run, then run again."""
+    """A real `tokenmill run --engine openai` killed with kill -9 mid-run, then run again; every
+    fifth row asks for 3 samples: after the resume each has each sample once."""
     import os
     import signal
     import subprocess
@@ -442,7 +443,9 @@ def test_kill_9_of_a_run_then_resume_answers_each_id_once(server, tmp_path, sqli
     import time
 
     n = 60
-    inp = write_parquet(tmp_path / "in.parquet", [{"id": f"q{i:02d}", "prompt": f"[[slow]] row {i}"} for i in range(n)])
+    inp = write_parquet(tmp_path / "in.parquet", [
+        {"id": f"q{i:02d}", "prompt": f"[[slow]] row {i}", **({"n": 3, "seed": i} if i % 5 == 0 else {"n": None, "seed": None})}
+        for i in range(n)])
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(inp), "--output", str(out),
             "--db", sqlite_url, "--job-id", "oai-kill", "--engine", "openai", "--base-url", server.base_url,
@@ -465,8 +468,11 @@ def test_kill_9_of_a_run_then_resume_answers_each_id_once(server, tmp_path, sqli
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"rows in {n} / succeeded {n} / failed 0" in rerun.stdout
     assert KEY not in rerun.stdout + rerun.stderr
-    ids = [r["id"] for r in pq.read_table(out / "outputs.parquet").to_pylist()]
-    assert sorted(ids) == [f"q{i:02d}" for i in range(n)]  # each id once
+    samples: dict[str, list[int]] = {}
+    for r in pq.read_table(out / "outputs.parquet").to_pylist():
+        samples.setdefault(r["id"], []).append(r["sample"])
+    # each id once, each of a sampled row's samples once
+    assert samples == {f"q{i:02d}": ([0, 1, 2] if i % 5 == 0 else [0]) for i in range(n)}
     for i in range(n):  # rows committed before the kill were not asked again
-        asked = server.attempts[f"[[slow]] row {i}"]
-        assert asked == 1 if f"q{i:02d}" in before else asked in (1, 2), (i, asked)
+        asked, k = server.attempts[f"[[slow]] row {i}"], 3 if i % 5 == 0 else 1
+        assert asked == k if f"q{i:02d}" in before else k <= asked <= 2 * k, (i, asked)

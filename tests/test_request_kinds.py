@@ -133,6 +133,10 @@ def test_choice_probabilities_from_the_first_tokens_alternatives():
     lps = [tok("yes", math.log(0.5), [("yes", math.log(0.5))])]
     assert answers.choice_probs(["yes", "no"], "yes", lps)[1] == {"choice": "no", "prob": None}
     assert answers.choice_probs(["yes", "no"], "yes", None) is None
+    # the answer given, its first token not among the alternatives (llama-server's raw top 20): its own path
+    lps = [tok("no", math.log(0.01), [("I", math.log(0.4))]), tok("<end>", math.log(0.5), [])]
+    assert answers.choice_probs(["yes", "no"], "no", lps) == [{"choice": "yes", "prob": None},
+                                                             {"choice": "no", "prob": pytest.approx(0.005)}]
 
 
 def test_the_exported_columns_have_their_arrow_types_and_json_as_text():

@@ -94,12 +94,12 @@ def choice_probs(choices: list[str], text: str, logprobs: list[dict[str, Any]] |
     # the answer given, begun by a token it shares with another: its own path adds to it (a
     # disjoint way to it; other ways through shared tokens are not measured: a lower bound)
     taken = logprobs[0]["token"]
-    path = sum(-math.inf if t["logprob"] is None else t["logprob"] for t in logprobs)
-    own = math.exp(path) if sum(c.startswith(taken) for c in choices if taken) > 1 else 0.0
+    path = math.exp(sum(-math.inf if t["logprob"] is None else t["logprob"] for t in logprobs))
+    shared_taken = sum(c.startswith(taken) for c in choices if taken) > 1
     out = []
     for c in choices:
-        if c == text and (own or c not in mass):
-            prob: float | None = mass.get(c, 0.0) + own
+        if c == text and (shared_taken or c not in mass):  # its own path: the only measure, or one more way
+            prob: float | None = mass.get(c, 0.0) + path
         elif c in mass:
             prob = mass[c]
         else:
