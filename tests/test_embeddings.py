@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -44,7 +43,7 @@ def _job(tmp_path, sqlite_url, job_id, engine) -> dict[str, list[float]]:
     from tokenmill.jobs.cli.run import format_summary
 
     said = format_summary(res.summary())  # the run summary speaks of input tokens and rows, not output
-    assert "rows/s (over generation wall time; embeddings: no output tokens" in said and "output 0" not in said, said
+    assert "rows/s (over generation wall time; embeddings: no output tokens" in said and "output 0.0 tok/s" not in said, said
     table = pq.read_table(tmp_path / "out" / "outputs.parquet")
     assert table.schema.field("embedding").type == pa.list_(pa.float32(), HIDDEN)
     out = {r["id"]: r for r in table.to_pylist()}
@@ -79,7 +78,7 @@ def test_an_embedding_job_on_vllm_matches_llm_embed(tmp_path, sqlite_url, model_
 def embedding_server(tmp_path):
     """llama-server on the bundled GGUF with --embeddings and last-token pooling, started here."""
     from tokenmill.schemas.models import bundled_gguf
-    from tokenmill.transforms.engines.llamacpp_session import bin_dir, free_port
+    from tokenmill.transforms.engines.llamacpp_session import bin_dir, free_port, wait_until_answers
 
     port = free_port()
     log = tmp_path / "embed-server.log"
@@ -91,16 +90,7 @@ def embedding_server(tmp_path):
                                 stdout=f, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, log.read_text()[-2000:]
-            time.sleep(0.2)
+        wait_until_answers(proc, f"{base}/health", 120, "llama-server", lambda: log.read_text()[-2000:])
         yield base
     finally:
         proc.kill()
