@@ -406,11 +406,16 @@ def embedding_bytes(values: Any) -> bytes:
     return np.asarray(values, dtype="<f4").tobytes()
 
 
-def embedding_values(blob: bytes) -> list[float]:
-    """The `embedding` column's bytes as floats."""
+def embedding_array(blob: bytes):
+    """The `embedding` column's bytes as a float32 array (ValueError: not float32 values)."""
     import numpy as np
 
-    return np.frombuffer(blob, dtype="<f4").tolist()
+    return np.frombuffer(blob, dtype="<f4")
+
+
+def embedding_values(blob: bytes) -> list[float]:
+    """The `embedding` column's bytes as floats."""
+    return embedding_array(blob).tolist()
 
 
 def exported(record: type[StoredRow], row: dict[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,7 @@ import numpy as np
 from sqlalchemy import and_, func, select
 
 from tokenmill.schemas import tables as T
+from tokenmill.schemas.records import embedding_array
 
 DEFAULT_MAX_DROP = 0.05
 DEFAULT_MIN_COSINE = 0.99
@@ -182,7 +183,7 @@ def _vector(row: dict[str, Any], job: str, i: str) -> np.ndarray | None:
     if blob is None:
         return None
     try:
-        return np.frombuffer(blob, dtype="<f4")
+        return embedding_array(blob)
     except ValueError:
         raise CompareError(f"job {job!r} row {i!r}: embedding of {len(blob)} bytes is not float32 values") from None
 

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 from sqlalchemy import func, select
 
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.records import REQUEST_COLUMNS, StoredRow
+from tokenmill.schemas.records import REQUEST_COLUMNS, StoredRow, embedding_array
 from tokenmill.schemas.storage.database import SqlStore, table
 
 #: Rows per chunk when streaming a job's rows out (exports).
@@ -82,7 +82,7 @@ class MetricsReader(SqlStore):
         o = T.outputs.c
         with self.engine.connect() as conn:
             blob = conn.execute(select(o.embedding).where(o.job_id == job_id, o.embedding.is_not(None)).limit(1)).scalar()
-        return None if blob is None else len(blob) // 4
+        return None if blob is None else len(embedding_array(blob))
 
     def engine_info(self, job_id: str) -> dict[str, Any] | None:
         """The first worker's `engine_info` of a job (by worker name), or None when it has none."""

@@ -143,7 +143,7 @@ class OpenAISession:
         self._http = _client(cfg, api_key(cfg), cfg.request_timeout_s, cfg.max_in_flight)
         self.load_s = time.perf_counter() - t
         self._done: queue.Queue[Finished] = queue.Queue()
-        self._todo: queue.Queue[tuple[str, dict[str, Any], int] | None] = queue.Queue()
+        self._todo: queue.Queue[tuple[str, dict[str, Any], int, int | None] | None] = queue.Queue()
         self._live: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -170,7 +170,8 @@ class OpenAISession:
             body = requests.request_body(self.cfg.model, source, sampling, self.dialect)
         with self._lock:
             self._live.add(request_id)
-        self._todo.put((request_id, body, len(token_ids)))
+        k = None if self.cfg.task == "embed" else requests.logprobs_wanted(sampling)
+        self._todo.put((request_id, body, len(token_ids), k))
 
     def step(self) -> list[Finished]:
         if self._stop.is_set():
@@ -234,7 +235,8 @@ class OpenAISession:
         with self._lock:
             return request_id in self._live
 
-    def _request(self, request_id: str, body: dict[str, Any], prompt_len: int) -> None:
+    def _request(self, request_id: str, body: dict[str, Any], prompt_len: int, k: int | None) -> None:
+        """`k`: the alternatives per token asked for (None: no log-probabilities)."""
         attempt = 0
         tried: Counter[str] = Counter()  # this request's retries, by reason: stored with its batch
 
@@ -244,7 +246,7 @@ class OpenAISession:
 
         while self._wanted(request_id):
             try:
-                done(self._attempt(request_id, body, prompt_len))
+                done(self._attempt(request_id, body, prompt_len, k))
                 return
             except _Refused as err:
                 done(self._failed(request_id, R.BAD_REQUEST, f"server refused the request: {err}"))
@@ -290,14 +292,13 @@ class OpenAISession:
                         cached_tokens=None, ttft_s=None, tpot_s=None, e2e_s=None, queue_s=None,
                         finished_at=time.time(), error_reason=reason, error=message)
 
-    def _attempt(self, request_id: str, body: dict[str, Any], prompt_len: int) -> Finished:
+    def _attempt(self, request_id: str, body: dict[str, Any], prompt_len: int, k: int | None) -> Finished:
         chat, embed = "messages" in body, "input" in body
         path = "/embeddings" if embed else "/chat/completions" if chat else "/completions"
         limit = self.cfg.request_timeout_s
         answer: Any = None
         t0 = time.perf_counter()
         pieces: list[str] = []
-        k = requests.logprobs_wanted_of_body(body)
         logprobs: list[dict[str, Any]] | None = None if k is None else []
         chunks, first, last, finish, usage, done = 0, None, None, None, None, False
         try:

@@ -84,13 +84,12 @@ def vllm_logprobs(token_ids: list[int], logprobs: Any, k: int | None) -> list[di
     out = []
     for tid, pos in zip(token_ids, logprobs):
         chosen = pos.get(tid)
-        ranked = sorted(((lp.rank or 0, lp) for lp in pos.values() if lp.rank is not None and lp.rank <= k),
-                        key=lambda t: t[0])
+        top = [{"token": lp.decoded_token, "logprob": lp.logprob} for lp in pos.values()
+               if lp.rank is not None and lp.rank <= k]  # the sampled token comes too, ranked or not
         out.append({
             "token": (chosen.decoded_token if chosen else None) or "",
             "logprob": _finite(chosen.logprob) if chosen else None,
-            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": float(lp.logprob)} for _, lp in ranked
-                             if math.isfinite(lp.logprob)][:k],
+            "top_logprobs": _alternatives(top, k),
         })
     return out
 
@@ -183,10 +182,3 @@ def http_logprobs(choice: dict[str, Any], *, chat: bool, k: int) -> list[dict[st
     return [{"token": t, "logprob": _finite(v), "top_logprobs": _alternatives(a, k)}
             for t, v, a in zip(tokens, values, tops)]
 
-
-def logprobs_wanted_of_body(body: dict[str, Any]) -> int | None:
-    """The alternatives per token a request body (http_body's) asked for; None: none."""
-    lp = body.get("logprobs")
-    if lp is None or lp is False:
-        return None
-    return int(body.get("top_logprobs") or 0) if lp is True else int(lp)
