@@ -108,10 +108,19 @@ class RowSampling(BaseModel):
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "RowSampling":
-        set_ = [k for k in STRUCTURED_KEYS if structured_kind({k: getattr(self, k)}) is not None]
-        if len(set_) > 1:
-            raise ValueError(f"set one structured-output key, not {' and '.join(set_)}")
+        both = constraints_set(self.model_dump(include=set(STRUCTURED_KEYS)))
+        if len(both) > 1:
+            raise ValueError(one_constraint_message(both))
         return self
+
+
+def constraints_set(values: dict[str, Any]) -> list[str]:
+    """The structured-output keys `values` sets (at most one is allowed)."""
+    return [k for k in STRUCTURED_KEYS if structured_kind({k: values.get(k)}) is not None]
+
+
+def one_constraint_message(keys: list[str]) -> str:
+    return f"set one structured-output key, not {' and '.join(keys)}"
 
 
 def check_response_format(v: dict[str, Any]) -> None:
@@ -230,9 +239,9 @@ def validate_row_sampling(values: dict[str, Any], model: type[RowSampling] = Row
             message = str(own) if own is not None else f"{key} must be {expected(info)}, got {_short(values[key])}"
             raise RowSamplingError(key, values[key], message) from None
         out[key] = getattr(checked, key)
-    both = [k for k in STRUCTURED_KEYS if structured_kind({k: out.get(k)}) is not None]
+    both = constraints_set(out)
     if len(both) > 1:
-        raise RowSamplingError(both[1], out[both[1]], f"set one structured-output key, not {' and '.join(both)}")
+        raise RowSamplingError(both[1], out[both[1]], one_constraint_message(both))
     return out
 
 

@@ -117,7 +117,7 @@ class LineRules:
     """What a job serves of the lines it reads: the model names (empty: any) and endpoints."""
 
     models: tuple[str, ...] = ()
-    urls: tuple[str, ...] = (CHAT, COMPLETIONS)
+    urls: tuple[str, ...] = TASK_ENDPOINTS["generate"]
 
 
 def _open(path: str):
@@ -346,9 +346,9 @@ def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | Non
         if rules.models and req["model"] is not None and req["model"] not in rules.models:
             raise LineError(f"body.model {req['model']!r} is not served by this job (it serves {rules.models[0]!r})")
         if req["url"] not in rules.urls:
-            task = "task: embed" if req["url"] == EMBEDDINGS else "task: generate"
+            task = next(t for t, urls in TASK_ENDPOINTS.items() if req["url"] in urls)
             raise LineError(f"url {req['url']} is not served by this job (it serves {', '.join(rules.urls)}): "
-                            f"these lines need a job of their own with engine {task}")
+                            f"these lines need a job of their own with engine task: {task}")
     except LineError as err:
         row[ERROR_KEY] = (R.BAD_REQUEST, str(err))
         row[RAW_KEY] = line.decode("utf-8", errors="replace").rstrip("\n")[:2000]
