@@ -12,7 +12,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -54,6 +54,9 @@ def one_of(*allowed: str):
 
 #: The engine a spec that names no `engine.kind` runs.
 DEFAULT_ENGINE_KIND = "vllm"
+Task = Literal["generate", "embed"]
+#: What an engine does with a request: text out, or one vector per row (`EngineConfig.task`).
+TASKS: tuple[str, ...] = get_args(Task)
 
 
 class EngineConfig(_Strict):
@@ -87,7 +90,7 @@ class EngineConfig(_Strict):
     """The KV cache block size (prefix keys align to it); default: the engine's own."""
     extra: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"flag": False})
     """Passed through to the engine unchanged (its module says how)."""
-    task: Literal["generate", "embed"] = Field("generate", json_schema_extra={
+    task: Task = Field("generate", json_schema_extra={
         "flag_help": "generate (text out) or embed (one vector per row; docs/REQUESTS.md)."})
     """`generate`: text out; `embed`: one vector per row (vLLM's pooling runner on the same
     model folder, llama-server with --embeddings, an OpenAI-compatible server's /v1/embeddings)."""
@@ -272,6 +275,18 @@ class JobSpec(_Strict):
         payload = self.model_dump(mode="json", exclude={"job_id", "db", "runner", "name"}, exclude_defaults=True)
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
         return f"job-{digest}"
+
+    def for_task(self, task: str) -> "JobSpec":
+        """The spec of one pass of this job with its engine doing `task` (a batch file whose
+        lines name both tasks runs a pass of each): the same engine keys, `pooling` kept for
+        `embed` alone, and one sample per embedding row."""
+        if task == self.engine.task:
+            return self
+        update: dict[str, Any] = {"engine": self.engine.model_copy(update={
+            "task": task, "pooling": self.engine.pooling if task == "embed" else None})}
+        if task == "embed":
+            update["sampling"] = self.sampling.model_copy(update={"n": 1})
+        return self.model_copy(update=update)
 
 
 def format_validation_error(err: ValidationError, source: str = "job spec") -> str:

@@ -1,7 +1,8 @@
 """Embedding jobs (`engine.task: embed`) on the bundled model, each engine against its own raw
 API on the same inputs: vLLM's `LLM.embed`, llama-server's /v1/embeddings (the `llamacpp`
-engine and the `openai` engine pointed at such a server), and an OpenAI batch file of
-/v1/embeddings lines written back as `CreateEmbeddingResponse` bodies."""
+engine and the `openai` engine pointed at such a server), and an OpenAI batch file mixing
+/v1/embeddings lines with chat, JSON-schema and log-probability lines (a pass per task),
+every output line validated with the `openai` package's types."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 
 from tests.conftest import TEST_ENGINE, write_parquet
 from tests.helpers import job_spec
+from tests.request_kinds import PERSON, PERSON_FORMAT
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import storage as S
 
@@ -119,29 +121,76 @@ def test_embedding_jobs_on_llama_server_and_the_openai_engine_match_the_servers_
         assert 1 - _cosine(remote[k], want[k]) < 1e-3, k
 
 
-@pytest.mark.llamacpp
-def test_an_openai_batch_file_of_embeddings_lines_round_trips(tmp_path, sqlite_url, embedding_server):
-    from openai.types import CreateEmbeddingResponse
+def _mixed_file(path: Path) -> Path:
+    """An OpenAI batch file mixing every request kind: embeddings, chat, a JSON schema,
+    log-probabilities on both endpoints, and two lines that are refused."""
+    def chat(cid, **body):
+        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": {
+            "model": "smollm2-135m", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 12, **body}}
 
-    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
-              "body": {"model": "smollm2-135m", "input": t}} for i, t in enumerate(TEXTS[:3])]
-    lines.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}})
-    lines.append({"custom_id": "b64", "method": "POST", "url": "/v1/embeddings",
-                  "body": {"model": "smollm2-135m", "input": "x", "encoding_format": "base64"}})
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    spec = job_spec(inp, tmp_path / "out", job_id="embed-batch",
-                    engine={"kind": "llamacpp", "task": "embed", "max_in_flight": 2, "max_model_len": 1024})
-    res = run_job(spec, db_url=sqlite_url)
-    assert (res.succeeded, res.failed) == (3, 2), res
-    want = _direct(embedding_server)
-    outs = [json.loads(x) for x in (tmp_path / "out" / "outputs.jsonl").read_text().splitlines()]
-    assert [o["custom_id"] for o in outs] == ["e0", "e1", "e2"]
-    for o in outs:
-        body = CreateEmbeddingResponse.model_validate(o["response"]["body"])
+    def emb(cid, text, **body):
+        return {"custom_id": cid, "method": "POST", "url": "/v1/embeddings",
+                "body": {"model": "smollm2-135m", "input": text, **body}}
+
+    lines = [emb("e0", TEXTS[0]), chat("chat"), emb("e1", TEXTS[1]),
+             chat("schema", max_tokens=64, messages=[{"role": "user", "content": "Alice is 31. Give her as JSON."}],
+                  response_format=PERSON_FORMAT),
+             chat("lp", logprobs=True, top_logprobs=2),
+             {"custom_id": "comp", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 6, "logprobs": 2}},
+             emb("e2", TEXTS[2]), emb("b64", "x", encoding_format="base64"),
+             chat("tools", tools=[{"type": "function", "function": {"name": "f"}}])]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _check_mixed(out: Path, sqlite_url: str, job_id: str, want: dict[str, list[float]]) -> None:
+    """Every output line of `_mixed_file` validated with the `openai` package's types, the
+    vectors against `want` (by text), the refusals' reasons, one job of two passes."""
+    import jsonschema
+    from openai.types import Completion, CreateEmbeddingResponse
+    from openai.types.chat import ChatCompletion
+
+    lines = map(json.loads, (out / "outputs.jsonl").read_text().splitlines())
+    outs = {o["custom_id"]: o["response"]["body"] for o in lines}
+    assert list(outs) == ["e0", "chat", "e1", "schema", "lp", "comp", "e2"]  # input order, both passes in one file
+    for cid in ("e0", "e1", "e2"):
+        body = CreateEmbeddingResponse.model_validate(outs[cid])
         assert len(body.data[0].embedding) == HIDDEN and body.usage.prompt_tokens > 0
-        assert 1 - _cosine(body.data[0].embedding, want["t" + o["custom_id"][1:]]) < 1e-3
-    errors = {json.loads(x)["custom_id"]: json.loads(x)["error"] for x in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()}
-    assert "need a job of their own with engine task: generate" in errors["chat"]["message"], errors
-    assert "float vectors only" in errors["b64"]["message"], errors
+        assert 1 - _cosine(body.data[0].embedding, want["t" + cid[1:]]) < 1e-3, cid
+    chat = {cid: ChatCompletion.model_validate(outs[cid]) for cid in ("chat", "schema", "lp")}
+    assert chat["chat"].choices[0].message.content and chat["chat"].choices[0].logprobs is None
+    schema = chat["schema"].choices[0]
+    assert schema.finish_reason == "stop", schema
+    jsonschema.validate(json.loads(schema.message.content), PERSON)
+    lp = chat["lp"].choices[0].logprobs.content
+    assert len(lp) == chat["lp"].usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp), lp
+    comp = Completion.model_validate(outs["comp"])
+    assert len(comp.choices[0].logprobs.tokens) == comp.usage.completion_tokens == 6
+    errors = {e["custom_id"]: e["error"]["message"] for e in map(json.loads, (out / "errors.jsonl").read_text().splitlines())}
+    assert set(errors) == {"b64", "tools"} and "float vectors only" in errors["b64"] and "tools" in errors["tools"], errors
+    m = S.JobStore(S.connect(sqlite_url)).get(job_id)["metrics"]
+    assert m["engine"]["task"] == "generate+embed", m["engine"]
+    assert m["answers"]["valid"] == m["answers"]["checked"] == 1, m["answers"]
+
+
+@pytest.mark.llamacpp
+def test_an_openai_batch_file_mixing_every_kind_round_trips_on_llamacpp(tmp_path, sqlite_url, embedding_server):
+    spec = job_spec(_mixed_file(tmp_path / "in.jsonl"), tmp_path / "out", job_id="mixed-llama",
+                    engine={"kind": "llamacpp", "task": "embed", "pooling": "last", "max_in_flight": 2,
+                            "max_model_len": 1024})
+    res = run_job(spec, db_url=sqlite_url)
+    assert (res.succeeded, res.failed) == (7, 2), res
+    _check_mixed(tmp_path / "out", sqlite_url, "mixed-llama", _direct(embedding_server))
+
+
+@pytest.mark.engine
+def test_an_openai_batch_file_mixing_every_kind_round_trips_on_vllm(tmp_path, sqlite_url):
+    res = run_job(job_spec(_mixed_file(tmp_path / "in.jsonl"), tmp_path / "out", job_id="mixed-vllm",
+                           engine=TEST_ENGINE), db_url=sqlite_url)
+    assert (res.succeeded, res.failed) == (7, 2), res
+    # the reference: the same texts as an embedding job, whose engine (the same config) is the
+    # pass's own, reused; the test above checks that job's vectors against LLM.embed
+    want = _job(tmp_path / "ref", sqlite_url, "mixed-vllm-ref", {**TEST_ENGINE, "task": "embed"})
+    _check_mixed(tmp_path / "out", sqlite_url, "mixed-vllm", want)

@@ -329,6 +329,59 @@ def test_job_writes_one_output_or_error_line_per_input_line(tmp_path, sqlite_url
     assert "not served by this job" in next(e for e in errs if e["custom_id"] == "other-model")["error"]["message"]
 
 
+def embedding_line(cid, text, model="smollm2-135m", **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/embeddings", "body": {"model": model, "input": text, **body}}
+
+
+def test_a_pass_reads_its_own_tasks_lines_and_leaves_the_others_to_theirs(tmp_path):
+    lines = [chat_line("c", "hi"), embedding_line("e", "x"), embedding_line("e-bad", ["a", "b"])]
+    plan = plan_jsonl(str(write_jsonl(tmp_path / "mixed.jsonl", lines)))
+    assert plan.tasks == ["generate", "embed"]
+
+    def read(task):
+        plan.task = task
+        return {r["id"]: (r.get("_error") or ("ok",))[0] for shard in plan.shards for r in read_jsonl_shard(shard, plan.rules())}
+
+    assert read("generate") == {"c": "ok", "e-bad": "bad_request"}  # a malformed line is a dead letter in any pass
+    assert read("embed") == {"e": "ok", "e-bad": "bad_request"}
+    assert plan_jsonl(str(write_jsonl(tmp_path / "e.jsonl", lines[1:2]))).tasks == ["embed"]
+    assert plan_jsonl(str(write_jsonl(tmp_path / "bad.jsonl", ["{bad"]))).tasks == []
+
+
+def test_a_file_mixing_tasks_runs_a_pass_of_each_into_one_job(tmp_path, sqlite_url):
+    from tokenmill.schemas import storage as S
+
+    lines = [chat_line("c1", "hi", max_tokens=2), embedding_line("e1", "some text"),
+             completion_line("p1", "Once", max_tokens=3), embedding_line("e2", "more text"),
+             embedding_line("e3", "x", dimensions=8)]
+    inp = write_jsonl(tmp_path / "mixed.jsonl", lines)
+    stages: list[str] = []
+    res = run_job(job_spec(inp, tmp_path / "out", job_id="oa-mixed"), db_url=sqlite_url, session_factory=FakeSession,
+                  stage=stages.append)
+    assert (res.total, res.succeeded, res.failed) == (5, 4, 1), res
+    assert [s for s in stages if s.startswith("pass ")] == [
+        "pass 1 of 2: the chat and completions lines, engine task generate",
+        "pass 2 of 2: the /v1/embeddings lines, engine task embed"]
+    engines = [(s.cfg.task, len(s.added)) for s in FakeSession.instances if s.added]
+    assert engines == [("generate", 2), ("embed", 2)], engines  # an engine per pass, each given its own lines
+    outs = read_jsonl(tmp_path / "out" / "outputs.jsonl")
+    assert [o["custom_id"] for o in outs] == ["c1", "e1", "p1", "e2"]  # one file, in input order
+    assert [o["response"]["body"]["object"] for o in outs] == ["chat.completion", "list", "text_completion", "list"]
+    err = read_jsonl(tmp_path / "out" / "errors.jsonl")
+    assert [e["custom_id"] for e in err] == ["e3"] and "dimensions" in err[0]["error"]["message"]
+    eng = S.connect(sqlite_url)
+    workers = S.MetricsReader(eng).workers("oa-mixed")
+    assert sorted(w["engine_info"]["task"] for w in workers) == ["embed", "generate"]  # a worker row per engine
+    m = S.JobStore(eng).get("oa-mixed")["metrics"]
+    assert m["engine"]["task"] == "generate+embed" and m["requests"]["succeeded"] == 4
+    from tokenmill.jobs.cli.run import format_summary
+
+    assert "a pass of generation, then one of embeddings" in format_summary(res.summary())
+    FakeSession.instances.clear()
+    again = run_job(job_spec(inp, tmp_path / "out", job_id="oa-mixed"), db_url=sqlite_url, session_factory=FakeSession)
+    assert again.resumed and again.succeeded == 4 and not any(s.added for s in FakeSession.instances)
+
+
 def test_rerun_resumes_and_export_is_identical(tmp_path, sqlite_url):
     inp = write_jsonl(tmp_path / "b.jsonl", [chat_line(f"q{i}", f"question {i}", max_tokens=2) for i in range(5)])
     spec = job_spec(inp, tmp_path / "out", job_id="oa-resume")

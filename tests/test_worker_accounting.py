@@ -163,6 +163,26 @@ def test_a_resumed_job_counts_each_runs_active_window_not_the_downtime_between()
     assert m["cost"]["held"]["total"] == pytest.approx((55.0 + 60.0) / 3600 * 3.6)
 
 
+def test_a_run_of_two_passes_counts_each_passs_window_and_both_engines_loads():
+    """A batch file of chat and embeddings lines: a generate pass, then the embed engine loads
+    (12 s, no batch running) and its pass runs; the run's generation wall is 10 + 5 s, not 27."""
+    batches = [
+        {"batch_id": "aaa111-0.0-x-0", "worker": "h:1", "started_at": 100.0, "finished_at": 110.0, "requests": 4,
+         "output_tokens": 40},
+        {"batch_id": "aaa111-0.0-y-0", "worker": "h:1/embed", "started_at": 122.0, "finished_at": 127.0,
+         "requests": 6, "output_tokens": 0},
+    ]
+    workers = [{"worker": "h:1", "run_id": "aaa111", "load_s": 20.0, "engine_info": {"task": "generate"}},
+               {"worker": "h:1/embed", "run_id": "aaa111", "load_s": 12.0, "engine_info": {"task": "embed"}}]
+    (run,) = run_figures(batches, workers, [{"run_id": "aaa111", "started_at": 70.0, "finished_at": 130.0}])
+    assert (run["generation_wall_s"], run["model_load_s"], run["requests"]) == (15.0, 32.0, 10)
+    m = job_metrics([{"prompt_tokens": 1, "output_tokens": 10, "cached_tokens": 0}] * 4, batches, workers, total=10,
+                    failed_by_reason={}, engine_config={"task": "embed"}, token_budget=None, price_per_hour=3.6)
+    assert m["engine"]["task"] == "generate+embed"
+    assert job_metrics([], batches[:1], workers[:1], total=4, failed_by_reason={}, engine_config={"task": "embed"},
+                       token_budget=None, price_per_hour=3.6)["engine"]["task"] == "generate"  # what ran, not the config
+
+
 def test_the_worker_row_carries_what_the_worker_measured(sqlite_url, monkeypatch):
     from tokenmill.transforms.write import record_worker, update_worker_peak
 

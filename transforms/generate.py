@@ -34,9 +34,9 @@ STATS = "stats"
 REPORT_EVERY_S = 5.0
 
 
-#: job id → (admitted, generated rows, generated tokens) of this worker process's finished
-#: work items: per process, since runners may give every bundle a fresh DoFn (Dask does).
-_DONE: dict[str, tuple[int, int, int]] = {}
+#: (job id, worker) → (admitted, generated rows, generated tokens) of this worker process's
+#: finished work items: per process, since runners may give every bundle a fresh DoFn (Dask does).
+_DONE: dict[tuple[str, str], tuple[int, int, int]] = {}
 
 
 class GenerateFn(beam.DoFn):
@@ -61,7 +61,9 @@ class GenerateFn(beam.DoFn):
         return self._session(restart=True)
 
     def setup(self):
-        self._worker = f"{socket.gethostname()}:{os.getpid()}"
+        # one row per engine a process runs: a batch file's embedding pass is an engine of its own
+        task = self.cfg.engine.task
+        self._worker = f"{socket.gethostname()}:{os.getpid()}" + ("" if task == "generate" else f"/{task}")
         self._recorded = False
         if self._factory is None:  # a given factory is a stand-in: what it needs is its own
             self.cfg = dataclasses.replace(self.cfg, model_path=check_worker(self.cfg))
@@ -76,7 +78,8 @@ class GenerateFn(beam.DoFn):
         if self.cfg.db_url:
             from tokenmill.transforms.write import record_worker
 
-            record_worker(self.cfg.db_url, self.cfg.job_id, self._worker, s, started_at=t, run_id=self.cfg.run_id)
+            record_worker(self.cfg.db_url, self.cfg.job_id, self._worker, s, started_at=t, run_id=self.cfg.run_id,
+                          task=self.cfg.engine.task)
         self._recorded = True
         return s
 
@@ -128,8 +131,8 @@ class GenerateFn(beam.DoFn):
                         yield GlobalWindows.windowed_value(o)
         finally:
             runner.close()
-        done = _DONE.get(self.cfg.job_id, (0, 0, 0))
-        _DONE[self.cfg.job_id] = (done[0] + runner.admitted_rows, done[1] + runner.generated_rows,
+        done = _DONE.get((self.cfg.job_id, self._worker), (0, 0, 0))
+        _DONE[(self.cfg.job_id, self._worker)] = (done[0] + runner.admitted_rows, done[1] + runner.generated_rows,
                                   done[2] + runner.generated_tokens)
         self._report(final=True)  # every unit of the bundle answered: its final counts
 
@@ -155,7 +158,7 @@ class GenerateFn(beam.DoFn):
     def _counts(self) -> tuple[int, int, int]:
         """(admitted, generated rows, generated tokens) of this process for the job: its
         finished bundles' (`_DONE`) plus the running bundle's."""
-        admitted, rows, tokens = _DONE.get(self.cfg.job_id, (0, 0, 0))
+        admitted, rows, tokens = _DONE.get((self.cfg.job_id, self._worker), (0, 0, 0))
         r = self._runner
         if r is None:
             return admitted, rows, tokens

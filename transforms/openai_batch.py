@@ -22,6 +22,11 @@ the rest of the pipeline are unchanged.  Served beyond free text:
   completions' `logprobs: k` (an integer 0-5; 0 is the sampled token's alone), read as
   `logprobs=True, top_logprobs=k`.  The other endpoint's spelling is refused.
 
+A file may mix endpoints: the job runs one pass per engine task its lines name
+(`JsonlPlan.tasks`: chat and completions lines with the engine generating, then
+`/v1/embeddings` lines with the same engine config as `task: embed`), each pass
+reading its own task's lines (`LineRules`), into one job and one pair of output files.
+
 `n` (samples per request) is the row key `n`: the request's samples are its output
 rows, written back as one line with n choices.  Refused (`UNSUPPORTED`): `stream`,
 `tools` (tools are not served).  A line
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Iterator
 
 from tokenmill.schemas import records as R
+from tokenmill.schemas.config import TASKS
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.sampling import STRUCTURED_KEYS, RowSampling, structured_kind
 from tokenmill.transforms.read import InputError, InputPlan, expand_input
@@ -49,8 +55,9 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
-#: The endpoints a job serves, by its engine's task (a line to another is refused, saying so).
+#: The endpoints each engine task serves: a batch file's lines are answered one pass per task they name.
 TASK_ENDPOINTS = {"generate": (CHAT, COMPLETIONS), "embed": (EMBEDDINGS,)}
+assert tuple(TASK_ENDPOINTS) == TASKS  # every task has its endpoints, in the order the passes run
 JSONL_PATTERNS = ("*.jsonl", "*.jsonl.gz")
 #: Lines per read shard: small enough to spread a big file over workers.
 SHARD_LINES = 2048
@@ -106,7 +113,14 @@ class JsonlPlan(InputPlan[JsonlShard]):
     """Names the job's engine answers to (set by the job runner); a line whose body names
     another model is a `bad_request` dead letter, as the OpenAI API answers 404.  Empty: any."""
     task: str = "generate"
-    """The job's engine task (set by the job runner): the endpoints its lines may name."""
+    """The engine task of the pass now running (set by the job runner, one pass per task the
+    lines name: `tasks`): the endpoints whose lines this pass answers."""
+
+    @property
+    def tasks(self) -> list[str]:
+        """The engine tasks the lines' endpoints name (TASK_ENDPOINTS' order: generate, then
+        embed), as counted at planning; empty when no line names an endpoint tokenmill serves."""
+        return [t for t, urls in TASK_ENDPOINTS.items() if any(self.endpoints.get(u) for u in urls)]
 
     def rules(self) -> "LineRules":
         return LineRules(self.served_models, TASK_ENDPOINTS[self.task])
@@ -114,7 +128,9 @@ class JsonlPlan(InputPlan[JsonlShard]):
 
 @dataclass(frozen=True)
 class LineRules:
-    """What a job serves of the lines it reads: the model names (empty: any) and endpoints."""
+    """What one pass of a job serves of the lines it reads: the model names (empty: any) and
+    the endpoints of its task; a well-formed line to another task's endpoint is left for that
+    task's pass (`line_row` gives None), a malformed one is a dead letter in any pass."""
 
     models: tuple[str, ...] = ()
     urls: tuple[str, ...] = TASK_ENDPOINTS["generate"]
@@ -337,8 +353,9 @@ def _short(v: Any) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | None = None) -> dict[str, Any]:
-    """The row dict Validate expects (the Parquet reader's shape) for one input line."""
+def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | None = None) -> dict[str, Any] | None:
+    """The row dict Validate expects (the Parquet reader's shape) for one input line; None for a
+    well-formed request to another task's endpoint (its own pass reads it)."""
     row: dict[str, Any] = {"_row": line_no, "_file_index": file_index}
     rules = served or LineRules()
     try:
@@ -346,9 +363,7 @@ def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | Non
         if rules.models and req["model"] is not None and req["model"] not in rules.models:
             raise LineError(f"body.model {req['model']!r} is not served by this job (it serves {rules.models[0]!r})")
         if req["url"] not in rules.urls:
-            task = next(t for t, urls in TASK_ENDPOINTS.items() if req["url"] in urls)
-            raise LineError(f"url {req['url']} is not served by this job (it serves {', '.join(rules.urls)}): "
-                            f"these lines need a job of their own with engine task: {task}")
+            return None
     except LineError as err:
         row[ERROR_KEY] = (R.BAD_REQUEST, str(err))
         row[RAW_KEY] = line.decode("utf-8", errors="replace").rstrip("\n")[:2000]
@@ -381,4 +396,6 @@ def read_jsonl_shard(shard: JsonlShard, served: LineRules | None = None,
             if not line:
                 break
             if line.strip() and first + k not in skip:
-                yield line_row(line, shard.file_index, first + k, served)
+                row = line_row(line, shard.file_index, first + k, served)
+                if row is not None:
+                    yield row

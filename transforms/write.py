@@ -112,16 +112,18 @@ def _meter_reading(job_id: str, worker: str) -> dict[str, Any]:
         return {}
 
 
-def record_worker(db_url: str, job_id: str, worker: str, session, started_at: float, run_id: str | None = None) -> None:
+def record_worker(db_url: str, job_id: str, worker: str, session, started_at: float, run_id: str | None = None,
+                  task: str = "generate") -> None:
     """The worker's row, written when its engine is ready: what the engine says (engine_info,
-    load_s) and what the worker measures of itself from now on (devices, memory, power,
-    energy: engines/meter.py), under `run_id` (the job run it belongs to)."""
+    with the `task` it runs, load_s) and what the worker measures of itself from now on
+    (devices, memory, power, energy: engines/meter.py), under `run_id` (the job run it belongs to)."""
     from tokenmill.transforms.engines.meter import WorkerMeter
 
     try:
         info = session.info()
     except Exception as err:  # a fake engine, or an engine that cannot say
         info = {"error": str(err)}
+    info = {"task": task, **info}  # the engine's own word on its task first
     # the checkpoint folder or file the engine loaded (EngineSession.info's `weights_path`)
     model_path = info.get("weights_path")
     if model_path:  # a checkpoint `tokenmill quantize` wrote: its recipe, calibration source and hash

@@ -51,6 +51,9 @@ def format_summary(s: dict[str, Any]) -> str:
         held = s.get("cost_held_per_1m_output_tokens")
         lines.append(f"  cost ${s['cost_per_1m_output_tokens']:.4f} per 1M output tokens over generation only"
                      + ("" if held is None else f", ${held:.4f} over all held time (start-up, load, export)"))
+    if s.get("task") == "generate+embed":
+        lines.insert(-1, "  a pass of generation, then one of embeddings (the batch file's /v1/embeddings lines): "
+                         "the figures count both")
     if s.get("dtype_auto"):
         d = s["dtype_auto"]
         lines.append(f"  dtype {d['choice']} (auto: {d['reason']})")

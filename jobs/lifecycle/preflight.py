@@ -386,7 +386,6 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
         pf.plan = plan_input(spec.input, spec.resolved_input_format())
         if hasattr(pf.plan, "served_models"):  # OpenAI batch lines naming another model become dead letters
             pf.plan.served_models = pf.served_models
-            pf.plan.task = pf.spec.engine.task  # and lines to the other task's endpoints
     except InputError as err:
         pf.problems.append(str(err))
     try:

@@ -155,8 +155,8 @@ def run_job(
         f"starting the pipeline ({spec.runner.runner}, {spec.runner.num_workers} worker"
         f"{'s' if spec.runner.num_workers > 1 else ''}); the engine loads first")
     try:
-        read = _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory,
-                                 effective_block_size(spec.engine, on_gpu=on_gpu), pf.counter)
+        read = _run_passes(spec, job_id, run_id, plan, model_path, db_url, session_factory,
+                           effective_block_size(spec.engine, on_gpu=on_gpu), pf.counter, eng, say)
         status = "done"
     except KeyboardInterrupt:
         error = "interrupted"
@@ -270,6 +270,39 @@ def _mark_failed(output: str, manifest: dict[str, Any], reason: str) -> None:
         log.warning("job %s: could not mark %s as failed: %s", manifest.get("job_id"), output, first_line(err))
 
 
+def job_tasks(spec: JobSpec, plan) -> list[str]:
+    """The engine tasks a job runs, one pass each: an OpenAI batch input's lines name theirs
+    (`JsonlPlan.tasks`: generate for chat and completions lines, embed for /v1/embeddings
+    lines), any other input runs `engine.task`."""
+    return getattr(plan, "tasks", None) or [spec.engine.task]
+
+
+def _run_passes(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size, counter, eng,
+                say: Callable[[str], None]) -> dict[str, int] | None:
+    """The job's pipeline once per task its input names (`job_tasks`), in one run: each pass reads
+    only its own task's lines (the OpenAI batch plan's `task`) with the engine config given that
+    task (`JobSpec.for_task`); a cancel requested during a pass ends the job after it.  Returns
+    the passes' `tokenmill` counters summed (None: the runner reports none)."""
+    tasks = job_tasks(spec, plan)
+    counters: dict[str, int] | None = None
+    for i, task in enumerate(tasks):
+        if hasattr(plan, "task"):
+            plan.task = task
+        if i and S.JobStore(eng).get(job_id).get("cancel_requested"):
+            break
+        if len(tasks) > 1:
+            say(f"pass {i + 1} of {len(tasks)}: the {EMBED_LINES if task == 'embed' else GENERATE_LINES} lines, "
+                f"engine task {task}")
+        got = _run_with_retries(spec.for_task(task), job_id, run_id, plan, model_path, db_url, session_factory,
+                                block_size, counter)
+        if got is not None:
+            counters = {k: (counters or {}).get(k, 0) + got.get(k, 0) for k in {*(counters or {}), *got}}
+    return counters
+
+
+GENERATE_LINES, EMBED_LINES = "chat and completions", "/v1/embeddings"
+
+
 def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None,
                       counter=None) -> dict[str, int] | None:
     """Run the pipeline; when one of its worker processes died (kill -9, the OOM killer), run it
@@ -344,7 +377,8 @@ def input_read(counters: dict[str, int] | None, plan) -> dict[str, Any]:
         "file_bytes": plan.bytes,
         "counts": "this run's workers (Beam counters; null: the runner reports none): rows turned into records, "
                   "rows left out as already done, and bytes read from the input's Parquet files (footers, row "
-                  "groups; not JSONL) against the files' size",
+                  "groups; not JSONL) against the files' size; summed over the run's passes (a batch file "
+                  "mixing tasks: a later pass counts the rows an earlier pass answered as done)",
     }
 
 

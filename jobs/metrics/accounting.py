@@ -25,6 +25,7 @@ import numpy as np
 
 from tokenmill.jobs.metrics.devices import device_summary, worker_summary
 from tokenmill.jobs.metrics.pricing import launcher_worker, price_table, prices_used, worker_rate
+from tokenmill.schemas.config import TASKS
 from tokenmill.schemas.records import METRIC_COLUMNS, TOKEN_COUNT_SOURCES, TOKENS_BY_ENGINE, metric_values
 from tokenmill.schemas.storage.summary import DIST_COLUMNS, RequestStats
 from tokenmill.transforms.engines.kinds import engine_for
@@ -205,7 +206,7 @@ def job_metrics(
         "devices": device_summary(workers),
         # the dtype the engine ran, and on a CPU with `dtype: auto` the measurement that chose it
         "engine": {"dtype": info.get("dtype"), "dtype_auto": info.get("dtype_auto"),
-                   "task": info.get("task") or engine_config.get("task") or "generate"},
+                   "task": job_task(workers, engine_config)},
         "prefix_cache": {
             "hit_rate": (cached / prompt) if prompt and not cache_unknown else None,
             "cached_prompt_tokens": None if cache_unknown else cached,
@@ -282,28 +283,47 @@ def _worker_run(w: dict[str, Any], batches: Sequence[dict[str, Any]]) -> str | N
     return run_of(mine[0].get("batch_id")) if mine else None
 
 
+def worker_task(w: dict[str, Any]) -> str | None:
+    """The engine task a worker row's engine ran (record_worker writes it in `engine_info`)."""
+    return (w.get("engine_info") or {}).get("task")
+
+
+def job_task(workers: Sequence[dict[str, Any]], engine_config: dict[str, Any]) -> str:
+    """What the job's engines did: `generate`, `embed`, or `generate+embed` for a batch file
+    whose lines named both (a pass each); the config's task when no worker row says."""
+    done = {worker_task(w) for w in workers}
+    return "+".join(t for t in TASKS if t in done) or engine_config.get("task") or "generate"
+
+
 def run_figures(batches: Sequence[dict[str, Any]], workers: Sequence[dict[str, Any]],
                 runs: Sequence[dict[str, Any]] = (), now: float | None = None) -> list[dict[str, Any]]:
     """Per run of the job (the first and each resume), oldest first: its active generation
-    window (first batch admitted → last batch finished), tokens and requests of its batches,
+    window (first batch admitted → last batch finished; a run of two passes, a batch file's
+    generate and embed lines, the two passes' windows summed), tokens and requests of its batches,
     its model load (slowest of its workers) and how long its launcher held the devices
     (start → after export; a run without a finish, killed or still running, up to its
     last heartbeat, or `now`)."""
     by_run: dict[str, list[dict[str, Any]]] = {}
     for b in batches:
         by_run.setdefault(run_of(b.get("batch_id")), []).append(b)
-    loads: dict[str, list[float]] = {}
+    loads: dict[str, dict[str, list[float]]] = {}  # run → task → its workers' loads
     for w in workers:
         r = _worker_run(w, batches)
         if r is not None and w.get("load_s") is not None:
-            loads.setdefault(r, []).append(float(w["load_s"]))
+            loads.setdefault(r, {}).setdefault(worker_task(w) or "generate", []).append(float(w["load_s"]))
     rows = {r["run_id"]: r for r in runs}
     ids = list(dict.fromkeys([r["run_id"] for r in runs] + list(by_run) + list(loads)))
+    task_of = {w.get("worker"): worker_task(w) or "generate" for w in workers}
     out = []
     for rid in ids:
         bs = by_run.get(rid, [])
         t0, t1 = _span(bs)
-        gen = (t1 - t0) if t0 is not None and t1 is not None else 0.0
+        # a run of a batch file naming both tasks is a pass per task, one engine after the other:
+        # its generation wall is the passes' windows summed, not the span from the first to the last
+        passes: dict[str, list[dict[str, Any]]] = {}
+        for b in bs:
+            passes.setdefault(task_of.get(b.get("worker"), "generate"), []).append(b)
+        gen = sum((e - s) for s, e in map(_span, passes.values()) if s is not None and e is not None)
         row = rows.get(rid)
         held = ended = None
         if row is not None:
@@ -318,7 +338,7 @@ def run_figures(batches: Sequence[dict[str, Any]], workers: Sequence[dict[str, A
             "ended_at": ended,
             "finished": bool(row and row.get("finished_at")),
             "held_s": held,
-            "model_load_s": max(loads[rid]) if rid in loads else None,
+            "model_load_s": sum(map(max, loads[rid].values())) if rid in loads else None,
             "generation_started_at": t0,
             "generation_finished_at": t1,
             "generation_wall_s": gen,

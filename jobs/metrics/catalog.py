@@ -187,7 +187,8 @@ FIGURES: tuple[Figure, ...] = (
     _f("mean_batch_requests", "concurrency.mean_batch_requests", "mean requests per batch", "count", "neutral",
        "requests per batch, mean over batches"),
     _f("dtype", "engine.dtype", "dtype", "text", "neutral", "the dtype the engine ran"),
-    _f("task", "engine.task", "task", "text", "neutral", "generate (text out) or embed (a vector per row)"),
+    _f("task", "engine.task", "task", "text", "neutral", "generate (text out), embed (a vector per row), or generate+embed "
+       "(a batch file naming both: a pass of each, figures over both)"),
     _f("dtype_auto", "engine.dtype_auto", "dtype auto", "text", "neutral",
        "on a CPU with `dtype: auto`, the measurement that chose the dtype"),
     _f("checkpoint", "checkpoint", "checkpoint", "text", "neutral", "the model checkpoint's description"),
