@@ -357,26 +357,46 @@ def test_gguf_quantize_writes_each_scheme_that_the_engine_then_serves(gguf, tmp_
 
 
 @server
-def test_kill_9_of_a_running_job_takes_its_server_along(gguf, tmp_path, sqlite_url):
-    inp = write_parquet(tmp_path / "in.parquet", _sample_rows(240, 64))
+def test_kill_9_of_a_running_job_takes_its_server_along_and_the_resume_answers_each_sample_once(
+        gguf, tmp_path, sqlite_url):
+    """kill -9 of a `tokenmill run --engine llamacpp` mid-job: its llama-server goes with it;
+    the rerun answers every row, every tenth asking for 3 samples, each sample once."""
+    from tokenmill.schemas import storage as S
+
+    rows = [{**r, **({"n": 3, "temperature": 0.9, "seed": i} if i % 10 == 0 else {"n": None, "temperature": None,
+                                                                                  "seed": None})}
+            for i, r in enumerate(_sample_rows(40, 16))]
+    inp = write_parquet(tmp_path / "in.parquet", rows)
     err = tmp_path / "run.stderr"
-    job = subprocess.Popen([sys.executable, "-m", "tokenmill.jobs.cli", "run", "--engine", "llamacpp",
-                            "--max-model-len", str(MAX_MODEL_LEN), "--input", inp, "--output", tmp_path / "out",
-                            "--db", sqlite_url, "--job-id", "llama-kill", "-q"],
-                           stdout=subprocess.DEVNULL, stderr=err.open("w"), start_new_session=True)
+    argv = [sys.executable, "-m", "tokenmill.jobs.cli", "run", "--engine", "llamacpp", "--max-model-len",
+            str(MAX_MODEL_LEN), "--input", str(inp), "--output", str(tmp_path / "out"), "--db", sqlite_url,
+            "--job-id", "llama-kill", "-q"]
+    job = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err.open("w"), start_new_session=True)
+    eng = S.connect(sqlite_url)
     srv: list[psutil.Process] = []
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + 180  # a bound against a hung test, not a speed assertion
         while not srv:
             assert job.poll() is None, f"the job ended before its server was seen: {err.read_text()[-3000:]}"
             assert time.time() < deadline, "no llama-server under the job within 180 s"
             srv = [p for p in psutil.Process(job.pid).children(recursive=True) if _is_server(p)]
             time.sleep(0.2)
-        time.sleep(2.0)  # mid-job: the server is answering
-        os.kill(job.pid, signal.SIGKILL)
+        while S.JobStore(eng).get("llama-kill") is None or S.MetricsReader(eng).counts("llama-kill")["succeeded"] < 6:
+            assert job.poll() is None, f"the job ended before the kill: {err.read_text()[-3000:]}"
+            assert time.time() < deadline, "fewer than 6 rows answered within 180 s"
+            time.sleep(0.05)
+        os.kill(job.pid, signal.SIGKILL)  # mid-job: the server is answering
         job.wait(timeout=30)
         gone, alive = psutil.wait_procs(srv, timeout=5)
         assert not alive, f"llama-server {[p.pid for p in alive]} outlived the killed job by 5 s"
+        before = S.MetricsReader(eng).counts("llama-kill")["succeeded"]
+        assert 6 <= before < len(rows)
+        rerun = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        samples: dict[str, list[int]] = {}
+        for r in pq.read_table(tmp_path / "out" / "outputs.parquet").to_pylist():
+            samples.setdefault(r["id"], []).append(r["sample"])
+        assert samples == {r["id"]: ([0, 1, 2] if i % 10 == 0 else [0]) for i, r in enumerate(rows)}
     finally:
         try:
             os.killpg(job.pid, signal.SIGKILL)
