@@ -52,6 +52,13 @@ def one_of(*allowed: str):
     return check
 
 
+#: How a job uses the result cache (`JobSpec.cache`).
+CacheMode = Literal["read-write", "read", "off"]
+CACHE_MODES: tuple[str, ...] = get_args(CacheMode)
+#: Keys that steer how a job runs, not what it computes: left out of the derived job id, so a
+#: rerun with a higher cap or another cache mode resumes the same job.
+RUN_ONLY_KEYS = frozenset({"job_id", "db", "runner", "name", "cache", "max_cost", "max_hours"})
+
 #: The engine a spec that names no `engine.kind` runs.
 DEFAULT_ENGINE_KIND = "vllm"
 Task = Literal["generate", "embed"]
@@ -226,6 +233,17 @@ class JobSpec(_Strict):
     prices: dict[str, float] | None = None
     """Price table overrides, USD per hour: GPU model substrings (`h100`, `l4`), `cpu_vcpu`
     (per vCPU-hour), `cpu_gib` (per GiB-hour), or `cpu` (flat per CPU-worker-hour)."""
+    cache: CacheMode = "off"
+    """The result cache across jobs (docs/CACHE.md): `read-write` serves a deterministic request
+    (greedy, or a fixed seed) already answered by the same checkpoint, engine, dtype, quantization,
+    KV dtype, rendered prompt and sampling from the cache and stores the new answers; `read` only
+    serves; `off` neither."""
+    max_cost: float | None = Field(None, gt=0)
+    """A cap on the job's cost (USD, over all held time): a job whose estimate exceeds it does not
+    start; a running job whose cost so far plus the rest's estimate crosses it stops cleanly, its
+    finished rows kept, resumable with a higher cap (docs/ESTIMATE.md)."""
+    max_hours: float | None = Field(None, gt=0)
+    """A cap on the job's wall time (hours, all held time), enforced as `max_cost` is."""
 
     @field_validator("prices")
     @classmethod
@@ -272,7 +290,7 @@ class JobSpec(_Strict):
         (with a default) does not move the ids of the specs written before it."""
         if self.job_id:
             return self.job_id
-        payload = self.model_dump(mode="json", exclude={"job_id", "db", "runner", "name"}, exclude_defaults=True)
+        payload = self.model_dump(mode="json", exclude=set(RUN_ONLY_KEYS), exclude_defaults=True)
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
         return f"job-{digest}"
 

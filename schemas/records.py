@@ -275,6 +275,9 @@ class OutputRow(RequestFigures, OutputKey):
     """A JSON row's output as JSON (exported as its JSON text), when it parses."""
     choice_probs: list[dict[str, Any]] | None = column("json", arrow=CHOICE_PROBS_TYPE)
     """A `choice` row's answers, each with its probability (None: not measured)."""
+    cached_from: str | None = column("str:128")
+    """Served from the result cache: the job whose engine computed this answer (its figures
+    are that run's; no engine time of this job); None for an answer this job's engine gave."""
     batch_id: str | None = column("str:64", export=False)
     worker: str | None = column("str:128", export=False)
 
@@ -362,6 +365,11 @@ REQUEST_COLUMNS = tuple(
 #: TOKEN_COUNT_SOURCES.
 METRIC_COLUMNS = tuple(f.name for f in dataclasses.fields(RequestFigures) if f.metadata["metric"])
 _CODES = {"token_count_source": {s: float(i) for i, s in enumerate(TOKEN_COUNT_SOURCES)}}
+
+#: An answer as the result cache keeps it (`result_cache.answer`, transforms/cache.py): what the
+#: engine answered and counted, never where or when it ran (times, batch, worker, prefix-cache hits).
+CACHED_COLUMNS = ("text", "finish_reason", "prompt_tokens", "output_tokens", "token_count_source", "embedding",
+                  "logprobs", "valid", "invalid_reason", "parsed", "choice_probs")
 
 
 def metric_values(column: str, values: Iterable[Any]) -> Iterator[float]:

@@ -107,6 +107,41 @@ id_claims = Table(
     Column("input_row", Integer, nullable=False),
 )
 
+#: The result cache across jobs (docs/CACHE.md): one deterministic answer per key, the key a
+#: hash of everything that decides it (the checkpoint's content hash, engine kind and
+#: version, dtype, quantization, KV dtype, the rendered prompt, the sampling with its seed,
+#: the sample index).  `answer` holds the output row's answer columns (`records.CACHED_COLUMNS`).
+result_cache = Table(
+    "result_cache",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    # what answered it (the engine's identity hash, transforms/cache.py): `cache stats` groups by it
+    Column("fingerprint", String(64), nullable=False, index=True),
+    Column("job_id", String(128), nullable=False),
+    Column("id", String(512), nullable=False),
+    Column("sample", Integer, nullable=False),
+    Column("model", String(512)),
+    Column("prompt_tokens", Integer),
+    Column("output_tokens", Integer),
+    Column("size_bytes", Integer, nullable=False),
+    Column("created_at", Float, nullable=False, index=True),
+    Column("used_at", Float),
+    Column("hits", Integer, nullable=False, default=0, server_default="0"),
+    Column("answer", JSON, nullable=False),
+)
+
+#: Every `tokenmill estimate` made (docs/ESTIMATE.md): what it predicted for a job spec, so
+#: `report` and `status` show the estimate beside what happened and caps can be checked.
+estimates = Table(
+    "estimates",
+    metadata,
+    Column("job_id", String(128), primary_key=True),
+    Column("created_at", Float, primary_key=True),
+    Column("sample_rows", Integer),
+    Column("total_rows", Integer),
+    Column("estimate", JSON, nullable=False),
+)
+
 locks = Table(
     "locks",
     metadata,

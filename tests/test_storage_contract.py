@@ -436,6 +436,42 @@ class StorageContract:
         assert S.JobStore(eng).runs("j-r") == [] and S.MetricsReader(eng).workers("j-r") == []
 
 
+    def test_result_cache_keeps_the_first_answer_counts_hits_sizes_and_prunes_by_last_use(self, db_url):
+        from tokenmill.transforms.cache import cache_entry
+
+        eng = S.connect(db_url)
+        store = S.CacheStore(eng)
+
+        def entry(i, fp="f1", text="first", at=100.0):
+            row = _output("cold", i, text=text, token_count_source="engine", embedding=b"\x01\x02")
+            return cache_entry(row, f"k{i:05d}", fp, at)
+
+        assert store.put([entry(i) for i in range(1500)] + [entry(9000, fp="f2", at=50.0)]) == 1501
+        assert store.put([entry(0, text="second")]) == 0  # insert-if-absent: the first answer stays
+        found = store.lookup([f"k{i:05d}" for i in range(1500)] + ["missing"])  # IN lists in chunks
+        assert len(found) == 1500 and found["k00000"]["answer"]["text"] == "first"
+        assert found["k00000"]["job_id"] == "cold" and found["k00000"]["answer"]["embedding"] == "AQI="
+        # serving commits the rows with the entries' hits (a key served twice counts twice) in one transaction
+        served = [_output("warm", 0, cached_from="cold", worker="cache"), _output("warm", 1, cached_from="cold")]
+        S.ResultWriter(eng).commit_batch(served, [], [], cache_used=["k00000", "k00000", "k00001"])
+        S.ResultWriter(eng).commit_batch([_output("warm", 2)], [], [], cache_entries=[entry(2, text="again")])
+        s = store.stats()
+        size = sum(entry(i)["size_bytes"] for i in range(1500)) + entry(9000, fp="f2")["size_bytes"]
+        assert (s["entries"], s["hits"], s["bytes"]) == (1501, 3, size)
+        assert [g["fingerprint"] for g in s["by_fingerprint"]] == ["f1", "f2"]  # largest first
+        assert s["by_fingerprint"][0]["models"] == ["m"] and s["oldest_created_at"] == 50.0
+        assert s["last_used_at"] > 1e9 and store.lookup(["k00002"])["k00002"]["answer"]["text"] == "first"
+        # the summary counts the served rows apart from the engine's
+        st = S.RequestSummary(eng).stats("warm")
+        assert (st.n, st.rows, st.output) == (1, 3, 5)
+        assert st.cache == {"rows": 2, "samples": 2, "prompt_tokens": 20, "output_tokens": 10,
+                            "source_jobs": {"cold": 2}}
+        # prune by last use: the served entries stay, the others go; one fingerprint alone
+        assert store.prune(200.0, fingerprint="f2") == {"entries": 1, "bytes": entry(9000, fp="f2")["size_bytes"]}
+        assert store.prune(200.0)["entries"] == 1498 and set(store.lookup(["k00000", "k00001", "k00002"])) == {
+            "k00000", "k00001"}
+
+
 class TestSQLite(StorageContract):
     @pytest.fixture
     def db_url(self, tmp_path):

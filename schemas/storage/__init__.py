@@ -11,9 +11,12 @@ the SQL, each returning plain rows (dicts of a table's columns):
   workers: records of schemas/records.py) and the resume and id-claim lookups;
 - `MetricsReader`: what exports, status, reports and comparisons read back;
 - `RequestSummary`: a job's per-request figures summed, counted and ranked by the
-  database (`RequestStats`), for metrics and reports of any size.
+  database (`RequestStats`), for metrics and reports of any size;
+- `EstimateStore`: the estimates `tokenmill estimate` made, newest first;
+- `CacheStore`: the result cache across jobs (lookups by key, inserts, stats, pruning).
 """
 
+from tokenmill.schemas.storage.cache import CacheStore
 from tokenmill.schemas.storage.database import (
     StorageError,
     alembic_config,
@@ -24,12 +27,13 @@ from tokenmill.schemas.storage.database import (
     upgrade,
     utcnow,
 )
+from tokenmill.schemas.storage.estimates import EstimateStore
 from tokenmill.schemas.storage.jobs import STALE_AFTER_S, JobBusy, JobStore, is_live
 from tokenmill.schemas.storage.reader import CHUNK_ROWS, MetricsReader
 from tokenmill.schemas.storage.results import ResultWriter
 from tokenmill.schemas.storage.summary import RequestStats, RequestSummary
 
 __all__ = [
-    "CHUNK_ROWS", "STALE_AFTER_S", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "StorageError",
+    "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "EstimateStore", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "StorageError",
     "alembic_config", "connect", "current_revision", "head_revision", "is_live", "owner_tag", "upgrade", "utcnow",
 ]

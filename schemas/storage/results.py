@@ -27,6 +27,7 @@ from tokenmill.schemas.records import (
     WorkerRow,
     duplicate_message,
 )
+from tokenmill.schemas.storage.cache import mark_used, put_entries
 from tokenmill.schemas.storage.database import SqlStore, chunks, dialect_insert, insert_ignore, table, write_lock
 
 
@@ -44,10 +45,13 @@ class ResultWriter(SqlStore):
             return insert_ignore(conn, table(record), rows)
 
     def commit_batch(self, outputs: list[dict[str, Any]], dead_letters: list[dict[str, Any]],
-                     stats: list[dict[str, Any]]) -> int:
+                     stats: list[dict[str, Any]], *, cache_entries: Iterable[dict[str, Any]] = (),
+                     cache_used: Iterable[str] = ()) -> int:
         """One finished batch in one transaction: its output rows, the dead letters the engine
         gave, its figures (`OutputRow`, `DeadLetterRow`, `BatchStats` as `as_dict()` gives
-        them).  An output whose id an earlier input row has claimed since the batch was
+        them), the result-cache entries of its answers (`cache_entries`, insert-if-absent) and,
+        for rows served from the cache, the keys served (`cache_used`: their hits and last use).
+        An output whose id an earlier input row has claimed since the batch was
         deduplicated is stored as that id's `duplicate_id` dead letter instead.  Existing
         keys are skipped, as in `insert_rows`.  Returns the outputs turned into dead letters."""
         with self.engine.begin() as conn:
@@ -63,6 +67,8 @@ class ResultWriter(SqlStore):
             for record, rows in ((OutputRow, keep), (DeadLetterRow, dead_letters + lost), (BatchStats, stats)):
                 if rows:
                     insert_ignore(conn, table(record), rows)
+            put_entries(conn, list(cache_entries))
+            mark_used(conn, cache_used)
         return len(lost)
 
     def record_worker(self, row: WorkerRow) -> None:

@@ -3,7 +3,9 @@ report, `status` or the job's own accounting reads a few numbers whatever the jo
 size: no row leaves the database.
 
 `RequestSummary.stats` gives what metrics need of the outputs table (`RequestStats`):
-token sums, rows by count source, and each figure's mean, p50/p95/p99 and max.  The
+token sums, rows by count source, and each figure's mean, p50/p95/p99 and max, over the rows
+this job's engine answered; the rows served from the result cache (`cached_from` set: no engine
+time, no cost) are counted apart (`RequestStats.cache`) and in the rows answered.  The
 percentiles are exact, numpy's default (linear) interpolation between the two ranked
 values around each position; the database ranks them (`row_number()` over the
 column), so nothing is sampled and the same job gives the same figures on SQLite and
@@ -25,6 +27,8 @@ from tokenmill.schemas.storage.database import SqlStore
 #: The figures metrics give a distribution of (outputs columns), and the percentiles taken.
 DIST_COLUMNS = ("prompt_tokens", "output_tokens", "ttft_s", "tpot_s", "e2e_s", "queue_s")
 PERCENTILES = (50, 95, 99)
+#: The most source jobs a job's cache figures name.
+SOURCE_JOBS = 10
 
 
 def empty_dist() -> dict[str, Any]:
@@ -36,7 +40,8 @@ class RequestStats:
     """What a job's metrics take from its answered requests (accounting.job_metrics)."""
 
     n: int = 0
-    """Output rows: engine requests answered (a row's n samples are n)."""
+    """Output rows this job's engine answered: engine requests (a row's n samples are n; the
+    rows served from the result cache are in `cache`)."""
     rows: int | None = None
     """Input rows answered (a row's samples once); None: the same as `n`."""
     prompt: int = 0
@@ -55,6 +60,15 @@ class RequestStats:
     """Answered rows whose output was checked against a structured-output constraint (`valid` set)."""
     valid: int = 0
     """Of those, the rows whose output met it."""
+    cache: dict[str, Any] = field(default_factory=lambda: cache_counts(0, 0, 0, 0, {}))
+    """The rows served from the result cache (`cache_counts`): in `rows`, `checked` and `valid`,
+    in none of the engine's figures above."""
+
+
+def cache_counts(rows: int, samples: int, prompt: int, output: int, sources: dict[str, int]) -> dict[str, Any]:
+    """What the result cache saved a job: input rows and output rows (samples) served, their
+    prompt and output tokens, and the jobs whose engines computed them (samples each, most first)."""
+    return {"rows": rows, "samples": samples, "prompt_tokens": prompt, "output_tokens": output, "source_jobs": sources}
 
 
 def lerp_percentile(ranked: dict[int, float], n: int, q: float) -> float:
@@ -83,7 +97,8 @@ class RequestSummary(SqlStore):
 
     def stats(self, job_id: str) -> RequestStats:
         o = T.outputs
-        mine = o.c.job_id == job_id
+        job = o.c.job_id == job_id
+        mine = and_(job, o.c.cached_from.is_(None))  # the engine's figures: the rows this job's engine answered
         with self.engine.connect() as conn:
             head = conn.execute(select(
                 func.count(), func.coalesce(func.sum(o.c.prompt_tokens), 0), func.coalesce(func.sum(o.c.output_tokens), 0),
@@ -99,21 +114,34 @@ class RequestSummary(SqlStore):
                 mine, o.c.e2e_s > 0, o.c.output_tokens > 0)).scalar()
             checked, valid, rows = conn.execute(select(
                 func.count(o.c.valid), func.count().filter(o.c.valid.is_(True)), func.count().filter(o.c.sample == 0),
-            ).where(mine)).one()
+            ).where(job)).one()
             groups = conn.execute(select(o.c.token_count_source, func.count(), func.coalesce(func.sum(o.c.prompt_tokens), 0),
                                          func.coalesce(func.sum(o.c.output_tokens), 0))
                                   .where(mine).group_by(o.c.token_count_source)).all()
+            served = self._served(conn, job_id)
         return RequestStats(n=n, prompt=prompt, output=output, cached=cached, cached_known=cached_rows > 0,
                             by_source=_by_source(groups), dists=dists,
                             mean_request_output_tok_per_s=None if per_req is None else float(per_req),
-                            checked=int(checked or 0), valid=int(valid or 0), rows=int(rows or 0))
+                            checked=int(checked or 0), valid=int(valid or 0), rows=int(rows or 0), cache=served)
+
+    def _served(self, conn, job_id: str) -> dict[str, Any]:
+        """`cache_counts` of the job's rows served from the result cache."""
+        o = T.outputs.c
+        served = and_(o.job_id == job_id, o.cached_from.is_not(None))
+        samples, rows, prompt, output = conn.execute(select(
+            func.count(), func.count().filter(o.sample == 0), func.coalesce(func.sum(o.prompt_tokens), 0),
+            func.coalesce(func.sum(o.output_tokens), 0)).where(served)).one()
+        sources = conn.execute(select(o.cached_from, func.count()).where(served).group_by(o.cached_from)
+                               .order_by(func.count().desc(), o.cached_from).limit(SOURCE_JOBS)).all()
+        return cache_counts(int(rows or 0), int(samples or 0), int(prompt), int(output), {j: int(n) for j, n in sources})
 
     def _dist(self, conn, job_id: str, column: str, n: int, mean, top) -> dict[str, Any]:
         """Mean, max and numpy-exact percentiles of one column: the database ranks the
         values and returns only those at the positions the percentiles interpolate."""
         c = T.outputs.c[column]
         rank = func.row_number().over(order_by=c).label("rank")
-        ranked = select(c.label("v"), rank).where(T.outputs.c.job_id == job_id, c.is_not(None)).subquery()
+        ranked = select(c.label("v"), rank).where(T.outputs.c.job_id == job_id, T.outputs.c.cached_from.is_(None),
+                                                  c.is_not(None)).subquery()
         wanted = [p + 1 for p in percentile_positions(n)]
         got = {int(r) - 1: float(v) for r, v in conn.execute(
             select(ranked.c.rank, ranked.c.v).where(ranked.c.rank.in_(wanted))).all()}
@@ -121,18 +149,18 @@ class RequestSummary(SqlStore):
         return {"mean": float(mean), **out, "max": float(top), "n": n}
 
     def extent(self, job_id: str, column: str) -> tuple[float, float, int] | None:
-        """Smallest and largest value of one outputs column over the job's rows, and the rows
-        with a value (None: no value)."""
+        """Smallest and largest value of one outputs column over the rows the job's engine
+        answered, and the rows with a value (None: no value)."""
         c = T.outputs.c[column]
         with self.engine.connect() as conn:
             lo, hi, n = conn.execute(select(func.min(c), func.max(c), func.count(c))
-                                     .where(T.outputs.c.job_id == job_id)).one()
+                                     .where(T.outputs.c.job_id == job_id, T.outputs.c.cached_from.is_(None))).one()
         return None if lo is None else (float(lo), float(hi), int(n))
 
     def histogram(self, job_id: str, column: str, lo: float, width: float, bins: int,
                   weight: str | None = None) -> list[float]:
-        """Rows (or the sum of `weight`) per bin of `bins` equal bins from `lo`, `width`
-        wide, of one column; values past the last edge count in the last bin, as in
+        """Rows the job's engine answered (or the sum of `weight`) per bin of `bins` equal bins
+        from `lo`, `width` wide, of one column; values past the last edge count in the last bin, as in
         numpy.histogram, and values below `lo` are left out."""
         c = T.outputs.c[column]
         index = (c - lo) / width
@@ -141,7 +169,8 @@ class RequestSummary(SqlStore):
         amount = func.count() if weight is None else func.coalesce(func.sum(T.outputs.c[weight]), 0)
         out = [0.0] * bins
         with self.engine.connect() as conn:
-            q = (select(bucket.label("b"), amount).where(and_(T.outputs.c.job_id == job_id, c.is_not(None), c >= lo))
+            q = (select(bucket.label("b"), amount).where(and_(T.outputs.c.job_id == job_id, T.outputs.c.cached_from.is_(None),
+                                                              c.is_not(None), c >= lo))
                  .group_by("b"))
             for b, v in conn.execute(q).all():
                 out[min(int(b), bins - 1)] += float(v)
