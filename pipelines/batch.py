@@ -1,6 +1,7 @@
 """The batch inference pipeline: each step a labelled PTransform over work units.
 
-    PlanUnits → ReadPrompts → ClaimIds → Validate → DedupIds → Tokenize → TakePart → SkipDone → Generate
+    PlanUnits → ReadPrompts → ClaimIds → Validate → DedupIds → Tokenize → TakePart → SkipDone
+        → ServeCached (`cache: read` or `read-write`) → Generate
     dead letters of Validate, DedupIds, Tokenize → WriteDeadLetters (one writer each)
     Generate commits each finished batch itself: outputs, its dead letters, its figures
 
@@ -25,6 +26,7 @@ import apache_beam as beam
 
 from tokenmill.schemas.config import JobSpec
 from tokenmill.transforms.batching import TakePart
+from tokenmill.transforms.cache import ServeCached
 from tokenmill.transforms.chunks import DEAD
 from tokenmill.transforms.counting import TokenCounter
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
@@ -56,6 +58,9 @@ class PipelineParts:
     session_factory: Callable[..., Any] | None = None
     block_size: int | None = None
     """The engine's KV block size; prefix keys align to it."""
+    fingerprint: str | None = None
+    """The engine's identity in the result cache's keys (transforms/cache.job_fingerprint);
+    None: the job does not use the cache."""
 
 
 def engines_per_host(spec: JobSpec) -> int:
@@ -91,6 +96,9 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     # so every part of a unit cuts the same order whatever the others have committed.
     mine = tok.ok | "TakePart" >> TakePart(spec.batching.ordering)
     todo = mine | "SkipDone" >> SkipDone(parts.db_url, parts.job_id)
+    if spec.cache != "off" and parts.fingerprint:  # after the claims and SkipDone: every id once, resumable
+        todo = todo | "ServeCached" >> ServeCached(parts.db_url, parts.job_id, parts.run_id, parts.fingerprint,
+                                                   spec.sampling, parts.model_name)
     gen = todo | "Generate" >> Generate(
         GenerateConfig(
             job_id=parts.job_id,
@@ -102,6 +110,8 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
             batching=spec.batching,
             db_url=parts.db_url,
             num_workers=engines_per_host(spec),
+            cache=spec.cache,
+            fingerprint=parts.fingerprint,
         ),
         parts.session_factory,
     )

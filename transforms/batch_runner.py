@@ -51,6 +51,10 @@ class GenerateConfig:
     num_workers: int = 1
     """Engine processes sharing this host (DirectRunner multi_processing): on CPU each
     binds its own cores and gets its share of the KV cache memory."""
+    cache: str = "off"
+    """The job's `cache` mode: with `read-write` each deterministic answer is stored (transforms/cache.py)."""
+    fingerprint: str | None = None
+    """The engine's identity in the result cache's keys (the launcher's `cache.job_fingerprint`)."""
 
 
 class BatchTimeout(RuntimeError):

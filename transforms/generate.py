@@ -22,6 +22,7 @@ from apache_beam.transforms.window import GlobalWindows
 from tokenmill.schemas.records import Chunk
 from tokenmill.transforms.batch_runner import BatchRunner, GenerateConfig
 from tokenmill.transforms.batching import plan_batches
+from tokenmill.transforms.cache import CacheKeys
 from tokenmill.transforms.chunks import DEAD
 from tokenmill.transforms.engines.kv import JobTokens
 from tokenmill.transforms.engines.protocol import EngineSession
@@ -52,6 +53,8 @@ class GenerateFn(beam.DoFn):
         self._runner: BatchRunner | None = None
         """The bundle's runner: it carries the last batches of one unit into the next."""
         self._reported_at = float("-inf")
+        self._keys: CacheKeys | None = None
+        """The result-cache keys of the rows in flight (`cache: read-write`): their answers are stored."""
 
     def _session(self, restart: bool = False, job_tokens: JobTokens | None = None) -> EngineSession:
         return worker_session(self.cfg.engine, self.cfg.model_path, self._factory, workers=self.cfg.num_workers,
@@ -67,6 +70,8 @@ class GenerateFn(beam.DoFn):
         self._recorded = False
         if self._factory is None:  # a given factory is a stand-in: what it needs is its own
             self.cfg = dataclasses.replace(self.cfg, model_path=check_worker(self.cfg))
+        if self.cfg.cache == "read-write" and self.cfg.fingerprint and self.cfg.db_url:
+            self._keys = CacheKeys(self.cfg.fingerprint, self.cfg.sampling)
 
     def _first_session(self, chunk: Chunk) -> EngineSession:
         """The engine, started (or reused) on the first work item: its rows' sizes size the
@@ -97,9 +102,13 @@ class GenerateFn(beam.DoFn):
     def start_bundle(self):
         self._discard()  # a runner left by a failed bundle: its work is being retried
         self._runner = None
+        if self._keys is not None:
+            self._keys.clear()
 
     def process(self, chunk: Chunk):
         s = self._first_session(chunk)
+        if self._keys is not None:
+            self._keys.remember(chunk.items)
         if self._runner is None:
             self._runner = BatchRunner(self.cfg, self._session, self._restart, cancelled=self._cancelled,
                                        worker=self._worker, before_admit=self._admitting)
@@ -187,7 +196,8 @@ class GenerateFn(beam.DoFn):
             from tokenmill.transforms.write import commit_batch
 
             rows, dead, stats = out
-            commit_batch(self.cfg.db_url, self.cfg.job_id, rows, dead, stats)
+            commit_batch(self.cfg.db_url, self.cfg.job_id, rows, dead, stats,
+                         cache_entries=self._keys.entries(rows, dead) if self._keys is not None else ())
         return _outputs(out)
 
 

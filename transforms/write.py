@@ -36,12 +36,14 @@ def dead_row(job_id: str, d: FailedRecord) -> dict[str, Any]:
 
 
 def commit_batch(db_url: str, job_id: str, rows: list[dict[str, Any]], dead: list[FailedRecord],
-                 stats: dict[str, Any]) -> None:
-    """One finished batch (Generate's): its outputs, the engine's dead letters and its
-    figures, committed together in one transaction by the worker that generated it, so
+                 stats: dict[str, Any], cache_entries: list[dict[str, Any]] | tuple = ()) -> None:
+    """One finished batch (Generate's): its outputs, the engine's dead letters, its figures and
+    the result-cache entries of its answers (`cache: read-write`), committed together in one
+    transaction by the worker that generated it, so
     what a failure loses is the batches in flight on any runner (a runner that does not
     fuse Generate with a writer step would otherwise hold a whole unit's outputs)."""
-    S.ResultWriter(S.connect(db_url)).commit_batch(rows, [dead_row(job_id, d) for d in dead], [stats])
+    S.ResultWriter(S.connect(db_url)).commit_batch(rows, [dead_row(job_id, d) for d in dead], [stats],
+                                                   cache_entries=cache_entries)
 
 
 class WriteDeadLettersFn(beam.DoFn):

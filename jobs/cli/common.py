@@ -13,7 +13,7 @@ import click
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from tokenmill.schemas.config import EngineConfig, SamplingDefaults, engine_flag
+from tokenmill.schemas.config import CACHE_MODES, EngineConfig, SamplingDefaults, engine_flag
 from tokenmill.schemas.sampling import base_type, is_str_list
 from tokenmill.transforms.engines.kinds import engine_of, kinds
 
@@ -156,6 +156,12 @@ def job_options(f):
         click.option("--job-id", default=None, help="Stable job id (default: derived from the spec); rerunning an id resumes."),
         click.option("--name", default=None, help="A human name for the job."),
         click.option("--s3-endpoint-url", default=None, envvar="AWS_ENDPOINT_URL_S3", help="S3-compatible endpoint."),
+        click.option("--cache", type=click.Choice(CACHE_MODES), default=None,
+                     help="Result cache across jobs: read-write, read or off (default; docs/CACHE.md)."),
+        click.option("--max-cost", type=float, default=None, metavar="USD",
+                     help="Refuse to start, or stop cleanly, when the estimated cost exceeds this (docs/ESTIMATE.md)."),
+        click.option("--max-hours", type=float, default=None, metavar="H",
+                     help="Refuse to start, or stop cleanly, when the estimated wall time exceeds this."),
     ]
     return apply_options(f, opts)
 
@@ -170,6 +176,7 @@ def job_spec_options(f):
 SPEC_PATHS = {
     "input": "input", "output": "output", "job_id": "job_id", "name": "name", "db_url": "db",
     "s3_endpoint_url": "s3_endpoint_url", "input_format": "input_format",
+    "cache": "cache", "max_cost": "max_cost", "max_hours": "max_hours",
     "engine_kind": "engine.kind",
     "ordering": "batching.ordering", "token_budget": "batching.token_budget",
     "workers": "runner.num_workers", "runner": "runner.runner", "pipeline_options": "runner.pipeline_options",

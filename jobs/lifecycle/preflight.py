@@ -363,6 +363,13 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
             hosts = check_dask(pf.options, reach=engine)
         except ValueError as err:
             runner_problem = str(err)
+    if spec.cache != "off":  # an engine whose answers cannot be keyed, said before its own checks (docs/CACHE.md)
+        from tokenmill.transforms.cache import cache_problem
+
+        elsewhere = engine and remote_workers(spec.runner.runner, pf.options, hosts) is not None
+        problem = cache_problem(spec, on_gpu=pf.on_gpu or fake_engine, workers_elsewhere=elsewhere)
+        if problem:
+            pf.problems.append(problem)
     cfg = spec.engine
     if is_model_url(cfg.model):
         cfg = _check_model_url(pf, sync=engine, here=remote_workers(spec.runner.runner, pf.options, hosts) is None)

@@ -141,6 +141,7 @@ def job_metrics(
     prices: dict[str, float] | None = None,
     hardware: dict[str, Any] | None = None,
     now: float | None = None,
+    cache_mode: str | None = None,
 ) -> dict[str, Any]:
     """The job's serving metrics (see the module docstring for what each counts).
 
@@ -151,7 +152,8 @@ def job_metrics(
     `utilization`: the launcher's `UtilizationSampler` summary, if any; `runs`: the job's
     run rows (storage `job_runs`).  Cost (`job_cost`) is priced from `prices` (a
     pricing.price_table) or the flat `price_per_hour`; with neither there is no cost.
-    `hardware`/`device_count`: the launcher's, for worker rows that measured nothing."""
+    `hardware`/`device_count`: the launcher's, for worker rows that measured nothing; `cache_mode`: the
+    run's `cache` (the rows served from the result cache are in `cache`, not in the engine's figures)."""
     s = rows if isinstance(rows, RequestStats) else request_stats(rows)
     n, prompt, output, cached = s.n, s.prompt, s.output, s.cached
     by_engine = s.by_source.get(TOKENS_BY_ENGINE, {}).get("rows", 0)
@@ -165,7 +167,10 @@ def job_metrics(
     peak_rss = max((w.get("peak_rss_bytes") or 0 for w in workers), default=0)
     info = next((w.get("engine_info") for w in workers if w.get("engine_info")), {}) or {}
     m: dict[str, Any] = {
-        "requests": {"total": total, "succeeded": n if s.rows is None else s.rows, "failed": failed, "samples": n},
+        "requests": {"total": total, "succeeded": n if s.rows is None else s.rows, "failed": failed,
+                     "samples": n + s.cache["samples"]},
+        # rows served from the result cache (docs/CACHE.md): outputs, in no engine figure below and at no cost
+        "cache": {"mode": cache_mode, **s.cache},
         "concurrency": {
             "arrival": "offline: all requests available at start; admitted by token budget",
             "max_num_seqs": engine_config.get("max_num_seqs"),

@@ -177,6 +177,17 @@ FIGURES: tuple[Figure, ...] = (
        derive=lambda v: {k: x["rows"] for k, x in (v or {}).items()} or None),
     _f("prefix_cache_hit_rate", "prefix_cache.hit_rate", "prefix cache hit rate", "pct", "higher",
        "cached prompt tokens / prompt tokens"),
+    _f("cache_mode", "cache.mode", "result cache mode", "text", "neutral", "the run's `cache`: read-write, read or off"),
+    _f("cache_rows", "cache.rows", "rows from the result cache", "count", "neutral",
+       "answered input rows whose every sample was served from the result cache (no engine time, no cost)"),
+    _f("cache_samples", "cache.samples", "output rows from the result cache", "count", "neutral",
+       "output rows (samples) served from the result cache"),
+    _f("cache_prompt_tokens", "cache.prompt_tokens", "prompt tokens saved by the result cache", "count", "higher",
+       "prompt tokens of the output rows served from the result cache (in no throughput or cost figure)"),
+    _f("cache_output_tokens", "cache.output_tokens", "output tokens saved by the result cache", "count", "higher",
+       "output tokens of the output rows served from the result cache (in no throughput or cost figure)"),
+    _f("cache_source_jobs", "cache.source_jobs", "result cache source jobs", "text", "neutral",
+       "the jobs whose engines computed the served answers, samples each (at most 10)", derive=_none_if_empty),
     _f("max_num_seqs", "concurrency.max_num_seqs", "max_num_seqs", "count", "neutral", "the engine's sequence slots"),
     _f("max_num_batched_tokens", "concurrency.max_num_batched_tokens", "max_num_batched_tokens", "count", "neutral",
        "the engine's tokens per step"),
@@ -267,8 +278,8 @@ VIEWS: dict[str, tuple[tuple[str, Figure], ...]] = {
     "status": _view(
         "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "tpot_p50_s", "tpot_p95_s", "e2e_p95_s", "e2e_p99_s",
         "total_tok_per_s", "requests_per_s", "generation_wall_s", "model_load_s", "prefix_cache_hit_rate",
-        "failures_by_reason", "samples", "structured_rows", "schema_valid_rate", "dtype", "dtype_auto", "rows_by_token_count_source", "cost_per_1m_total_tokens",
-        "cost_per_successful_request", "cost_basis", "prices", "cost_held_per_1m_output_tokens",
+        "failures_by_reason", "samples", "structured_rows", "schema_valid_rate", "dtype", "dtype_auto", "rows_by_token_count_source", "cache_mode", "cache_rows",
+        "cache_output_tokens", "cache_source_jobs", "cost_per_1m_total_tokens", "cost_per_successful_request", "cost_basis", "prices", "cost_held_per_1m_output_tokens",
         "cost_held_per_1m_total_tokens", "cost_held_per_successful_request", "cost_held_basis", "runs", "gpus",
         "nvml_errors"),
     # `tokenmill jobs` (and the head of `status`)
@@ -277,7 +288,8 @@ VIEWS: dict[str, tuple[tuple[str, Figure], ...]] = {
     "summary": _view(
         "prompt_tokens", "output_tokens", "total_tokens", "model_load_s", "generation_wall_s", "output_tok_per_s",
         "total_tok_per_s", "prefix_cache_hit_rate", "cost_per_1m_output_tokens", "cost_held_per_1m_output_tokens",
-        "dtype_auto", "task", "requests_per_s", "cost_per_1m_total_tokens", "cost_held_per_1m_total_tokens"),
+        "dtype_auto", "task", "requests_per_s", "cost_per_1m_total_tokens", "cost_held_per_1m_total_tokens",
+        "cache_mode", "cache_rows", "cache_samples", "cache_prompt_tokens", "cache_output_tokens"),
     # `tokenmill tune`: each run's figures and the table's columns ("cost" ranks the candidates)
     "tune": _view(("cost", "cost_per_1m_output_tokens"), "output_tok_per_s", "ttft_p95_s", "tpot_p95_s",
                   "e2e_p95_s", ("peak_rss_bytes", "peak_worker_rss_bytes")),

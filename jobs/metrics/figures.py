@@ -23,13 +23,14 @@ def stored_metrics(
     utilization: dict[str, Any] | None = None,
     prices: dict[str, float] | None = None,
     now: float | None = None,
+    cache_mode: str | None = None,
 ) -> dict[str, Any]:
     """`job_metrics` of the job's stored requests, batches, workers and runs, each worker
     priced for the devices it measured (the price table with the job spec's `prices`
     over it, or the flat `price_per_hour`); `hardware` (the launcher's) prices worker
     rows that measured nothing.  The request figures are summed and ranked by the database
     (`RequestSummary.stats`): memory stays flat whatever the job's size.  `now`: the end
-    of a run still going (a report of a live job)."""
+    of a run still going (a report of a live job); `cache_mode`: the run's `cache`."""
     return job_metrics(
         S.RequestSummary(eng).stats(job_id),
         S.MetricsReader(eng).batches(job_id),
@@ -46,4 +47,5 @@ def stored_metrics(
         utilization=utilization,
         runs=S.JobStore(eng).runs(job_id),
         now=now,
+        cache_mode=cache_mode,
     )

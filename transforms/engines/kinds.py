@@ -57,6 +57,9 @@ class EngineKind(Generic[C]):
     measures_prefix_cache: ClassVar[bool] = True
     """The engine reports prefix-cache hits; otherwise a job with no cached-token figure
     has an unknown hit rate, not zero."""
+    local_weights: ClassVar[bool] = True
+    """The engine runs weights tokenmill can read (`checkpoint`), so the result cache can name them
+    in its keys; False: a remote server's, whose answers are never cached (docs/CACHE.md)."""
     measures_cpu_dtype: ClassVar[bool] = False
     """On a CPU, `dtype: auto` is the faster dtype measured on this machine (vLLM's; `tune`
     screens candidate dtypes by that measurement)."""
@@ -103,6 +106,17 @@ class EngineKind(Generic[C]):
         """What the launcher does before the pipeline when the workers run on this machine
         (the vLLM engine measures `dtype: auto` there), telling the terminal with `say(line)`;
         EngineStartError (one line) when it cannot be done.  Default: nothing."""
+
+    def checkpoint(self, cfg: C, model_path: str | None) -> str | None:
+        """The local folder or file whose bytes decide this engine's answers: the result cache
+        hashes it into every key (transforms/cache.py).  None where `local_weights` is False.
+        Default: the model folder."""
+        return model_path if self.local_weights else None
+
+    def run_dtype(self, cfg: C, model_path: str | None, *, on_gpu: bool) -> str | None:
+        """The dtype the engine runs `cfg` with on this device, as the result cache's key names
+        it (None: the engine has no dtype key).  Default: `dtype` as given."""
+        return getattr(cfg, "dtype", None)
 
     def served_models(self, cfg: C, model_path: str) -> tuple[str, ...]:
         """The names an OpenAI batch line's body `model` may give for this job's model."""

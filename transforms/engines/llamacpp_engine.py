@@ -70,6 +70,10 @@ class LlamaCppEngine(EngineKind[LlamaCppConfig]):
         check.model_path = local_tokenizer(self.kind, name, check)
         return check
 
+    def checkpoint(self, cfg: LlamaCppConfig, model_path: str | None) -> str | None:
+        """The GGUF file (its bytes hold the weights, the tokenizer and the chat template)."""
+        return str(gguf_file(cfg.model))
+
     def describe(self, cfg: LlamaCppConfig, model_path: str | None) -> str:
         return f"{cfg.model} on llama-server (tokenizer {model_path})"
 

@@ -70,6 +70,7 @@ class OpenAIEngine(EngineKind[OpenAIConfig]):
     summary = "openai (an OpenAI-compatible server at --base-url)"
     takes_text = True
     measures_prefix_cache = False
+    local_weights = False  # the server's: its answers are never cached (docs/CACHE.md)
     clocks = CLIENT_CLOCKS
     packages = ("httpx",)
 

@@ -94,6 +94,14 @@ class VllmEngine(EngineKind[VllmConfig]):
             say(f"dtype {choice['choice']}: {choice['reason']}"
                 + (f" (measured {choice.get('measured_at')})" if choice.get("cached") else ""))
 
+    def run_dtype(self, cfg: VllmConfig, model_path: str | None, *, on_gpu: bool) -> str | None:
+        """`dtype: auto` on a CPU is the measured choice (`cpu.cpu_dtype_measurement`, cached:
+        measured here only if the launcher has not yet); elsewhere the dtype as given."""
+        if cfg.dtype != "auto" or on_gpu or model_path is None:
+            return cfg.dtype
+        choice = vllm_session.auto_dtype_measurement(cfg, model_path)
+        return choice["choice"] if choice else cfg.dtype
+
     def served_models(self, cfg: VllmConfig, model_path: str) -> tuple[str, ...]:
         return (cfg.model, model_path, os.path.basename(model_path))
 

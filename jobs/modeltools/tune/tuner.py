@@ -31,10 +31,11 @@ from tokenmill.jobs.modeltools.tune.space import (
     work_key,
 )
 from tokenmill.schemas import storage as S
-from tokenmill.schemas.config import SpecError, load_spec
+from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, SpecError, load_spec
 from tokenmill.schemas.db import default_db_url
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.models import ModelNotFound, resolve_model
+from tokenmill.transforms.engines.kinds import engine_of
 
 #: Runs per candidate and sample size; the spread of the runs is the noise a win must clear.
 DEFAULT_REPEATS = 2
@@ -59,8 +60,17 @@ def make_tune_id(reference_spec, *, sample: int, seed: int, gate: Gate, repeats:
 
 def _run_data(cand: Candidate, *, input: Path, output: Path, job_id: str, name: str) -> dict[str, Any]:
     data = copy.deepcopy(cand.spec_data)
-    data.update(input=str(input), output=str(output), job_id=job_id, name=name)
+    # a run measures its engine (throughput, cost): no answer of it may come from the result cache
+    data.update(input=str(input), output=str(output), job_id=job_id, name=name, cache="off")
     return data
+
+
+def eval_cache(data: dict[str, Any]) -> str:
+    """The `cache` of an eval-set job (greedy answers, judged for quality only): `read-write`, so
+    another tune of the same model and settings (a new tune id) spends no engine time on answers
+    already computed (docs/CACHE.md); `off` for an engine whose answers are never cached."""
+    kind = (data.get("engine") or {}).get("kind") or DEFAULT_ENGINE_KIND
+    return "read-write" if engine_of(kind).local_weights else "off"
 
 
 def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str | None = None,
@@ -190,6 +200,7 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
                          name=f"tune {tid}: {by_key[key].label}, eval set")
         data["reference_column"] = "reference"
         data["sampling"] = {**(data.get("sampling") or {}), "temperature": 0.0, "max_tokens": EVAL_MAX_TOKENS}
+        data["cache"] = eval_cache(data)
         metrics, reused = run_or_read(jid, data, budget.spend)
         budget.spend((metrics.get("throughput") or {}).get("job_wall_s") or 0.0)
         evals_done.add(jid)
