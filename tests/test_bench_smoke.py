@@ -110,3 +110,24 @@ def test_request_kinds_bench_workload_check_rounds_and_report(tmp_path):
     K.write_docs(md.replace("2026-12-03", "2026-12-04"), doc)
     text = doc.read_text()
     assert text.count(K.TITLE) == 1 and "## Dtype\nkeep" in text and text.index("2026-12-04") < text.index("2026-12-03")
+
+
+def test_estimate_bench_inputs_have_their_length_mixes_and_every_run_is_tabled(tmp_path):
+    from bench import estimate as E
+
+    sample, mt = E.make_input("sample", 30, tmp_path)
+    assert pq.read_table(sample).num_rows == 30 and mt == 64
+    longout, mt = E.make_input("long_output", 20, tmp_path)
+    assert mt == 256 and min(pq.read_table(longout).column("max_tokens").to_pylist()) >= 32
+    longprompt, mt = E.make_input("long_prompt", 20, tmp_path)
+    assert mt == 16 and pq.read_table(longprompt).num_rows == 20
+    f = {"value": 10.0, "lo": 9.0, "hi": 12.0, "actual": 13.0, "error_pct": -23.1, "inside": False}
+    good = {"value": 10.0, "lo": 9.0, "hi": 12.0, "actual": 10.5, "error_pct": -4.8, "inside": True}
+    runs = [{"input": "sample", "engine": "vllm", "rows": 30, "sample_rows": 8, "estimate_process_s": 40.0,
+             "figures": {"generation_wall_s": f, "held_wall_s": good, "cost_usd": good}},
+            {"input": "long_output", "engine": "llamacpp", "error": "exit 1: no llama-server"}]
+    text = E.table(runs)
+    assert "10.0 [9.0-12.0] vs 13.0 (-23.1%, OUT)" in text and "failed: exit 1" in text
+    v = E.verdict(runs)
+    assert v["generation_wall_s"] == {"runs": 1, "within_target": 0, "inside_interval": 0}
+    assert v["cost_usd"] == {"runs": 1, "within_target": 1, "inside_interval": 1}
