@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-quant bench-tune bench-scale bench-rerun bench-layout bench-report bench-db gpu-check clean help
+.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-quant bench-tune bench-scale bench-rerun bench-cache bench-estimate bench-layout bench-report bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -30,6 +30,8 @@ help:
 	@echo "make bench-embed - an embedding job against vLLM's LLM.embed on the same rows, A B B A"
 	@echo "make bench-quant - RTN against calibrated quantization (docs/QUANTIZATION.md)"
 	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
+	@echo "make bench-cache - a warm rerun from the result cache against a cold run, wall and cost (bench/cache.py)"
+	@echo "make bench-estimate - tokenmill estimate against the job it predicts, 3 inputs x vLLM and llama.cpp (bench/estimate.py)"
 	@echo "make bench-layout - one row group against 8,192-row groups, the same rows side by side (bench/layout.py)"
 	@echo "make bench-report - peak RSS of tokenmill report and status on a finished job of N and 10 N rows (bench/report_memory.py)"
 	@echo "make gpu-check - the worker meter against nvidia-smi on a GPU (docs/ACCOUNTING.md)"
@@ -189,6 +191,18 @@ bench-scale: prepare
 # A finished job and a 90%-done job rerun (bench/rerun.py, issue 26): each rerun's wall as a share of the first run's.
 bench-rerun: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.rerun $(BENCH_ARGS)
+
+# The result cache: a cold job against a warm rerun (another job id, the same rows plus 10% new ones)
+# on the bundled model, per round in a fresh database, after a warm-up (bench/cache.py, docs/CACHE.md).
+bench-cache: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.cache $(BENCH_ARGS)
+
+# `tokenmill estimate` (a sample of at most 10% of the rows) against the whole job it predicts, each a process of
+# its own, on the bundled sample and two generated length mixes, with vLLM and llama.cpp (bench/estimate.py,
+# docs/ESTIMATE.md): predicted vs actual generation wall, held wall and cost, error and interval; ~25 min on 2 cores.
+# Shorter: make bench-estimate BENCH_ARGS="--rows 60 --engines vllm".
+bench-estimate: prepare llamacpp
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.estimate $(BENCH_ARGS)
 
 # The same N rows as one row group and as 8,192-row groups, rounds alternating (bench/layout.py, issue 26): rows/s,
 # peak RSS per process and the bytes read of the file, one group / small groups; ~20 min at the default 200,000 rows.

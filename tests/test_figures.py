@@ -142,7 +142,15 @@ def test_status_and_the_run_summary_keep_their_keys_and_lines(monkeypatch):
         def get(self, job_id):
             return dict(job)
 
+    class NoEstimates:
+        def __init__(self, eng):
+            pass
+
+        def latest(self, job_id):
+            return None
+
     monkeypatch.setattr(S, "JobStore", Store)
+    monkeypatch.setattr(S, "EstimateStore", NoEstimates)
     monkeypatch.setattr(RUN, "connect", lambda url: None)
     out = _lines(CliRunner().invoke(RUN.status, ["j"], catch_exceptions=False).output)
     for line in ["                      ttft_p95_s: 0.575", "              failures_by_reason: empty_prompt: 1, prompt_too_long: 1",
@@ -155,7 +163,8 @@ def test_status_and_the_run_summary_keep_their_keys_and_lines(monkeypatch):
                       "total_tokens", "wall_s", "model_load_s", "generation_wall_s", "output_tok_per_s",
                       "total_tok_per_s", "prefix_cache_hit_rate", "cost_per_1m_output_tokens",
                       "cost_held_per_1m_output_tokens", "outputs", "dtype_auto", "note", "task", "requests_per_s",
-                      "cost_per_1m_total_tokens", "cost_held_per_1m_total_tokens"}  # `run --json`
+                      "cost_per_1m_total_tokens", "cost_held_per_1m_total_tokens", "cache_mode", "cache_rows",
+                      "cache_samples", "cache_prompt_tokens", "cache_output_tokens"}  # `run --json`
     assert _lines(RUN.format_summary(s))[1:6] == [
         "  rows in 8 / succeeded 6 / failed 2",
         "  tokens: prompt 75, output 105, total 180",

@@ -3,7 +3,7 @@
 Commands parse, call, and turn domain errors into one-line messages with a
 documented exit code; no traceback reaches the user for an error they can fix.
 `app.py` holds the group, `common.py` what the command modules share, and each
-command module (run, models, report, quality, orchestrate) its commands.
+command module (run, models, report, quality, orchestrate, tune, cache) its commands.
 
 Exit codes (docs/JOBS.md):
   0  succeeded
@@ -37,7 +37,7 @@ from tokenmill.jobs.cli.common import (  # noqa: F401  (the CLI's public names, 
 
 #: The modules that add commands to `main` with @main.command(); imported here so
 #: every command is there when the CLI starts.
-COMMAND_MODULES = ("run", "models", "report", "quality", "orchestrate", "tune")
+COMMAND_MODULES = ("run", "models", "report", "quality", "orchestrate", "tune", "cache", "estimate")
 
 for _mod in COMMAND_MODULES:
     importlib.import_module(f"tokenmill.jobs.cli.{_mod}")

@@ -54,6 +54,10 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("task") == "generate+embed":
         lines.insert(-1, "  a pass of generation, then one of embeddings (the batch file's /v1/embeddings lines): "
                          "the figures count both")
+    if s.get("cache_samples"):  # docs/CACHE.md: served rows are in no engine figure above, at no cost
+        lines.append(f"  result cache ({s.get('cache_mode')}): {s['cache_rows']:,} rows ({s['cache_samples']:,} "
+                     f"samples) served, {s['cache_prompt_tokens']:,} prompt + {s['cache_output_tokens']:,} output "
+                     "tokens saved; tokens and rates above are the engine's")
     if s.get("dtype_auto"):
         d = s["dtype_auto"]
         lines.append(f"  dtype {d['choice']} (auto: {d['reason']})")
@@ -186,6 +190,11 @@ def status(job_id, db_url, as_json):
     if job["status"] == "running":  # live counts while it runs
         job.update(S.MetricsReader(eng).counts(job_id))
     row = job_status(job)
+    from tokenmill.jobs.estimate.beside import job_estimate, one_line  # the newest estimate beside what happened
+
+    est = job_estimate(eng, job_id, job.get("metrics"))
+    if est is not None:
+        row["estimate"] = est if as_json else one_line(est)
     if as_json:
         emit_json(row)
         return

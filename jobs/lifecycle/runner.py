@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tokenmill.jobs.lifecycle.caps import CapError, CapWatch, before_start, capped
 from tokenmill.jobs.lifecycle.export import write_marker
 from tokenmill.jobs.lifecycle.jobrow import job_values
 from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight
@@ -125,6 +126,14 @@ def run_job(
         raise JobError(pf.problems[0])
     plan, model_path, on_gpu = pf.plan, pf.model_path, pf.on_gpu
     say(f"checked: {plan.total_rows:,} input rows, model {spec.engine.model}, output {spec.output}")
+    held_before_s, estimate = 0.0, None
+    if capped(spec):  # a job whose estimate crosses its cap does not start (jobs/lifecycle/caps.py)
+        try:
+            estimate, held_before_s = before_start(spec, job_id, eng, db_url, plan.total_rows, say,
+                                                   stored_only=session_factory is not None)
+        except CapError as err:
+            raise JobError(str(err)) from None
+
     if session_factory is None and spec.runner.runner == "DirectRunner":
         # the workers run here: what the engine measures once is measured in the launcher, where the terminal is told
         try:
@@ -139,12 +148,24 @@ def run_job(
     run_id = uuid.uuid4().hex[:6]
     S.JobStore(eng).start_run(job_id, run_id, t0)  # this run's device time starts with the launcher (docs/ACCOUNTING.md)
 
+    def rows_done() -> int:
+        c = S.MetricsReader(eng).counts(job_id)
+        return c["succeeded"] + c["failed"]
+
+    watch = None if estimate is None else CapWatch(spec, estimate, total_rows=plan.total_rows,
+                                                    held_before_s=held_before_s, done=rows_done)
+    last_cap_check = [0.0]
+
     def tick():
         if progress is not None:
-            c = S.MetricsReader(eng).counts(job_id)
-            progress(c["succeeded"] + c["failed"], plan.total_rows, S.MetricsReader(eng).output_tokens(job_id))
+            progress(rows_done(), plan.total_rows, S.MetricsReader(eng).output_tokens(job_id))
+        if watch is not None and time.time() - last_cap_check[0] >= CAP_CHECK_EVERY_S:
+            last_cap_check[0] = time.time()
+            if watch.check():  # stopped as a cancel is: the batches in flight finish, every finished row kept
+                say(f"stopping: {watch.reason}")
+                S.JobStore(eng).request_cancel(job_id)
 
-    hb = _Heartbeat(eng, job_id, tick if progress else None, run_id=run_id)
+    hb = _Heartbeat(eng, job_id, tick if progress or watch else None, run_id=run_id)
     hb.start()
     from tokenmill.jobs.metrics.hardware import UtilizationSampler
 
@@ -204,8 +225,11 @@ def run_job(
         if plan.total_rows == 0:
             note = "the input has no rows: nothing to do"
     reason = note if final == "failed" else (
-        f"cancel requested: stopped after the batches in flight, {c['succeeded'] + c['failed']} of "
-        f"{plan.total_rows} rows answered" if final == "cancelled" else None)
+        f"{'cancel requested' if watch is None or watch.reason is None else watch.reason}: stopped after the "
+        f"batches in flight, {c['succeeded'] + c['failed']} of {plan.total_rows} rows answered"
+        if final == "cancelled" else None)
+    if final == "cancelled" and watch is not None and watch.reason:
+        note = reason
     tok = metrics.get("tokens") or {}
     write_marker(spec.output, final, {**files, "run_id": run_id, "rows_in": plan.total_rows, **c,
                                       "tokens": {k: tok.get(k) for k in ("prompt", "output", "total")}}, reason)
@@ -223,6 +247,10 @@ def run_job(
         files=files.get("files", {}),
         note=note,
     )
+
+
+#: Seconds between two checks of a capped job's bill while it runs (jobs/lifecycle/caps.py).
+CAP_CHECK_EVERY_S = 5.0
 
 
 #: The runners whose workers are processes of this host: `num_workers` counts this host's engines.
@@ -331,6 +359,7 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
     watch_sdk_workers()  # a dead SDK worker fails the pipeline instead of hanging it
 
     from tokenmill.pipelines.batch import PipelineParts, build_pipeline
+    from tokenmill.transforms.cache import job_fingerprint
 
     parts = PipelineParts(
         job_id=job_id,
@@ -342,6 +371,8 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
         session_factory=session_factory,
         block_size=block_size,
         counter=counter,
+        # this pass's engine (its task too) as the result cache's keys name it; None with cache off
+        fingerprint=job_fingerprint(spec, model_path, stand_in=session_factory is not None),
     )
     p = beam.Pipeline(options=pipeline_options(spec))
     build_pipeline(p, spec, parts)
@@ -389,7 +420,7 @@ def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, A
     m = stored_metrics(
         eng, job_id, total=total, hardware=hw, price_per_hour=spec.price_per_hour, prices=spec.prices,
         engine_config=spec.engine.model_dump(mode="json"), token_budget=spec.batching.token_budget,
-        job_wall_s=job_wall_s, utilization=utilization,
+        job_wall_s=job_wall_s, utilization=utilization, cache_mode=spec.cache,
     )
     m["hardware"] = hw
     return m

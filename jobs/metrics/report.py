@@ -88,7 +88,7 @@ def _live_metrics(eng, job: dict[str, Any]) -> dict[str, Any]:
         eng, job["id"], total=job.get("total") or (c["succeeded"] + c["failed"]), hardware=job.get("hardware") or {},
         price_per_hour=spec.get("price_per_hour"), prices=spec.get("prices"), now=time.time(),
         engine_config=job.get("engine_config") or {},
-        token_budget=(spec.get("batching") or {}).get("token_budget"),
+        token_budget=(spec.get("batching") or {}).get("token_budget"), cache_mode=spec.get("cache"),
     )
 
 
@@ -105,8 +105,11 @@ def load_report(eng, job_id: str) -> dict[str, Any]:
         metrics = _live_metrics(eng, job)
         source = f"computed now from the rows in the database (job is {job.get('status')})"
     t0 = min((b["started_at"] for b in S.MetricsReader(eng).batches(job_id) if b.get("started_at")), default=None)
+    from tokenmill.jobs.estimate.beside import job_estimate  # the newest estimate beside what happened
+
     return {**scrub({"job": job_info(job), "metrics": metrics, "metrics_source": source,
-                     "generation_started_at": t0}), "request_summary": S.RequestSummary(eng)}
+                     "generation_started_at": t0, "estimate": job_estimate(eng, job_id, metrics)}),
+            "request_summary": S.RequestSummary(eng)}
 
 
 def report_json(data: dict[str, Any], html_path: str | None = None) -> dict[str, Any]:
@@ -159,6 +162,14 @@ def _answers(m: dict[str, Any]) -> list[tuple[str, str]]:
     return [("schema-valid (structured rows)", f"{figure('schema_valid_rate').text(m)} of {figure('structured_rows').text(m)}")]
 
 
+def _result_cache(m: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the result cache served, for a job that used it (docs/CACHE.md)."""
+    if figure("cache_mode").value(m) in (None, "off") and not figure("cache_rows").value(m):
+        return []
+    return [(f"from the result cache ({figure('cache_mode').text(m)})", "{cache_rows} rows, {cache_samples} samples; "
+             "saved {cache_prompt_tokens} prompt + {cache_output_tokens} output tokens".format_map(FigureText(m)))]
+
+
 def _prices_used(m: dict[str, Any]) -> list[tuple[str, str]]:
     return [("price used", line) for line in figure("prices").value(m) or []]
 
@@ -170,7 +181,7 @@ Line = tuple[str, str] | Callable[[dict[str, Any]], list[tuple[str, str]]]
 SECTIONS: tuple[tuple[str, tuple[Line, ...]], ...] = (
     ("Requests", (
         ("input rows", "{requests_total}"), ("succeeded", "{requests_succeeded}"),
-        ("failed", "{requests_failed} ({failure_rate})"), _failed_by_reason, _answers,
+        ("failed", "{requests_failed} ({failure_rate})"), _failed_by_reason, _answers, _result_cache,
         ("rows read / skipped as done", "{input_rows_read} / {input_rows_skipped_done}"),
         ("input bytes read / file size", "{input_bytes_read} / {input_file_bytes}"))),
     ("Concurrency (offline: all requests at once)", (
@@ -246,6 +257,10 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
             (w.get("worker") or "-", _worker_line(w)) for w in workers]))
     if figure("cost_basis").value(m):  # the job was priced
         sections.append((COST_SECTION[0], section_lines(COST_SECTION[1], m)))
+    if data.get("estimate"):  # tokenmill estimate made one for this job (jobs/estimate/beside.py)
+        from tokenmill.jobs.estimate.beside import lines
+
+        sections.append(("Estimate beside what happened (value [90 % interval]; actual)", lines(data["estimate"])))
     return sections
 
 
