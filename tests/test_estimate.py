@@ -167,10 +167,28 @@ def test_batches_are_cut_by_the_token_budget_as_the_job_cuts_them():
 
 def test_cost_is_held_time_at_the_hourly_price_and_held_time_adds_the_fixed_part():
     gen = P.figure(100.0, 90.0, 120.0, "x")
-    held = P.held_figure(gen, 20.0)
-    assert (held["value"], held["lo"], held["hi"]) == (120.0, 110.0, 140.0)
+    held = P.held_figure(gen, 20.0, 15.0, 30.0, "spread")
+    assert (held["value"], held["lo"], held["hi"]) == (120.0, 105.0, 150.0)  # both intervals' bounds added
     cost = P.cost_figure(held, 0.36, "held wall")
-    assert (cost["value"], cost["lo"], cost["hi"]) == pytest.approx((0.012, 0.011, 0.014))
+    assert (cost["value"], cost["lo"], cost["hi"]) == pytest.approx((0.012, 0.0105, 0.015))
+
+
+def test_the_fixed_parts_interval_comes_from_this_machines_earlier_jobs_else_an_allowance():
+    from tokenmill.jobs.estimate.measure import FIXED_ALLOWANCE, fixed_history, fixed_interval
+
+    hw = {"cpu_model": "x", "cpu_cores": 2}
+
+    def job(held, gen, **over):
+        return {"status": "succeeded", "model": "m", "engine_config": {"kind": "vllm"}, "hardware": hw,
+                "metrics": {"runs": [{"held_s": held}], "throughput": {"generation_wall_s": gen}}, **over}
+
+    jobs = [job(30, 10), job(25, 10), job(40, 10), job(99, 10, model="other"), job(99, 10, status="failed"),
+            job(99, 10, hardware={"cpu_model": "y"}), job(99, 10, engine_config={"kind": "llamacpp"})]
+    history = fixed_history(jobs, "vllm", "m", hw)
+    assert sorted(history) == [15.0, 20.0, 30.0]  # only the same engine, model and machine, finished
+    assert fixed_interval(18.0, history)[:2] == (15.0, 30.0)
+    lo, hi, how = fixed_interval(18.0, history[:2])
+    assert (lo, hi) == pytest.approx((18.0 * FIXED_ALLOWANCE[0], 18.0 * FIXED_ALLOWANCE[1])) and "fewer than" in how
     exact = P.exact_or_scaled(np.array([3, 4, 5]), 1.0, "counted")
     assert exact["value"] == exact["lo"] == exact["hi"] == 12
     scaled = P.exact_or_scaled(np.array([3, 4, 5, 8]), 10.0, "counted")

@@ -13,7 +13,14 @@ from typing import Any, Callable
 import numpy as np
 
 from tokenmill.jobs.estimate import predict as P
-from tokenmill.jobs.estimate.measure import COLUMNS, fixed_part, job_price, observe
+from tokenmill.jobs.estimate.measure import (
+    COLUMNS,
+    fixed_history,
+    fixed_interval,
+    fixed_part,
+    job_price,
+    observe,
+)
 from tokenmill.jobs.estimate.profile import InputProfile, profile_input
 from tokenmill.jobs.estimate.sample import FILL_TOKENS, SampleError, default_sample_rows, draw, write_sample
 from tokenmill.jobs.lifecycle.runner import JobError
@@ -67,6 +74,11 @@ def sample_spec(spec, input_path: Path, output: Path, job_id: str):
     return load_spec(data, source="the estimate's sample job")
 
 
+#: The latest jobs of the database whose fixed parts (start-up, load, export) the estimate's
+#: interval may take its spread from (`measure.fixed_history`).
+HISTORY_JOBS = 200
+
+
 def estimate_job(spec, *, db_url: str | None = None, sample: int | None = None,
                   stage: Callable[[str], None] | None = None, seed: int = 0) -> dict[str, Any]:
     """Estimate `spec`'s job (see the package docstring), store it under the job's id
@@ -117,8 +129,12 @@ def estimate_job(spec, *, db_url: str | None = None, sample: int | None = None,
                             f"measure; see tokenmill report {sid}")
     say("predicting the whole job from the sample's measurements")
     reader = S.MetricsReader(eng)
+    from tokenmill.jobs.lifecycle.runner import hardware
+
+    history = fixed_history(S.JobStore(eng).recent(HISTORY_JOBS), spec.engine.kind, spec.engine.model, hardware())
     est = assemble(spec, prof, band, picks, rows, reader.batches(sid), reader.workers(sid), job["metrics"],
-                   block=block, first_unit_rows=_first_unit_rows(spec, pf.plan), sample_id=sid, seed=seed)
+                   block=block, first_unit_rows=_first_unit_rows(spec, pf.plan), sample_id=sid, seed=seed,
+                   history=history)
     S.EstimateStore(eng).add(job_id, est, sample_rows=len(picks), total_rows=prof.total_rows,
                              created_at=est["made_at"])
     return est
@@ -205,7 +221,8 @@ def _job_requests(spec, prof: InputProfile, band: np.ndarray, block: int, slots:
 
 
 def assemble(spec, prof: InputProfile, band, picks, rows, batches, workers, metrics, *, block: int,
-             first_unit_rows: int, sample_id: str, seed: int = 0) -> dict[str, Any]:
+             first_unit_rows: int, sample_id: str, seed: int = 0, history: list[float] | None = None
+             ) -> dict[str, Any]:
     """The estimate's JSON from the profile and the sample job's rows and metrics."""
     from tokenmill.jobs.lifecycle.runner import hardware
     from tokenmill.transforms.engines.kinds import engine_of
@@ -231,7 +248,8 @@ def assemble(spec, prof: InputProfile, band, picks, rows, batches, workers, metr
     first = slice(0, min(first_unit_rows, prof.usable))
     price, price_how = job_price(workers, spec, JobTokens.of(prof.budget_tokens()[first].tolist()), block,
                                  hardware())
-    held = P.held_figure(gen, fixed.fixed_s)
+    fixed_lo, fixed_hi, fixed_how = fixed_interval(fixed.fixed_s, history or [])
+    held = P.held_figure(gen, fixed.fixed_s, fixed_lo, fixed_hi, fixed_how)
     cost = P.cost_figure(held, price, "held wall")
     cost_gen = P.cost_figure(gen, price, "generation wall")
     rows_in = prof.total_rows

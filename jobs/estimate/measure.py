@@ -74,6 +74,42 @@ class Fixed:
                 "fixed_s": self.fixed_s}
 
 
+#: The fixed part's interval, as factors of the sample's own, where the database holds fewer than
+#: HISTORY_MIN earlier jobs to take its spread from: one start-up and model load measured once
+#: says little of the next (model loads of 10-22 s were seen on one 2-core Xeon, 2026-12-04).
+FIXED_ALLOWANCE = (0.7, 1.6)
+HISTORY_MIN = 3
+
+
+def fixed_history(jobs: list[dict[str, Any]], kind: str, model: str, hardware: dict[str, Any]) -> list[float]:
+    """The fixed part (held − generation wall) of earlier finished single-run jobs of the same
+    engine kind and model on a machine described as this one is."""
+    out = []
+    for j in jobs:
+        m = j.get("metrics") or {}
+        runs = m.get("runs") or []
+        if j.get("status") not in ("succeeded", "partial") or len(runs) != 1 or j.get("model") != model:
+            continue
+        if (j.get("engine_config") or {}).get("kind") != kind or j.get("hardware") != hardware:
+            continue
+        gen, held = (m.get("throughput") or {}).get("generation_wall_s"), runs[0].get("held_s")
+        if gen is not None and held is not None:
+            out.append(max(0.0, float(held) - float(gen)))
+    return out
+
+
+def fixed_interval(fixed_s: float, history: list[float]) -> tuple[float, float, str]:
+    """(lo, hi, how) of the fixed part: the range of this machine's earlier jobs' and the
+    sample's, given HISTORY_MIN earlier jobs; else the sample's × FIXED_ALLOWANCE."""
+    if len(history) >= HISTORY_MIN:
+        vals = [*history, fixed_s]
+        return min(vals), max(vals), (f"the range of {len(history)} earlier jobs' of this engine and model on this "
+                                      f"machine and the sample's")
+    lo, hi = FIXED_ALLOWANCE
+    return fixed_s * lo, fixed_s * hi, (f"the sample's × {lo:g}-{hi:g} (fewer than {HISTORY_MIN} earlier jobs of "
+                                        f"this engine and model on this machine in the database to take it from)")
+
+
 def fixed_part(metrics: dict[str, Any], first_unit_tokenize_s: float) -> Fixed:
     """The sample run's held time (launcher start to after export) and generation wall; what
     the job's first unit adds before its engine starts (tokenizing more rows than the sample)."""

@@ -271,10 +271,12 @@ def wall_figure(meas: Measured, obs: Outputs, job: Requests, eng: Engine,
 # ---------------------------------------------------------------- held time and cost
 
 
-def held_figure(gen: dict[str, Any], fixed_s: float) -> dict[str, Any]:
-    return figure(gen["value"] + fixed_s, gen["lo"] + fixed_s, gen["hi"] + fixed_s,
+def held_figure(gen: dict[str, Any], fixed_s: float, fixed_lo: float, fixed_hi: float, fixed_how: str
+                ) -> dict[str, Any]:
+    return figure(gen["value"] + fixed_s, gen["lo"] + fixed_lo, gen["hi"] + fixed_hi,
                   f"generation wall + {fixed_s:.1f} s measured by the sample job for what does not grow with "
-                  f"rows (start-up, model load, export); interval: the generation wall's")
+                  f"rows (start-up, model load, export); interval: the generation wall's plus the fixed part's "
+                  f"{fixed_lo:.1f}-{fixed_hi:.1f} s ({fixed_how})")
 
 
 def cost_figure(seconds: dict[str, Any], usd_per_hour: float, what: str) -> dict[str, Any]:
