@@ -2,7 +2,7 @@
 PostgreSQL (production); the same contract tests run against both.
 
 `connect(url)` gives the SQLAlchemy engine for a URL (one per URL per process, the
-schema migrated to head on first use).  Three small stores over that engine hold
+schema migrated to head on first use).  Small stores over that engine hold
 the SQL, each returning plain rows (dicts of a table's columns):
 
 - `JobStore`: job rows and run ownership, runs, cancel requests, the pending-job
