@@ -203,8 +203,10 @@ def _job_requests(spec, prof: InputProfile, band: np.ndarray, block: int, slots:
     budget = prof.budget_tokens()
     token_budget = spec.batching.token_budget or max(1, math.ceil(float(budget.mean()) * slots))
     workers = deal(batches_by_budget(budget[order], token_budget), spec.runner.num_workers)
-    if engine_of(spec.engine.kind).measures_prefix_cache:
-        prefill = P.prefill_tokens(order, prof.prompt_tokens, prof.samples, prof.blocks, block, workers)
+    kind = engine_of(spec.engine.kind)
+    if kind.measures_prefix_cache:
+        prefill = P.prefill_tokens(order, prof.prompt_tokens, prof.samples, prof.blocks, block, workers,
+                                   keep_prompts=slots if kind.prefix_cache_per_slot else None)
     else:  # an engine that does not say what it serves from a cache: every prompt token counts
         prefill = np.repeat(prof.prompt_tokens[order], prof.samples[order])
     keep = np.arange(len(order))
@@ -267,7 +269,9 @@ def assemble(spec, prof: InputProfile, band, picks, rows, batches, workers, metr
                       f"run as job {sample_id} with the job's engine and settings",
             "tokens.prompt": prompt["how"], "tokens.output": output["how"], "generation_wall_s": gen["how"],
             "held_wall_s": held["how"], "cost_usd": cost["how"], "price_per_hour": price_how,
-            "prefix_cache": ("the input's own KV block hashes in the job's order, per worker, nothing evicted"
+            "prefix_cache": ("the input's own KV block hashes in the job's order, per worker, "
+                             + (f"each of its {slots} slots keeping its last prompt" if kind.prefix_cache_per_slot
+                                else "nothing evicted")
                              if kind.measures_prefix_cache else "not modelled: the engine does not report it; "
                                                                 "every prompt token counted as prefilled"),
         },

@@ -156,19 +156,30 @@ def job_order(prefix_keys: list[str], prompt: np.ndarray, blocks: list[tuple[int
 
 
 def prefill_tokens(order: np.ndarray, prompt: np.ndarray, samples: np.ndarray, blocks: list[tuple[int, ...]],
-                   block_size: int, worker: np.ndarray | None = None) -> np.ndarray:
+                   block_size: int, worker: np.ndarray | None = None, keep_prompts: int | None = None) -> np.ndarray:
     """Prompt tokens each request prefills, rows taken in `order`: a row's leading full blocks
-    already seen on its worker's engine (its prefix cache, nothing evicted) are not prefilled;
-    a row's later samples find all its full blocks cached.  One entry per request, in order."""
-    seen: dict[int, set[int]] = {}
+    already cached on its worker's engine are not prefilled; a row's later samples find all
+    its full blocks cached.  What the cache holds: every block seen (`keep_prompts` None: vLLM's
+    block pool, nothing evicted), or the last `keep_prompts` prompts' blocks (llama-server: each
+    of its slots keeps its last prompt).  One entry per request, in order."""
+    from collections import Counter, deque
+
+    seen: dict[int, Counter] = {}
+    recent: dict[int, deque] = {}
     out: list[int] = []
     for pos, i in enumerate(order.tolist()):
-        cache = seen.setdefault(0 if worker is None else int(worker[pos]), set())
+        w = 0 if worker is None else int(worker[pos])
+        cache = seen.setdefault(w, Counter())
         chain = blocks[i]
         hit = 0
-        while hit < len(chain) and chain[hit] in cache:
+        while hit < len(chain) and cache[chain[hit]] > 0:
             hit += 1
         cache.update(chain)
+        if keep_prompts is not None:
+            last = recent.setdefault(w, deque())
+            last.append(chain)
+            if len(last) > keep_prompts:
+                cache.subtract(last.popleft())
         out.append(int(prompt[i]) - hit * block_size)
         out += [int(prompt[i]) - len(chain) * block_size] * (int(samples[i]) - 1)
     return np.asarray(out, dtype=np.int64)

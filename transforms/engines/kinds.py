@@ -57,6 +57,9 @@ class EngineKind(Generic[C]):
     measures_prefix_cache: ClassVar[bool] = True
     """The engine reports prefix-cache hits; otherwise a job with no cached-token figure
     has an unknown hit rate, not zero."""
+    prefix_cache_per_slot: ClassVar[bool] = False
+    """The engine's prefix cache is each slot's last prompt (llama-server), not a pool of blocks
+    that outlives its requests (vLLM): how `tokenmill estimate` models its hits."""
     local_weights: ClassVar[bool] = True
     """The engine runs weights tokenmill can read (`checkpoint`), so the result cache can name them
     in its keys; False: a remote server's, whose answers are never cached (docs/CACHE.md)."""

@@ -30,7 +30,9 @@ class LlamaCppEngine(EngineKind[LlamaCppConfig]):
     display_name = "llama.cpp llama-server"
     summary = "llamacpp (a llama-server each worker starts on the GGUF --model names)"
     takes_text = True
-    measures_prefix_cache = False
+    # llama-server reports the prompt tokens it reused (usage.prompt_tokens_details.cached_tokens),
+    # each slot keeping its last prompt
+    prefix_cache_per_slot = True
     # the same client as the `openai` engine; its server's load is seen, since it starts it
     clocks = {**CLIENT_CLOCKS, "model_load_s": "worker wall clock: the llamacpp engine starting its llama-server "
                                                "until /health answers, then the client's server check"}
