@@ -49,11 +49,13 @@ def capped(spec: JobSpec) -> bool:
 def held_seconds(runs: list[dict[str, Any]], now: float | None = None, current: str | None = None) -> float:
     """Seconds the job's runs held their devices: each run from its start to its finish, or
     to its last heartbeat for a run that was killed; the run `current` up to `now`."""
+    from tokenmill.jobs.metrics.accounting import run_end
+
     now = time.time() if now is None else now
     total = 0.0
     for r in runs:
-        end = now if r.get("run_id") == current else (r.get("finished_at") or r.get("seen_at") or r["started_at"])
-        total += max(0.0, end - r["started_at"])
+        end = run_end(r, now if r.get("run_id") == current else None)
+        total += max(0.0, (r["started_at"] if end is None else end) - r["started_at"])
     return total
 
 

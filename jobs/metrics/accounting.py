@@ -300,6 +300,15 @@ def job_task(workers: Sequence[dict[str, Any]], engine_config: dict[str, Any]) -
     return "+".join(t for t in TASKS if t in done) or engine_config.get("task") or "generate"
 
 
+def run_end(run: dict[str, Any], now: float | None = None) -> float | None:
+    """When a run (a `runs` row) stopped holding its devices: its finish; for a run without
+    one (killed, or still running), `now` where given (the running one), else its last heartbeat."""
+    ended = run.get("finished_at")
+    if ended is None:
+        ended = now if now is not None else run.get("seen_at")
+    return ended
+
+
 def run_figures(batches: Sequence[dict[str, Any]], workers: Sequence[dict[str, Any]],
                 runs: Sequence[dict[str, Any]] = (), now: float | None = None) -> list[dict[str, Any]]:
     """Per run of the job (the first and each resume), oldest first: its active generation
@@ -332,9 +341,7 @@ def run_figures(batches: Sequence[dict[str, Any]], workers: Sequence[dict[str, A
         row = rows.get(rid)
         held = ended = None
         if row is not None:
-            ended = row.get("finished_at")
-            if ended is None:  # killed, or still running: its last heartbeat (the latest run: `now`)
-                ended = now if (now is not None and row is runs[-1]) else row.get("seen_at")
+            ended = run_end(row, now if row is runs[-1] else None)
             held = (ended - row["started_at"]) if ended is not None else None
         out_tok = sum(b.get("output_tokens") or 0 for b in bs)
         out.append({
