@@ -286,7 +286,8 @@ def test_row_count_mismatch_fails_the_job_loudly(tmp_path, sqlite_url):
     res = run_job(job_spec(inp, tmp_path / "out", job_id="reused", sampling={"max_tokens": 2}),
                   db_url=sqlite_url, session_factory=FakeSession)
     assert res.status == "failed"
-    msg = "row count mismatch: 2 input rows but 3 outputs + 0 dead letters = 3"
+    msg = ("row count mismatch: 2 input rows but 3 outputs + 0 dead letters = 3; "
+           "0:9 (output) is not an input row")
     assert res.note == msg
     job = S.JobStore(eng).get("reused")
     assert (job["status"], job["error"]) == ("failed", msg)

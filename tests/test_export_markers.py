@@ -44,7 +44,8 @@ def test_a_row_count_mismatch_leaves_failed_json_with_the_reason_and_no_success(
     assert markers(out) == {"_FAILED.json"}  # no _SUCCESS.json: the folder does not read as finished
     m = read(out, "_FAILED.json")
     assert m["status"] == "failed"
-    assert m["reason"] == "row count mismatch: 2 input rows but 3 outputs + 0 dead letters = 3" == res.note
+    assert m["reason"] == ("row count mismatch: 2 input rows but 3 outputs + 0 dead letters = 3; "
+           "0:9 (output) is not an input row") == res.note
     assert (m["rows_in"], m["succeeded"], m["failed"], m["outputs"], m["dead_letters"]) == (2, 3, 0, 3, 0)
     assert m["files"]["outputs"] == str(out / "outputs.parquet") and (out / "outputs.parquet").exists()
     assert m["tokens"]["output"] == 1 + 2 * 2  # the stale row's 1 and 2 tokens for each of a, b
@@ -139,3 +140,14 @@ def test_write_marker_keeps_one_marker_and_refuses_an_unfinished_status(tmp_path
     assert markers(tmp_path / "o") == {"_FAILED.json"}
     with pytest.raises(ValueError, match="no export marker for job status 'running'"):
         X.write_marker(root, "running", {})
+
+
+def test_the_reconcile_names_the_rows_in_no_place_and_in_two():
+    from tokenmill.jobs.lifecycle.reconcile import NAMED, misplaced
+
+    placed = [(0, 0, "output"), (0, 2, "output"), (0, 2, "dead letter"), (1, 0, "output"), (1, 5, "output")]
+    missing, extra = misplaced([(1, range(0, 3)), (0, range(0, 4))], iter(placed))
+    assert (str(missing), missing.count) == ("0:1, 0:3, 1:1, 1:2", 4)
+    assert str(extra) == "0:2 is in 2 places (output, dead letter), 1:5 (output) is not an input row"
+    missing, extra = misplaced([(0, range(0, 1000))], iter([(0, 500, "output")]))
+    assert missing.count == 999 and str(missing).endswith(f"0:{NAMED - 1} and {999 - NAMED} more") and extra.count == 0

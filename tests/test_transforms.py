@@ -117,16 +117,17 @@ def test_dedup_ids_keeps_the_claiming_row_of_an_id_and_dead_letters_the_rest(sql
                     label="dead")
 
 
-def test_skip_done_drops_answered_ids_and_dead_lettered_rows(sqlite_url):
+def test_skip_done_drops_done_rows_and_dead_letters_a_row_whose_id_another_row_answered(sqlite_url):
     eng = S.connect(sqlite_url)
     S.ResultWriter(eng).insert_rows(OutputRow, [OutputRow(job_id="j", id="a", input_file=0, input_row=0).as_dict()])
     S.ResultWriter(eng).insert_rows(DeadLetterRow, [DeadLetterRow(job_id="j", input_file=0, input_row=1, id="b",
                                                                        reason=R.EMPTY_PROMPT, message="empty").as_dict()])
     recs = [PromptRecord(id=i, input_file=0, input_row=n, prompt="q") for n, i in enumerate("abc")]
-    recs.append(PromptRecord(id="a", input_file=0, input_row=3, prompt="other job's id"))
+    recs.append(PromptRecord(id="a", input_file=0, input_row=3, prompt="a later row of an answered id"))
     with _pipeline() as p:
         got = _items(p | beam.Create([_chunk(recs)]) | SkipDone(sqlite_url, "j")) | beam.Map(lambda r: r.input_ref)
         assert_that(got, equal_to(["0:2"]))
+    assert S.MetricsReader(eng).failure_reasons("j") == {R.EMPTY_PROMPT: 1, R.DUPLICATE_ID: 1}  # row 3 is not lost
 
 
 def test_tokenize_counts_tokens_keys_prefixes_and_dead_letters_prompts_too_long(model_path):

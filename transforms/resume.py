@@ -1,8 +1,10 @@
-"""SkipDone: on a rerun of a job, drop rows already answered or already dead-lettered.
+"""SkipDone: on a rerun of a job, drop rows already answered or already dead-lettered; and
+settle a late duplicate whose id's first row claimed the id after the duplicate passed
+DedupIds (its `duplicate_id` dead letter is written then, so it ends in one place).
 
 One lookup per work unit, bounded by the unit: the rows of its file and row range
-that the database holds (outputs or dead letters), and which of its ids already
-have an output.  No process loads the job's whole key set."""
+that the database holds (outputs or dead letters), and who holds its ids
+(`ResultWriter.settle_done`).  No process loads the job's whole key set."""
 
 from __future__ import annotations
 
@@ -22,9 +24,8 @@ def undone(eng, job_id: str, chunk: Chunk) -> Chunk | None:
         by_file.setdefault(r.input_file, []).append(r)
     keep = []
     for f, rs in by_file.items():
-        rows = [r.input_row for r in rs]
-        done_ids, done_rows = S.ResultWriter(eng).done_in_range(job_id, f, min(rows), max(rows), [r.id for r in rs])
-        keep += [r for r in rs if r.id not in done_ids and r.input_row not in done_rows]
+        run, _ = S.ResultWriter(eng).settle_done(job_id, f, [(r.id, r.input_row) for r in rs])
+        keep += [r for r in rs if r.input_row in run]
     return chunk.with_items(keep) if keep else None
 
 

@@ -19,6 +19,7 @@ from tokenmill.jobs.lifecycle.caps import CapError, CapWatch, before_start, capp
 from tokenmill.jobs.lifecycle.export import write_marker
 from tokenmill.jobs.lifecycle.jobrow import job_values
 from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight
+from tokenmill.jobs.lifecycle.reconcile import mismatch_note
 from tokenmill.jobs.lifecycle.sinks import export_job
 from tokenmill.jobs.metrics.catalog import values
 from tokenmill.schemas import storage as S
@@ -216,10 +217,7 @@ def run_job(
         final = "cancelled"
     elif plan.total_rows != c["succeeded"] + c["failed"]:
         final = "failed"
-        note = (
-            f"row count mismatch: {plan.total_rows} input rows but {c['succeeded']} outputs + "
-            f"{c['failed']} dead letters = {c['succeeded'] + c['failed']}"
-        )
+        note = mismatch_note(eng, job_id, plan, c)
     else:
         final = "partial" if c["failed"] else "succeeded"
         if plan.total_rows == 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from sqlalchemy import func, select
+from sqlalchemy import func, literal, select, union_all
 
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.records import REQUEST_COLUMNS, StoredRow, embedding_array
@@ -53,6 +53,20 @@ class MetricsReader(SqlStore):
             )
             for part in res.mappings().partitions(CHUNK_ROWS):
                 yield [dict(r) for r in part]
+
+    def placed_rows(self, job_id: str) -> Iterator[tuple[int, int, str]]:
+        """Where each input row of a job ended, in input order: (input_file, input_row, "output" or
+        "dead letter"); a row in both tables comes twice.  Streamed (the reconcile's names for
+        the rows that do not add up)."""
+        o, d = T.outputs.c, T.dead_letters.c
+        both = union_all(
+            select(o.input_file, o.input_row, literal("output").label("place")).where(o.job_id == job_id, o.sample == 0),
+            select(d.input_file, d.input_row, literal("dead letter").label("place")).where(d.job_id == job_id),
+        ).subquery()
+        q = select(both.c.input_file, both.c.input_row, both.c.place).order_by(both.c.input_file, both.c.input_row)
+        with self.engine.connect() as conn:
+            for f, r, place in conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(q):
+                yield int(f), int(r), str(place)
 
     def request_rows(self, job_id: str, columns: tuple[str, ...] = REQUEST_COLUMNS) -> list[dict[str, Any]]:
         """The job's per-request figures (no output text), ordered by finish time."""

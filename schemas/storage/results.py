@@ -57,14 +57,14 @@ class ResultWriter(SqlStore):
         with self.engine.begin() as conn:
             write_lock(conn)
             claims = _claims(conn, outputs[0]["job_id"], [o["id"] for o in outputs], lock=True) if outputs else {}
-            keep, lost = [], []
+            keep, lost = [], {}
             for o in outputs:
-                first = claims.get(o["id"])
-                if first is None or first == (o["input_file"], o["input_row"]):
+                first, at = claims.get(o["id"]), (o["input_file"], o["input_row"])
+                if first is None or first == at:
                     keep.append(o)
-                elif o.get("sample", 0) == 0:  # one dead letter for a row's samples
-                    lost.append(_duplicate(o["job_id"], o["id"], o["input_file"], o["input_row"], first))
-            for record, rows in ((OutputRow, keep), (DeadLetterRow, dead_letters + lost), (BatchStats, stats)):
+                else:  # one dead letter for a row, whichever of its samples the batch holds
+                    lost[at] = _duplicate(o["job_id"], o["id"], *at, first, _ANSWERED_FIRST)
+            for record, rows in ((OutputRow, keep), (DeadLetterRow, dead_letters + list(lost.values())), (BatchStats, stats)):
                 if rows:
                     insert_ignore(conn, table(record), rows)
             put_entries(conn, list(cache_entries))
@@ -100,17 +100,39 @@ class ResultWriter(SqlStore):
                 done.update(conn.execute(q).scalars())
         return done
 
-    def done_in_range(self, job_id: str, input_file: int, first_row: int, last_row: int,
-                      ids: Iterable[str]) -> tuple[set[str], set[int]]:
-        """What a rerun skips of one work unit (rows `first_row..last_row` of one input file):
-        (those of `ids` already answered, input rows already answered or dead-lettered).
-        Keyed lookups bounded by the unit, never the job's whole key set."""
+    def settle_done(self, job_id: str, input_file: int, rows: list[tuple[str, int]]) -> tuple[set[int], int]:
+        """What a rerun or a late duplicate leaves of a work unit's rows `(id, input_row)` of
+        one input file: the input rows still to run.  A row already answered or dead-lettered
+        is skipped.  A row whose id another row holds (the id's claim, or an output already
+        stored for another row: an earlier row claimed the id after this row passed
+        DedupIds) is that id's `duplicate_id` dead letter, written here, so the row ends in
+        one place and no engine works on an answer its commit would drop.  Keyed lookups
+        bounded by the unit (its row range, its ids), never the job's whole key set.
+        Returns (input rows to run, dead letters written)."""
+        if not rows:
+            return set(), 0
         o = T.outputs.c
-        done_ids: set[str] = set()
-        with self.engine.connect() as conn:
-            for part in chunks(list(ids)):
-                done_ids.update(conn.execute(select(o.id).where(o.job_id == job_id, o.id.in_(part))).scalars())
-        return done_ids, self.done_rows(job_id, input_file, first_row, last_row)
+        ids = sorted({rid for rid, _ in rows})
+        done = self.done_rows(job_id, input_file, min(r for _, r in rows), max(r for _, r in rows))
+        with self.engine.begin() as conn:
+            first = _claims(conn, job_id, ids)
+            for part in chunks(ids):  # an answer stored for a row that has no claim row (a job older than claims)
+                q = select(o.id, o.input_file, o.input_row).where(o.job_id == job_id, o.id.in_(part), o.sample == 0)
+                for rid, f, r in conn.execute(q):
+                    first.setdefault(rid, (f, r))
+            run: set[int] = set()
+            lost = []
+            for rid, r in rows:
+                if r in done:
+                    continue
+                holder = first.get(rid)
+                if holder is None or holder == (input_file, r):
+                    run.add(r)
+                else:
+                    lost.append(_duplicate(job_id, rid, input_file, r, holder, _PASSED_DEDUP))
+            # insert-if-absent: a claim only ever moves to an earlier row, so this row never holds it again
+            insert_ignore(conn, T.dead_letters, lost)
+        return run, len(lost)
 
     def claim_ids(self, job_id: str, rows: list[tuple[str, int, int]]) -> int:
         """Record (id, input_file, input_row) claims: each id keeps the first row in input
@@ -174,16 +196,25 @@ def _retract_losers(conn, job_id: str, ids: list[str]) -> int:
     losers = conn.execute(q).all()
     if not losers:
         return 0
-    conn.execute(delete(T.outputs).where(o.job_id == job_id, o.id.in_([i for i, *_ in losers])))  # key: (job, id, sample)
-    insert_ignore(conn, T.dead_letters, [_duplicate(job_id, i, f, r, (cf, cr)) for i, f, r, cf, cr in losers])
+    for i, f, r, _, _ in losers:  # every sample of the losing row, and only that row's
+        conn.execute(delete(T.outputs).where(o.job_id == job_id, o.id == i, o.input_file == f, o.input_row == r))
+    insert_ignore(conn, T.dead_letters,
+                  [_duplicate(job_id, i, f, r, (cf, cr), _ANSWERED_FIRST) for i, f, r, cf, cr in losers])
     return len(losers)
 
 
-def _duplicate(job_id: str, rid: str, input_file: int, input_row: int, first: tuple[int, int]) -> dict[str, Any]:
-    """The `duplicate_id` dead letter of a row answered before its id's first row was read
-    (the answer is dropped; its batch's figures still count the work)."""
+#: Why a settled duplicate passed DedupIds: answered before its id's first row was read (the
+#: answer is dropped; its batch's figures still count the work), or caught before it ran.
+_ANSWERED_FIRST = "it was read after this row was answered; the answer is dropped"
+_PASSED_DEDUP = "it was read after this row passed the duplicate check; this row did not run"
+
+
+def _duplicate(job_id: str, rid: str, input_file: int, input_row: int, first: tuple[int, int],
+               why: str) -> dict[str, Any]:
+    """The `duplicate_id` dead letter of a row whose id an earlier row claimed after the row
+    passed DedupIds."""
     return DeadLetterRow(
         job_id=job_id, input_file=input_file, input_row=input_row, id=rid, reason=DUPLICATE_ID,
-        message=duplicate_message(rid, first) + " (it was read after this row was answered; the answer is dropped)",
+        message=f"{duplicate_message(rid, first)} ({why})",
         raw=json.dumps({"id": rid}, ensure_ascii=False), created_at=time.time(),
     ).as_dict()
