@@ -65,7 +65,7 @@ class PipelineParts:
 
 def engines_per_host(spec: JobSpec) -> int:
     """Engines that share one machine's cores: every worker of a local runner, else one."""
-    return spec.runner.num_workers if spec.runner.runner in LOCAL_RUNNERS else 1
+    return spec.runner.resolved_workers() if spec.runner.runner in LOCAL_RUNNERS else 1
 
 
 def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     plan = parts.plan
     served = plan.rules() if hasattr(plan, "rules") else None  # an OpenAI batch input's lines
     units = plan_units(plan, spec.batching.unit_bytes)
-    work = p | "PlanUnits" >> PlanUnits(plan_work(units, spec.runner.num_workers))
+    work = p | "PlanUnits" >> PlanUnits(plan_work(units, spec.runner.resolved_workers()))
     ids = not (plan.format == "parquet" and "id" not in plan.columns)  # else ids come from positions: no duplicates
     columns = used_columns(plan.columns, spec.reference_column) if plan.format == "parquet" else None
     rows = work | "ReadPrompts" >> ReadPrompts(columns, served, parts.db_url, parts.job_id)

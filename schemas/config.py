@@ -207,6 +207,12 @@ class RunnerConfig(_Strict):
             raise ValueError("must be a whole number >= 1 or 'auto'")
         return v
 
+    def resolved_workers(self) -> int:
+        """`num_workers` as a job runs it: `auto` is made a number first (jobs/lifecycle/runner.resolve_workers)."""
+        if self.num_workers == "auto":
+            raise ValueError("runner.num_workers is still 'auto': resolve it (resolve_workers) before the job runs")
+        return self.num_workers
+
 
 class JobSpec(_Strict):
     """Everything a job needs; stored verbatim (credentials masked) in the jobs table."""

@@ -28,7 +28,7 @@ class Failure(click.ClickException):
 
     def __init__(self, message: str, code: int = EXIT_FAILED):
         super().__init__(message)
-        self.exit_code = code
+        self.exit_code = code  # type: ignore[misc]  # click reads the instance's; its stubs say ClassVar
 
     def show(self, file=None) -> None:
         click.echo(f"error: {self.format_message()}", err=True)
@@ -101,7 +101,8 @@ def engine_fields() -> dict[str, FieldInfo]:
     engine reads first, then each registered engine's own, in registration order."""
     taken = set(SamplingDefaults.model_fields) | set(SPEC_PATHS)
     fields: dict[str, FieldInfo] = {}
-    for model in [EngineConfig, *(engine_of(k).config for k in kinds())]:
+    models: list[type[EngineConfig]] = [EngineConfig, *(engine_of(k).config for k in kinds())]
+    for model in models:
         for name, info in model.model_fields.items():
             if name not in fields and name not in taken and engine_flag(info)[0]:
                 fields[name] = info
@@ -222,8 +223,8 @@ class Progress:
     def __init__(self, enabled: bool, file=None):
         self.enabled = enabled
         self.file = file
-        self.bar = None
-        self._t0 = None
+        self.bar: Any = None  # a tqdm bar (untyped) once this run answers rows
+        self._t0 = 0.0  # when the bar appeared
         self._tokens0 = 0
         self._before: int | None = None
 

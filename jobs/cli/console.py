@@ -82,7 +82,8 @@ class JobConsole:
     def __exit__(self, *exc) -> None:
         if self._saved is None:
             return
-        logging.getLogger("tokenmill").removeHandler(self._handler)
+        if self._handler is not None:
+            logging.getLogger("tokenmill").removeHandler(self._handler)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -96,7 +97,8 @@ class JobConsole:
             stream.close()
         self._saved = None
         self.stdout, self.terminal = sys.stdout, sys.stderr
-        if not self.log_written():  # a job refused before anything started leaves no empty log behind
+        # a job refused before anything started leaves no empty log behind
+        if self.log is not None and not self.log_written():
             self.log.unlink(missing_ok=True)
 
     def log_written(self) -> bool:

@@ -121,7 +121,7 @@ def batches_by_budget(budget: np.ndarray, token_budget: int) -> np.ndarray:
     """Each request's batch number when the ordered requests are cut into batches of at most
     `token_budget` tokens (a request larger than the budget alone still gets one), as
     transforms/batching.pack cuts them."""
-    out = np.empty(len(budget), dtype=np.int64)
+    out: np.ndarray = np.empty(len(budget), dtype=np.int64)
     b, used = 0, 0
     for i, t in enumerate(budget.tolist()):
         if used and used + t > token_budget:
@@ -136,9 +136,11 @@ def simulate(steps: np.ndarray, prefill: np.ndarray, batch: np.ndarray, *, slots
     """Seconds one engine takes for requests (in the order they are fed) of `steps` decode
     steps each (their output tokens), `prefill` uncached prompt tokens each, fed in batches
     (`batch`: each request's batch number, non-decreasing) under the batch runner's rule."""
-    steps, prefill, batch = (np.asarray(x).tolist() for x in (steps, prefill, batch))
-    n = len(steps)
-    starts = [0] + [i for i in range(1, n) if batch[i] != batch[i - 1]] + [n]
+    step_counts: list[float] = np.asarray(steps).tolist()
+    uncached: list[float] = np.asarray(prefill).tolist()
+    batch_of: list[int] = np.asarray(batch).tolist()
+    n = len(step_counts)
+    starts = [0] + [i for i in range(1, n) if batch_of[i] != batch_of[i - 1]] + [n]
     t, step, nb, next_b = 0.0, 0, len(starts) - 1, 0
     running: list[tuple[int, int]] = []  # (finish step, batch)
     waiting: deque[int] = deque()
@@ -153,8 +155,8 @@ def simulate(steps: np.ndarray, prefill: np.ndarray, batch: np.ndarray, *, slots
             next_b += 1
         while waiting and len(running) < slots:
             i = waiting.popleft()
-            heapq.heappush(running, (step + max(1, int(steps[i])), batch[i]))
-            t += model.p * prefill[i]
+            heapq.heappush(running, (step + max(1, int(step_counts[i])), batch_of[i]))
+            t += model.p * uncached[i]
         if not running:
             return t
         nxt = running[0][0]

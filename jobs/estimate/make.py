@@ -104,7 +104,12 @@ def estimate_job(spec, *, db_url: str | None = None, sample: int | None = None,
     if pf.problems:
         raise EstimateError(pf.problems[0])
     block = effective_block_size(spec.engine, on_gpu=pf.on_gpu)
-    counter = pf.counter or TokenCounter.local(pf.model_path, model=spec.engine.model)
+    counter = pf.counter
+    if counter is None:  # the model's own tokenizer, in the folder the engine's preflight found
+        if pf.model_path is None:
+            raise EstimateError(f"no tokenizer to count the prompts of {spec.engine.model!r} with: "
+                                "the engine's preflight found neither a counter nor a model folder")
+        counter = TokenCounter.local(pf.model_path, model=spec.engine.model)
     say(f"tokenizing the input: {pf.plan.total_rows:,} rows ({counter.describe()})")
     prof = profile_input(spec, pf.plan, counter, block)
     if not prof.usable:

@@ -45,8 +45,9 @@ def figure(value: float, lo: float, hi: float, how: str) -> dict[str, Any]:
 
 def percentiles(values: np.ndarray) -> tuple[float, float]:
     tail = (1 - INTERVAL) / 2 * 100
-    lo, hi = np.percentile(np.asarray(values, float), [tail, 100 - tail])
-    return float(lo), float(hi)
+    bounds = np.percentile(np.asarray(values, float), [tail, 100 - tail])
+    lo, hi = (float(x) for x in bounds)  # type: ignore[attr-defined]  # an array for a list of q
+    return lo, hi
 
 
 # ---------------------------------------------------------------- output lengths
@@ -129,7 +130,7 @@ def draw_outputs(rng: np.random.Generator, obs: Outputs, band: np.ndarray, caps:
                  idx: np.ndarray | None = None) -> np.ndarray:
     """One predicted output length per request: min(L, its max_tokens), L drawn from its
     band's length distribution (`survival`; past the last uncut length, L runs on to the cap)."""
-    res = np.empty(len(band), dtype=np.int64)
+    res: np.ndarray = np.empty(len(band), dtype=np.int64)
     for b in np.unique(band):
         sel = np.flatnonzero(band == b)
         times, surv = survival(*obs.of_band(int(b), idx))
@@ -223,7 +224,7 @@ class Measured:
     def resample(self, rng: np.random.Generator) -> np.ndarray:
         """A bootstrap resample of the requests, fillers and sampled rows each within their own."""
         n = len(self.steps)
-        group = np.zeros(n, dtype=np.int64) if self.filler is None else self.filler.astype(np.int64)
+        group: np.ndarray = np.zeros(n, dtype=np.int64) if self.filler is None else self.filler.astype(np.int64)
         return resample_within_bands(rng, group)
 
 

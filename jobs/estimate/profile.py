@@ -94,8 +94,9 @@ class Profiler:
     def __init__(self, encoder, *, max_model_len: int, default_max_tokens: int, block_size: int,
                  prefix_blocks: int, default_samples: int, reference_column: str | None = None):
         self.encoder, self.block_size, self.reference_column = encoder, block_size, reference_column
-        self.kw = dict(max_model_len=max_model_len, default_max_tokens=default_max_tokens, block_size=block_size,
-                       prefix_blocks=prefix_blocks, default_samples=default_samples)
+        self.kw: dict[str, Any] = dict(max_model_len=max_model_len, default_max_tokens=default_max_tokens,
+                                       block_size=block_size, prefix_blocks=prefix_blocks,
+                                       default_samples=default_samples)
         self.cols: dict[str, list] = {k: [] for k in ("file_index", "row", "prompt", "max_tokens", "samples")}
         self.blocks: list[tuple[int, ...]] = []
         self.keys: list[str] = []
@@ -103,17 +104,19 @@ class Profiler:
         self.ids: set[str] = set()
 
     def add(self, row: dict[str, Any]) -> None:
-        from tokenmill.schemas.records import DUPLICATE_ID, FailedRecord
+        from tokenmill.schemas.records import DUPLICATE_ID, FailedRecord, TokenizedPrompt
         from tokenmill.transforms.tokenize import tokenize_record
         from tokenmill.transforms.validate import validate_row
 
-        rec = validate_row(row, self.reference_column)
-        if not isinstance(rec, FailedRecord):
-            if rec.id in self.ids:  # the job keeps an id's first row (transforms/dedup.py)
-                rec = FailedRecord(rec.input_file, rec.input_row, rec.id, DUPLICATE_ID, "")
-            else:
-                self.ids.add(rec.id)
-                rec = tokenize_record(self.encoder, rec, **self.kw)
+        valid = validate_row(row, self.reference_column)
+        rec: TokenizedPrompt | FailedRecord
+        if isinstance(valid, FailedRecord):
+            rec = valid
+        elif valid.id in self.ids:  # the job keeps an id's first row (transforms/dedup.py)
+            rec = FailedRecord(valid.input_file, valid.input_row, valid.id, DUPLICATE_ID, "")
+        else:
+            self.ids.add(valid.id)
+            rec = tokenize_record(self.encoder, valid, **self.kw)
         if isinstance(rec, FailedRecord):
             self.dead[rec.reason] = self.dead.get(rec.reason, 0) + 1
             return

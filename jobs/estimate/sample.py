@@ -58,7 +58,7 @@ def band_edges(lengths: np.ndarray, n_sample: int) -> np.ndarray:
 
 def bands_of(lengths: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """The band of each length: band i holds lengths in (edges[i-1], edges[i]]."""
-    return np.searchsorted(edges, lengths, side="left")
+    return np.searchsorted(edges, lengths, side="left")  # type: ignore[return-value]  # an array for an array
 
 
 def allocate(counts: np.ndarray, n: int) -> np.ndarray:

@@ -122,7 +122,7 @@ class Exporter(Protocol):
 def _write_rows(dest: str, eng: Engine, record: type[StoredRow], job_id: str) -> int:
     """A job's rows of one table, in input order, as the record's exported Parquet file (an
     embedding job's vectors as a fixed-size list of their dimension)."""
-    schema = export_schema(record)
+    schema = export_schema(record)  # type: ignore[arg-type]  # a class is hashable; mypy reads the instances' __hash__
     dim = MetricsReader(eng).embedding_dim(job_id) if "embedding" in schema.names else None
     if dim:
         i = schema.get_field_index("embedding")
@@ -135,8 +135,8 @@ class ParquetExport:
     """outputs.parquet and dead_letters.parquet: the exported columns of `OutputRow` and
     `DeadLetterRow`, in input order."""
 
-    format = "parquet"
-    files = {"outputs": "outputs.parquet", "dead_letters": "dead_letters.parquet"}
+    format: ClassVar[str] = "parquet"
+    files: ClassVar[Mapping[str, str]] = {"outputs": "outputs.parquet", "dead_letters": "dead_letters.parquet"}
 
     def write(self, eng: Engine, job_id: str, paths: Mapping[str, str]) -> tuple[int, int]:
         return (_write_rows(paths["outputs"], eng, OutputRow, job_id),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, ClassVar, Iterable, Iterator, Mapping
 
 from sqlalchemy.engine import Engine
 
@@ -210,8 +210,8 @@ def dead_letter_lines(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[s
 class OpenAIBatchExport:
     """outputs.jsonl and errors.jsonl in the OpenAI batch output format."""
 
-    format = "openai-jsonl"
-    files = {"outputs": "outputs.jsonl", "errors": "errors.jsonl"}
+    format: ClassVar[str] = "openai-jsonl"
+    files: ClassVar[Mapping[str, str]] = {"outputs": "outputs.jsonl", "errors": "errors.jsonl"}
 
     def write(self, eng: Engine, job_id: str, paths: Mapping[str, str]) -> tuple[int, int]:
         rows = MetricsReader(eng)

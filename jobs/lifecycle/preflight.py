@@ -79,7 +79,7 @@ def pipeline_options(spec: JobSpec):
 
     flags = [f"--runner={spec.runner.runner}"]
     if spec.runner.runner in ("DirectRunner", "direct"):
-        if spec.runner.num_workers > 1:
+        if spec.runner.resolved_workers() > 1:
             flags += ["--direct_running_mode=multi_processing", f"--direct_num_workers={spec.runner.num_workers}"]
         else:
             flags += ["--direct_running_mode=in_memory", "--direct_num_workers=1"]

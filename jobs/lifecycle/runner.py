@@ -175,7 +175,7 @@ def run_job(
     status, error, read = "failed", None, None
     say("resuming: rows already answered are skipped" if claim["resumed"] else
         f"starting the pipeline ({spec.runner.runner}, {spec.runner.num_workers} worker"
-        f"{'s' if spec.runner.num_workers > 1 else ''}); the engine loads first")
+        f"{'s' if spec.runner.resolved_workers() > 1 else ''}); the engine loads first")
     try:
         read = _run_passes(spec, job_id, run_id, plan, model_path, db_url, session_factory,
                            effective_block_size(spec.engine, on_gpu=on_gpu), pf.counter, eng, say)
@@ -203,8 +203,7 @@ def run_job(
     remove_job_spill(job_id)  # every unit was read: what a large row group spilled here is spent
 
     # 3. Export (the old marker removed first), reconcile, account; then the marker of the final status.
-    job = S.JobStore(eng).get(job_id)
-    cancelled = bool(job.get("cancel_requested"))
+    cancelled = bool(_job_row(eng, job_id).get("cancel_requested"))
     c = S.MetricsReader(eng).counts(job_id)
     files = export_job(eng, job_id, spec.output, spec.output_format or "parquet")
     say(f"exported {spec.output}: {files.get('outputs', 0):,} outputs, {files.get('dead_letters', 0):,} dead letters")
@@ -314,7 +313,7 @@ def _run_passes(spec, job_id, run_id, plan, model_path, db_url, session_factory,
     for i, task in enumerate(tasks):
         if hasattr(plan, "task"):
             plan.task = task
-        if i and S.JobStore(eng).get(job_id).get("cancel_requested"):
+        if i and _job_row(eng, job_id).get("cancel_requested"):
             break
         if len(tasks) > 1:
             say(f"pass {i + 1} of {len(tasks)}: the {EMBED_LINES if task == 'embed' else GENERATE_LINES} lines, "
@@ -327,6 +326,14 @@ def _run_passes(spec, job_id, run_id, plan, model_path, db_url, session_factory,
 
 
 GENERATE_LINES, EMBED_LINES = "chat and completions", "/v1/embeddings"
+
+
+def _job_row(eng, job_id: str) -> dict[str, Any]:
+    """The job's row, which the running job holds claimed: JobError if it is gone."""
+    job = S.JobStore(eng).get(job_id)
+    if job is None:
+        raise JobError(f"job {job_id} is no longer in the database")
+    return job
 
 
 def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None,
@@ -346,6 +353,7 @@ def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_fa
                 raise
             log.warning("job %s: %s; running the pipeline again (retry %d of %d), resuming from the database",
                         job_id, first_line(err), attempt + 1, spec.runner.worker_retries)
+    return None  # not reached: worker_retries >= 0, and the last attempt returns or raises
 
 
 def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None,

@@ -71,7 +71,8 @@ def dist(values: Iterable[float | None]) -> dict[str, float | None]:
     vals = _values(values)
     if not vals.size:
         return {"mean": None, "p50": None, "p95": None, "p99": None, "max": None, "n": 0}
-    p50, p95, p99 = (float(x) for x in np.percentile(vals, [50, 95, 99]))
+    qs = np.percentile(vals, [50, 95, 99])
+    p50, p95, p99 = (float(x) for x in qs)  # type: ignore[attr-defined]  # an array for a list of q
     return {"mean": float(vals.mean()), "p50": p50, "p95": p95, "p99": p99, "max": float(vals.max()),
             "n": int(vals.size)}
 
@@ -115,13 +116,13 @@ def request_stats(rows: Sequence[dict[str, Any]] | Mapping[str, np.ndarray]) -> 
     outs, e2e = cols["output_tokens"], cols["e2e_s"]
     ok = (e2e > 0) & (outs > 0)  # NaN compares False
     per_req = outs[ok] / e2e[ok]
+    marks = [] if isinstance(rows, Mapping) else [r.get("valid") for r in rows]  # columns do not say what was checked
     return RequestStats(
         n=len(cols["prompt_tokens"]), prompt=int(np.nansum(cols["prompt_tokens"])), output=int(np.nansum(outs)),
         cached=int(np.nansum(cols["cached_tokens"])), cached_known=bool(np.isfinite(cols["cached_tokens"]).any()),
         by_source=count_sources(cols), dists={c: dist(cols[c]) for c in DIST_COLUMNS},
         mean_request_output_tok_per_s=float(per_req.mean()) if per_req.size else None,
-        **({} if isinstance(rows, Mapping) else {"checked": sum(r.get("valid") is not None for r in rows),
-                                                 "valid": sum(r.get("valid") is True for r in rows)}))
+        checked=sum(v is not None for v in marks), valid=sum(v is True for v in marks))
 
 
 def job_metrics(
@@ -165,7 +166,7 @@ def job_metrics(
     run_loads = [r["model_load_s"] for r in per_run if r["model_load_s"] is not None]
     failed = sum(failed_by_reason.values())
     peak_rss = max((w.get("peak_rss_bytes") or 0 for w in workers), default=0)
-    info = next((w.get("engine_info") for w in workers if w.get("engine_info")), {}) or {}
+    info: dict[str, Any] = next((w["engine_info"] for w in workers if w.get("engine_info")), {})
     m: dict[str, Any] = {
         "requests": {"total": total, "succeeded": n if s.rows is None else s.rows, "failed": failed,
                      "samples": n + s.cache["samples"]},

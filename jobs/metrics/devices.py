@@ -48,13 +48,14 @@ def device_summary(workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Job-wide device figures: sums (devices, energy) and maxima (memory) over workers."""
     gpu = [w for w in workers if w.get("device_type") == "gpu"]
     energies = [(w.get("measure") or {}).get("gpu_energy_j") for w in gpu]
+    known = [e for e in energies if e is not None]
     mems = [(w.get("measure") or {}).get("gpu_process_memory_bytes_max") for w in gpu]
     rss = [(w.get("measure") or {}).get("peak_tree_rss_bytes") for w in workers]
     return {
         "gpus": gpu_count(gpu),
         "gpu_models": sorted({w["device_model"] for w in gpu if w.get("device_model")}),
         "vcpus": sum(int(w.get("cpu_count") or 0) for w in workers if w.get("device_type") == "cpu"),
-        "gpu_energy_wh": (sum(energies) / 3600.0) if gpu and all(e is not None for e in energies) else None,
+        "gpu_energy_wh": (sum(known) / 3600.0) if gpu and len(known) == len(energies) else None,
         "gpu_process_memory_bytes_max": max((x for x in mems if x is not None), default=None),
         "peak_worker_tree_rss_bytes": max((x for x in rss if x is not None), default=None),
         "nvml_errors": [f"{w.get('worker')}: {w['nvml_error']}" for w in workers if w.get("nvml_error")],

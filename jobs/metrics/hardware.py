@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from tokenmill.transforms.engines.device import cpu_model, describe_devices, device_handle, select_visible
 
@@ -105,6 +105,8 @@ def nvml_sample(nvml, devices: list[dict[str, Any]] | None = None) -> list[dict[
         i = d["index"]
         h = device_handle(nvml, d)
         mem = nvml.nvmlDeviceGetMemoryInfo(h)
+        gpu_pct: float | None
+        mem_pct: float | None
         try:
             util = nvml.nvmlDeviceGetUtilizationRates(h)
             gpu_pct, mem_pct = float(util.gpu), float(util.memory)
@@ -138,14 +140,14 @@ def process_tree_rss_bytes(pid: int | None = None) -> int | None:
         return None
 
 
-def _mean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
+def _mean(xs: Sequence[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return sum(known) / len(known) if known else None
 
 
-def _max(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return max(xs) if xs else None
+def _max(xs: Sequence[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return max(known) if known else None
 
 
 def summarize_samples(cpu_pct: list[float], rss: list[int | None], gpu: list[list[dict[str, Any]]],

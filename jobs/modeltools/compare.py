@@ -196,7 +196,8 @@ class _Tally:
         self.n = self.exact = self.n_ref = self.ok_b = self.ok_c = self.lost = self.gained = 0
         self.sims = 0.0
         self.worst: list[dict[str, Any]] = []
-        self.valid = np.zeros(5, dtype=np.int64)  # structured rows, valid in base, in candidate, lost, gained
+        # structured rows, valid in base, in candidate, lost, gained
+        self.valid: np.ndarray = np.zeros(5, dtype=np.int64)
         self.objects = self.objects_equal = 0
         self.fields: dict[str, list[int]] = {}  # field → [rows having it in either, rows equal in both]
         self.cos: list[np.ndarray] = []
@@ -276,7 +277,8 @@ class _Tally:
         self.emb_worst = heapq.nsmallest(self.show, self.emb_worst + scored)
 
     def result(self, matched: int, only_base: int, only_cand: int, max_drop: float, min_cosine: float) -> Comparison:
-        n, refs, m = self.n, self.n_ref, {}
+        n, refs = self.n, self.n_ref
+        m: dict[str, Any] = {}  # the measures that are Comparison's own fields
         cos = np.concatenate(self.cos) if self.cos else np.zeros(0)
         if len(cos):  # an embedding job: no text measures
             refs, metric, value = 0, "mean_cosine", float(cos.mean())
@@ -408,7 +410,7 @@ def format_comparison(c: Comparison) -> str:
     ]
     if c.word_similarity is not None:
         lines.append(f"  exact match {pct(c.exact_match_rate)}, word similarity {c.word_similarity:.3f}")
-    if c.with_reference:
+    if c.with_reference and c.accuracy_drop_ci95 is not None:  # the interval is set whenever there are references
         lines.append(
             f"  accuracy vs reference ({c.with_reference} rows): base {pct(c.base_accuracy)}, "
             f"candidate {pct(c.candidate_accuracy)}, drop {c.accuracy_drop:+.1%} "

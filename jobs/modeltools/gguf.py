@@ -112,6 +112,7 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
         if not tokenizer:
             raise QuantizeError(f"method 'imatrix' draws the calibration prompts with the model's tokenizer, and none "
                                 f"is known for {str(src)!r} (make the GGUF with tokenmill quantize, or use a built-in model)")
+        assert calibration is not None  # method imatrix without one was refused above
         try:
             tok_dir = resolve_model(tokenizer, need_weights=False)
             cal = C.build(calibration, str(tok_dir), samples=C.DEFAULT_SAMPLES if samples is None else samples,
@@ -140,6 +141,7 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
         recipe: dict[str, Any] = {"method": method, "library": "llama.cpp (llama-quantize)", "type": GGUF_SCHEMES[scheme]}
         quant_args = ["--allow-requantize"]
         if imatrix:
+            assert imatrix_tool is not None and n_ctx is not None  # both found above for method imatrix
             run_info, basis = _imatrix(src, imatrix_tool, tool, cal, tok_dir, n_ctx, cores, work)
             quant_args += ["--imatrix", "imatrix.gguf"]
             recipe.update(library="llama.cpp (llama-imatrix, llama-quantize --imatrix)",

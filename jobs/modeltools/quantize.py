@@ -262,6 +262,7 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
     rows = 0
     notes: list[str] = []
     if calibrated:
+        assert calibration is not None  # a calibrated method without one was refused above
         py = llmcompressor_python()
         try:
             cal = C.build(calibration, str(src), samples=samples, max_seq_len=max_seq_len, db_url=db_url)

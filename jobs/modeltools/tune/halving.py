@@ -35,11 +35,20 @@ class Entry:
         return [r[name] for r in self.runs if r.get(name) is not None]
 
 
+def _mean_cost(e: Entry) -> float:
+    """The mean of an entry's costs, which rank the candidates: every run measured has one
+    (the tuner fails a run without)."""
+    cost = mean(e.values())
+    if cost is None:
+        raise TuneError("a candidate that passed the gate has no cost to rank it by")
+    return cost
+
+
 def halve(entries: dict[str, Entry]) -> tuple[list[str], dict[str, str]]:
     """(kept, dropped → why) after one rung: the cheaper half (rounded up) of the candidates
     that pass the gate, by mean cost, plus every passing candidate tied with the last one
     kept (a difference inside the noise is no reason to drop it)."""
-    passing = sorted((k for k, e in entries.items() if e.passed), key=lambda k: mean(entries[k].values()))
+    passing = sorted((k for k, e in entries.items() if e.passed), key=lambda k: _mean_cost(entries[k]))
     dropped = {k: "failed the gate" for k, e in entries.items() if not e.passed}
     keep = passing[: math.ceil(len(passing) / 2)]
     if keep:
@@ -69,7 +78,7 @@ def pick(ref: Entry, entries: dict[str, Entry], size: int | None) -> Verdict:
     """The cheapest passing candidate wins only if it beats the reference beyond the noise;
     otherwise the spec as given stays (`winner` = `ref`)."""
     passing = sorted((k for k, e in entries.items() if e.passed and e.values()),
-                     key=lambda k: mean(entries[k].values()))
+                     key=lambda k: _mean_cost(entries[k]))
     if not passing:
         return Verdict(size, REFERENCE, None, [], False)
     best = passing[0]
@@ -92,6 +101,12 @@ class SearchLog:
 
     def entry(self, key: str, size: int) -> Entry:
         return self.entries.setdefault(key, {}).setdefault(size, Entry())
+
+    def decided(self) -> Verdict:
+        """The verdict, which `search` sets before it returns."""
+        if self.verdict is None:
+            raise TuneError("the search has no verdict yet")
+        return self.verdict
 
     def last_size(self, key: str) -> int | None:
         done = [s for s, e in self.entries.get(key, {}).items() if e.runs]
@@ -163,16 +178,16 @@ def search(keys: list[str], sizes: list[int], *, repeats: int,
     for key in alive:
         if key == log.verdict.winner:
             log.outcome[key] = "winner"
-        elif key == log.verdict.best:
+        elif key == log.verdict.best and complete is not None:  # a best only when a rung completed
             costs = log.entry(key, complete).values()
             log.outcome[key] = ("passed; costlier than the reference" if beats(ref_costs, costs)
                                 else "passed; tied with the reference")
         elif key in log.verdict.tied_with_best:
             log.outcome[key] = "passed; tied with the best"
         else:
-            e = log.entry(key, complete) if complete else None
-            log.outcome[key] = ("failed the gate" if e is not None and e.passed is False
-                                else "passed; costlier" if e is not None and e.passed else "not finished")
+            last = log.entry(key, complete) if complete else None
+            log.outcome[key] = ("failed the gate" if last is not None and last.passed is False
+                                else "passed; costlier" if last is not None and last.passed else "not finished")
         if log.stopped and complete is not None and key not in log.dropped_at:
             log.outcome[key] += f" (stopped at {complete} rows: {log.stopped})"
     log.outcome[REFERENCE] = "winner" if log.verdict.winner == REFERENCE else "reference"

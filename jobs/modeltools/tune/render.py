@@ -121,7 +121,7 @@ def write_outputs(res: TuneResult, out: Path) -> None:
              "json": out / "tune.json", "sample": out / "samples" / "sample.parquet"}
     files["table"].write_text(format_table(res.table) + "\n\n" + res.recommendation + "\n", encoding="utf-8")
     render_html(res, files["html"])
-    w = res.log.verdict.winner
+    w = res.log.decided().winner
     head = (f"# tokenmill tune {res.tune_id}: " + ("the spec as given (no candidate beat it)" if w == REFERENCE
             else next(c.label for c in res.candidates if c.key == w)) + "\n# run it with: tokenmill run "
             f"{files['spec']}\n")

@@ -57,12 +57,13 @@ def build_table(ref: Candidate, cands: list[Candidate], log: SearchLog) -> list[
         e = log.entry(c.key, size)
         costs = e.values("cost")
         ref_costs = log.entry(REFERENCE, size).values("cost")
+        cost_mean, ref_cost_mean = mean(costs), mean(ref_costs)  # None without costs
         row.update(
             outcome=log.outcome.get(c.key, "not finished"), rows=size, dropped_at=log.dropped_at.get(c.key),
             runs=len(e.runs), job_ids=[r["job_id"] for r in e.runs],
             **{key: mean(e.values(key)) for key, _ in VIEWS["tune"]},
             cost_runs=costs, cost_spread=(max(costs) - min(costs)) if costs else None,
-            cheaper_than_reference=(mean(ref_costs) / mean(costs)) if costs and ref_costs and mean(costs) else None,
+            cheaper_than_reference=(ref_cost_mean / cost_mean) if ref_cost_mean is not None and cost_mean else None,
             beats_reference=beats(costs, ref_costs) if c.key != REFERENCE else None,
             gate=None if e.passed is None else ("pass" if e.passed else "fail"),
             quality_loss=e.loss, gate_metric=e.gate_metric,
@@ -76,7 +77,7 @@ def build_table(ref: Candidate, cands: list[Candidate], log: SearchLog) -> list[
 
 def recommendation(res: TuneResult) -> str:
     """One line: what the winner gains over the spec as given and at what quality cost."""
-    v = res.log.verdict
+    v = res.log.decided()
     rows = {r["candidate"]: r for r in res.table}
     if v.size is None:
         return "No recommendation: the budget ran out before the first sample size finished."

@@ -46,7 +46,7 @@ def draw_sample(spec, n: int, seed: int, out_dir: Path) -> tuple[Path, int]:
         raise TuneError(f"input {spec.input!r} has no rows to sample")
     n = min(n, plan.total_rows)
     picks = np.random.default_rng(seed).choice(plan.total_rows, size=n, replace=False)
-    order = np.empty(n, dtype=np.int64)
+    order: np.ndarray = np.empty(n, dtype=np.int64)
     tables, positions, start = [], [], 0
     rank = {int(g): i for i, g in enumerate(picks)}  # global row → position in the drawn order
     for sh in plan.shards:

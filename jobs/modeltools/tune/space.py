@@ -89,7 +89,7 @@ def make_checkpoints(wanted: list[dict[str, Any]], model: str, sample_path: Path
         t0 = time.time()
         try:
             quantize(str(src), q["scheme"], folder, method=method, group_size=q.get("group_size"),
-                     **(dict(calibration=calibration) if calibrated else {}))
+                     calibration=calibration if calibrated else None)
         except (QuantizeError, QuantizeFailed) as err:
             notes.append(f"quantize {q['scheme']} {method}: not made: {err}")
             echo(f"quantize {q['scheme']} {method}: not made: {err}")

@@ -196,6 +196,7 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
         jid = f"tune-{tid}-{key}-eval"
         if jid in evals_done:
             return jid
+        assert evals is not None  # the gate asks for eval jobs only with an eval set (judge)
         data = _run_data(by_key[key], input=evals, output=out / "jobs" / jid, job_id=jid,
                          name=f"tune {tid}: {by_key[key].label}, eval set")
         data["reference_column"] = "reference"
@@ -233,7 +234,7 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
     if log.stopped:
         notes.append(f"stopped early: {log.stopped} (budget {budget_minutes:g} min, spent {budget.spent / 60:.1f} min)")
     table = build_table(ref, cands, log)
-    winner = by_key[log.verdict.winner]
+    winner = by_key[log.decided().winner]
     winner_spec = copy.deepcopy(spec_data)
     for p, v in winner.changes.items():
         set_path(winner_spec, p, v)
