@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-quant bench-tune bench-scale bench-rerun bench-cache bench-estimate bench-layout bench-report bench-db gpu-check clean help
+.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-quant bench-tune bench-scale bench-rerun bench-cache bench-estimate bench-serve bench-layout bench-report bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -31,6 +31,7 @@ help:
 	@echo "make bench-quant - RTN against calibrated quantization (docs/QUANTIZATION.md)"
 	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
 	@echo "make bench-cache - a warm rerun from the result cache against a cold run, wall and cost (bench/cache.py)"
+	@echo "make bench-serve - tokenmill serve against tokenmill run: a 20-line and a 2,000-line batch, 20 pollers, 50 batches' memory (bench/serve.py)"
 	@echo "make bench-estimate - tokenmill estimate against the job it predicts, 3 inputs x vLLM and llama.cpp (bench/estimate.py)"
 	@echo "make bench-layout - one row group against 8,192-row groups, the same rows side by side (bench/layout.py)"
 	@echo "make bench-report - peak RSS of tokenmill report and status on a finished job of N and 10 N rows (bench/report_memory.py)"
@@ -203,6 +204,12 @@ bench-cache: prepare
 # Shorter: make bench-estimate BENCH_ARGS="--rows 60 --engines vllm".
 bench-estimate: prepare llamacpp
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.estimate $(BENCH_ARGS)
+
+# `tokenmill serve` against `tokenmill run` on the same JSONL files, A B B A (bench/serve.py, docs/SERVING.md): a
+# 20-line batch on a warm server, a 2,000-line batch's lines/s, 20 clients polling, RSS over 50 batches; ~30 min
+# on 2 cores.  Shorter: make bench-serve BENCH_ARGS="--large-lines 400 --memory-batches 20".
+bench-serve: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.serve $(BENCH_ARGS)
 
 # The same N rows as one row group and as 8,192-row groups, rounds alternating (bench/layout.py, issue 26): rows/s,
 # peak RSS per process and the bytes read of the file, one group / small groups; ~20 min at the default 200,000 rows.

@@ -149,3 +149,64 @@ locks = Table(
     Column("owner", String(256), nullable=False),
     Column("acquired_at", DateTime(timezone=True), nullable=False),
 )
+
+# ---------------------------------------------------------------- the service (`tokenmill serve`, docs/SERVING.md)
+
+#: API keys: only a key's SHA-256 is stored; `prefix` (its first characters) names it in lists.
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("name", String(256), nullable=False),
+    Column("prefix", String(16), nullable=False),
+    Column("hash", String(64), nullable=False, unique=True),
+    Column("admin", Boolean, nullable=False, default=False, server_default=false()),
+    Column("created_at", Float, nullable=False),
+    Column("revoked_at", Float),
+)
+
+#: Files uploaded to the service or written by it (a batch's output and error files); the bytes
+#: live in the service's files store under the file's id, never under a name a client chose.
+api_files = Table(
+    "api_files",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(64), nullable=False, index=True),
+    Column("filename", String(512), nullable=False),
+    Column("purpose", String(32), nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("lines", Integer),
+    Column("created_at", Float, nullable=False, index=True),
+    Column("deleted_at", Float),
+)
+
+#: OpenAI batches: each runs as the tokenmill job of the same id.  Its state is its timestamps
+#: (OpenAI's own fields) with the job row: `in_progress_at` once queued to run, one terminal
+#: timestamp when it ended (jobs/serve/objects.py derives `status`).
+api_batches = Table(
+    "api_batches",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(64), nullable=False, index=True),
+    Column("model", String(512)),
+    Column("endpoint", String(64), nullable=False),
+    Column("input_file_id", String(64), nullable=False),
+    Column("completion_window", String(16), nullable=False),
+    Column("metadata", JSON),
+    Column("priority", Integer, nullable=False, default=0, server_default="0"),
+    Column("lines", Integer),
+    Column("errors", JSON),
+    Column("created_at", Float, nullable=False, index=True),
+    Column("expires_at", Float, nullable=False),
+    Column("in_progress_at", Float),
+    Column("finalizing_at", Float),
+    Column("completed_at", Float),
+    Column("failed_at", Float),
+    Column("expired_at", Float),
+    Column("cancelling_at", Float),
+    Column("cancelled_at", Float),
+    Column("output_file_id", String(64)),
+    Column("error_file_id", String(64)),
+    Column("request_counts", JSON),
+    Column("usage", JSON),
+)

@@ -37,7 +37,7 @@ from tokenmill.jobs.cli.common import (  # noqa: F401  (the CLI's public names, 
 
 #: The modules that add commands to `main` with @main.command(); imported here so
 #: every command is there when the CLI starts.
-COMMAND_MODULES = ("run", "models", "report", "quality", "orchestrate", "tune", "cache", "estimate")
+COMMAND_MODULES = ("run", "models", "report", "quality", "orchestrate", "tune", "cache", "estimate", "serve")
 
 for _mod in COMMAND_MODULES:
     importlib.import_module(f"tokenmill.jobs.cli.{_mod}")

@@ -11,7 +11,7 @@ from tokenmill.jobs.cli.common import CONTEXT_SETTINGS
 
 #: Commands that may start an engine in this process (the CLI's re-exec and the engines'
 #: shutdown at the end are for them).
-ENGINE_COMMANDS = {"run", "run-pending", "tune", "estimate"}
+ENGINE_COMMANDS = {"run", "run-pending", "tune", "estimate", "serve"}
 #: `ctx.meta` key: the group's -v (engine and library output on the terminal, not in a log file)
 VERBOSE = "tokenmill.verbose"
 

@@ -207,6 +207,14 @@ def dead_letter_lines(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[s
         yield out
 
 
+def unanswered_line(job_id: str, custom_id: str, code: str, message: str) -> str:
+    """The error line of a request that never ran (OpenAI's `batch_cancelled`, `batch_expired`):
+    no response, the error's code and message."""
+    line_id, _ = _ids(job_id, custom_id)
+    return json.dumps({"id": line_id, "custom_id": custom_id, "response": None,
+                       "error": {"code": code, "message": message}}, ensure_ascii=False)
+
+
 class OpenAIBatchExport:
     """outputs.jsonl and errors.jsonl in the OpenAI batch output format."""
 

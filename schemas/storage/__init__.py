@@ -13,7 +13,8 @@ the SQL, each returning plain rows (dicts of a table's columns):
 - `RequestSummary`: a job's per-request figures summed, counted and ranked by the
   database (`RequestStats`), for metrics and reports of any size;
 - `EstimateStore`: the estimates `tokenmill estimate` made, newest first;
-- `CacheStore`: the result cache across jobs (lookups by key, inserts, stats, pruning).
+- `CacheStore`: the result cache across jobs (lookups by key, inserts, stats, pruning);
+- `KeyStore`, `FileStore`, `BatchStore`: what `tokenmill serve` keeps (API keys, files, batches).
 """
 
 from tokenmill.schemas.storage.cache import CacheStore
@@ -31,9 +32,10 @@ from tokenmill.schemas.storage.estimates import EstimateStore
 from tokenmill.schemas.storage.jobs import STALE_AFTER_S, JobBusy, JobStore, is_live
 from tokenmill.schemas.storage.reader import CHUNK_ROWS, MetricsReader
 from tokenmill.schemas.storage.results import ResultWriter
+from tokenmill.schemas.storage.serve import BatchStore, FileStore, KeyStore
 from tokenmill.schemas.storage.summary import RequestStats, RequestSummary
 
 __all__ = [
-    "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "EstimateStore", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "StorageError",
+    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "StorageError",
     "alembic_config", "connect", "current_revision", "head_revision", "is_live", "owner_tag", "upgrade", "utcnow",
 ]

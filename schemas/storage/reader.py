@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from sqlalchemy import func, literal, select, union_all
+from sqlalchemy import case, func, literal, select, union_all
 
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.records import REQUEST_COLUMNS, StoredRow, embedding_array
@@ -41,6 +41,18 @@ class MetricsReader(SqlStore):
         with self.engine.connect() as conn:
             q = select(func.coalesce(func.sum(T.outputs.c.output_tokens), 0)).where(T.outputs.c.job_id == job_id)
             return int(conn.execute(q).scalar() or 0)
+
+    def token_totals(self, job_id: str) -> dict[str, int]:
+        """A job's tokens summed over its stored answers: `prompt` (once per request), `cached`
+        (of those) and `output` (every sample's)."""
+        o = T.outputs.c
+        first = o.sample == 0
+        q = select(func.coalesce(func.sum(case((first, o.prompt_tokens), else_=0)), 0),
+                   func.coalesce(func.sum(case((first, o.cached_tokens), else_=0)), 0),
+                   func.coalesce(func.sum(o.output_tokens), 0)).where(o.job_id == job_id)
+        with self.engine.connect() as conn:
+            prompt, cached, output = conn.execute(q).one()
+        return {"prompt": int(prompt), "cached": int(cached), "output": int(output)}
 
     def stream_rows(self, record: type[StoredRow], job_id: str) -> Iterator[list[dict[str, Any]]]:
         """A job's rows of one table in input order (file, then row, then a row's samples), in

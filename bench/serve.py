@@ -1,0 +1,213 @@
+"""`tokenmill serve` against `tokenmill run` on the same files (`make bench-serve`).
+
+One server on loopback (the bundled model, the engine config below), driven by the `openai`
+SDK; `tokenmill run` as whole processes on the same JSONL files and engine config.  After a
+warm-up (the server's first batch loads its engine; one `tokenmill run` warms the page cache),
+four sections, each with its arms interleaved A B B A:
+
+- **small**: a 20-line batch on the warm server (upload, create, poll until completed, download
+  the output) against `tokenmill run` on the same file (process wall).  Target: ≤ 0.3×.
+- **large**: a 2,000-line batch through the server (create to completed) against `tokenmill
+  run` (its process wall, and its wall less the engine's start and load, read from the job's
+  metrics: the stricter comparison, since the warm server has no start to pay).  Lines per
+  second; target ≥ 0.95× the stricter one.
+- **polling**: the same 400-line batch with no one polling and with 20 clients each polling
+  `GET /v1/batches/{id}` every 0.1 s; target: slowed by ≤ 5%.
+- **memory**: 50 consecutive 5-line batches; the server's RSS and its engine process tree's
+  after each, and the least-squares slope per batch.
+
+Every round is reported.  Not a timed test: its figures go to docs/BENCHMARKS.md.
+
+    python -m bench.serve                       # every section, default sizes
+    python -m bench.serve --sections small memory --large-lines 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, WORK, code_label, log, machine, utc_now, utc_stamp, write_report
+
+ENGINE = {"max_num_seqs": 32, "max_model_len": 1024, "gpu_memory_utilization": 0.3}
+MODEL = "smollm2-135m"
+
+
+def lines_file(path: Path, n: int, max_tokens: int, tag: str) -> Path:
+    rows = [{"custom_id": f"{tag}{i:05d}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Tell me a fact about {i}."}],
+                      "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_cli(inp: Path, folder: Path, db_url: str, dtype: str) -> dict[str, Any]:
+    """One `tokenmill run --json` process on a JSONL file: process wall, and the job's start-up
+    and load (the part a warm server does not pay)."""
+    from tokenmill.schemas import storage as S
+
+    job = f"run-{inp.stem}-{time.time_ns()}"
+    cmd = [sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(inp), "--output", str(folder / job),
+           "--db", db_url, "--job-id", job, "--json", "--dtype", dtype, "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+           "--max-model-len", str(ENGINE["max_model_len"]), "--gpu-memory-utilization",
+           str(ENGINE["gpu_memory_utilization"])]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    wall = time.monotonic() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"tokenmill run: exit {p.returncode}: {p.stderr.strip()[-2000:]}")
+    summary = json.loads(p.stdout)
+    workers = S.MetricsReader(S.connect(db_url)).workers(job)
+    load = max((float(w.get("load_s") or 0) for w in workers), default=0.0)
+    return {"process_wall_s": round(wall, 2), "rows": summary["rows_in"], "engine_load_s": round(load, 2),
+            "generation_wall_s": summary.get("generation_wall_s"), "job_wall_s": summary.get("wall_s")}
+
+
+class Served:
+    """The bench's server and its client."""
+
+    def __init__(self, root: Path, dtype: str):
+        from tests.serve_server import Server
+
+        cfg = {"db": f"sqlite:///{root / 'serve.db'}", "files": str(root / "files"), "work": str(root / "runs"),
+               "models": {MODEL: {"engine": {**ENGINE, "dtype": dtype}}}}
+        self.server = Server(root, cfg).start()
+        self.key = self.server.make_key("bench")["key"]
+        self.client = self.server.client(self.key, timeout=600)
+
+    def batch(self, inp: Path, *, pollers: int = 0, poll_every_s: float = 0.1) -> dict[str, Any]:
+        """Upload, create, poll until completed, download the output: its walls."""
+        t0 = time.monotonic()
+        with open(inp, "rb") as fh:
+            f = self.client.files.create(file=fh, purpose="batch")
+        b = self.client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        t_created = time.monotonic()
+        stop, polls = threading.Event(), [0]
+
+        def poll() -> None:
+            c = self.server.client(self.key)
+            while not stop.is_set():
+                c.batches.retrieve(b.id)
+                polls[0] += 1
+                stop.wait(poll_every_s)
+
+        threads = [threading.Thread(target=poll, daemon=True) for _ in range(pollers)]
+        for t in threads:
+            t.start()
+        while b.status not in ("completed", "failed", "cancelled", "expired"):
+            time.sleep(0.2)
+            b = self.client.batches.retrieve(b.id)
+        t_done = time.monotonic()
+        stop.set()
+        for t in threads:
+            t.join()
+        if b.status != "completed":
+            raise SystemExit(f"batch {b.id} ended {b.status}: {b.errors}")
+        out = self.client.files.content(b.output_file_id).text
+        n = sum(1 for line in out.splitlines() if line.strip())
+        return {"batch_id": b.id, "lines": n, "wall_s": round(time.monotonic() - t0, 2),
+                "created_to_completed_s": round(t_done - t_created, 2), "polls": polls[0]}
+
+    def rss(self) -> dict[str, float]:
+        import psutil
+
+        server = psutil.Process(self.server.proc.pid)
+        kids = server.children(recursive=True)
+        mb = lambda ps: round(sum(p.memory_info().rss for p in ps if p.is_running()) / 2**20, 1)  # noqa: E731
+        return {"server_mib": mb([server]), "engine_tree_mib": mb(kids)}
+
+
+def abba(a, b, rounds: int) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for r in range(rounds):
+        for arm in ("A", "B", "B", "A") if r % 2 == 0 else ("B", "A", "A", "B"):
+            got = a() if arm == "A" else b()
+            log(f"  {arm}: {got}")
+            out.append((arm, got))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", nargs="+", default=["small", "large", "polling", "memory"])
+    ap.add_argument("--small-lines", type=int, default=20)
+    ap.add_argument("--large-lines", type=int, default=2000)
+    ap.add_argument("--poll-lines", type=int, default=400)
+    ap.add_argument("--memory-batches", type=int, default=50)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1, help="A B B A rounds per section")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    WORK.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="serve-", dir=WORK))
+    rep: dict[str, Any] = {"bench": "serve", "started": utc_now(), "code": code_label(None), "args": vars(args),
+                           "machine": machine(), "engine": {**ENGINE, "dtype": args.dtype}, "sections": {}}
+    db_url = f"sqlite:///{root / 'run.db'}"
+    files = {name: lines_file(root / f"{name}.jsonl", n, args.max_tokens, name[0])
+             for name, n in (("small", args.small_lines), ("large", args.large_lines), ("poll", args.poll_lines),
+                             ("mem", 5))}
+    log(f"starting the server in {root}")
+    srv = Served(root, args.dtype)
+    try:
+        log(f"warm-up: {srv.batch(files['small'])} (the engine loads); {run_cli(files['small'], root, db_url, args.dtype)}")
+        secs = rep["sections"]
+        if "small" in args.sections:
+            log("small: A = tokenmill run, B = a batch on the warm server")
+            rounds = abba(lambda: run_cli(files["small"], root, db_url, args.dtype), lambda: srv.batch(files["small"]),
+                          args.rounds)
+            a = [g["process_wall_s"] for arm, g in rounds if arm == "A"]
+            b = [g["wall_s"] for arm, g in rounds if arm == "B"]
+            secs["small"] = {"rounds": rounds, "ratios": [round(y / x, 3) for x, y in zip(a, b)],
+                             "target": "batch wall / run wall <= 0.3"}
+        if "large" in args.sections:
+            log("large: A = tokenmill run, B = the batch through the server")
+            rounds = abba(lambda: run_cli(files["large"], root, db_url, args.dtype), lambda: srv.batch(files["large"]),
+                          args.rounds)
+            n = args.large_lines
+            a = [g for arm, g in rounds if arm == "A"]
+            b = [g for arm, g in rounds if arm == "B"]
+            secs["large"] = {
+                "rounds": rounds, "target": "server lines/s / run lines/s (run wall less engine start and load) >= 0.95",
+                "vs_run_wall": [round((n / y["created_to_completed_s"]) / (n / x["process_wall_s"]), 3)
+                                for x, y in zip(a, b)],
+                "vs_run_wall_less_load": [round((n / y["created_to_completed_s"]) /
+                                                (n / (x["process_wall_s"] - x["engine_load_s"])), 3)
+                                          for x, y in zip(a, b)],
+            }
+        if "polling" in args.sections:
+            log("polling: A = nobody polls, B = 20 clients poll every 0.1 s")
+            rounds = abba(lambda: srv.batch(files["poll"]), lambda: srv.batch(files["poll"], pollers=20), args.rounds)
+            a = [g["created_to_completed_s"] for arm, g in rounds if arm == "A"]
+            b = [g["created_to_completed_s"] for arm, g in rounds if arm == "B"]
+            secs["polling"] = {"rounds": rounds, "slowdown": [round(y / x - 1, 4) for x, y in zip(a, b)],
+                               "target": "polled wall / quiet wall - 1 <= 0.05"}
+        if "memory" in args.sections:
+            log(f"memory: {args.memory_batches} batches of 5 lines")
+            samples = []
+            for i in range(args.memory_batches):
+                srv.batch(files["mem"])
+                samples.append({"batch": i + 1, **srv.rss()})
+            xs = [s["batch"] for s in samples]
+            slope = {k: round(statistics.linear_regression(xs, [s[k] for s in samples]).slope, 3)
+                     for k in ("server_mib", "engine_tree_mib")}
+            secs["memory"] = {"samples": samples, "slope_mib_per_batch": slope,
+                              "first": samples[0], "last": samples[-1]}
+            log(f"  slope per batch: {slope}; first {samples[0]}, last {samples[-1]}")
+    finally:
+        srv.server.stop()
+    rep["finished"] = utc_now()
+    write_report(rep, args.json, f"serve-{utc_stamp()}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

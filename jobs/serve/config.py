@@ -1,0 +1,136 @@
+"""The server's settings (`tokenmill serve --config serve.yaml`, or the embedded defaults):
+where it listens, keeps rows and files, which models it serves (name → the job spec keys of
+its engine), and the limits a client is held to."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tokenmill.schemas.config import JobSpec, SpecError, format_validation_error, read_spec_file
+from tokenmill.schemas.db import default_db_url
+from tokenmill.schemas.models import tokenmill_home
+
+#: The model served when the config names none: the bundled SmolLM2 on the default engine.
+DEFAULT_MODEL = "smollm2-135m"
+#: The job spec keys a served model may set (the rest are the batch's: input, output, ids).
+MODEL_KEYS = ("engine", "sampling", "batching", "runner", "cache", "price_per_hour", "prices", "s3_endpoint_url")
+_WINDOW = re.compile(r"(\d+)([smhd])")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def window_seconds(text: str) -> int | None:
+    """A completion window (`24h`, `90m`, `30s`, `2d`) in seconds; None when it is not one."""
+    m = _WINDOW.fullmatch(text or "")
+    return int(m.group(1)) * _UNIT_S[m.group(2)] if m else None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Limits(_Strict):
+    """What one client may send; each refusal is an OpenAI error object."""
+
+    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
+    """An uploaded file's size (OpenAI's batch limit: 200 MB)."""
+    max_file_lines: int = Field(50_000, gt=0)
+    """Requests in one batch file (OpenAI's: 50,000)."""
+    max_batches_in_flight: int = Field(20, gt=0)
+    """Batches of one key not ended yet; one more is refused with 429."""
+    max_completion_window_s: int = Field(7 * 86400, gt=0)
+    """The longest `completion_window` accepted (`24h`, OpenAI's only value, is always within)."""
+    max_metadata_keys: int = 16
+    max_line_errors: int = 100
+    """Validation errors listed in a failed batch (the first ones, by line)."""
+
+
+class ServeConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    db: str | None = None
+    """The database URL (default: tokenmill's, `TOKENMILL_DB` or ~/.cache/tokenmill/tokenmill.db):
+    batches are jobs there, so `tokenmill status|report <batch id>` read them."""
+    files: str | None = None
+    """Where the files' bytes live: a local folder (default ~/.cache/tokenmill/serve/files) or
+    `s3://bucket/prefix`."""
+    work: str | None = None
+    """A local folder for the batches' job outputs before they become output files (default
+    ~/.cache/tokenmill/serve/runs)."""
+    models: dict[str, dict[str, Any]] = Field(default_factory=lambda: {DEFAULT_MODEL: dict[str, Any]()})
+    """Model name (what a request's `body.model` names) → its job spec keys (`engine`, `sampling`,
+    `batching`, ...).  `engine.model` defaults to the name."""
+    limits: Limits = Field(default_factory=Limits)
+    idle_unload_s: float = Field(900.0, gt=0)
+    """An engine idle this long is unloaded (its model worker stays, and loads it again)."""
+    concurrent_models: int = Field(1, ge=1)
+    """Models whose batches run at the same time (each in its own engine process); on a GPU host,
+    one per device group; 1 on a small CPU host, where two engines would share its cores."""
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        if not v:
+            raise ValueError("names no model; serve at least one")
+        out = {}
+        for name, keys in v.items():
+            keys = dict(keys or {})
+            bad = sorted(set(keys) - set(MODEL_KEYS))
+            if bad:
+                raise ValueError(f"model {name!r}: keys {bad} are not served model keys (allowed: {list(MODEL_KEYS)})")
+            engine = dict(keys.get("engine") or {})
+            engine.setdefault("model", name)
+            if engine["model"] != name:
+                raise ValueError(f"model {name!r}: engine.model is {engine['model']!r}; a served model's name is the "
+                                 "model the engine answers to, so name it the same")
+            keys["engine"] = engine
+            out[name] = keys
+        return out
+
+    @model_validator(mode="after")
+    def _specs(self) -> "ServeConfig":
+        for name in self.models:  # every model's keys make a valid job spec now, not at its first batch
+            self.job_spec(name, input="x.jsonl", output="out", job_id="check")
+        return self
+
+    def home(self) -> Path:
+        return tokenmill_home() / "serve"
+
+    def db_url(self) -> str:
+        return self.db or default_db_url()
+
+    def files_root(self) -> str:
+        return self.files or str(self.home() / "files")
+
+    def work_root(self) -> Path:
+        return Path(self.work) if self.work else self.home() / "runs"
+
+    def job_spec(self, model: str, *, input: str, output: str, job_id: str) -> JobSpec:
+        """The job a batch for `model` runs: the model's keys, the batch's input file, its own
+        output folder and id; OpenAI batch JSONL in and out."""
+        data = {**self.models[model], "input": input, "input_format": "openai-jsonl", "output": output,
+                "output_format": "openai-jsonl", "job_id": job_id, "name": f"batch {job_id}"}
+        try:
+            return JobSpec.model_validate(data)
+        except Exception as err:
+            from pydantic import ValidationError
+
+            if isinstance(err, ValidationError):
+                raise SpecError(format_validation_error(err, f"served model {model!r}")) from None
+            raise
+
+
+def load_config(path: str | None, **overrides: Any) -> ServeConfig:
+    """The server's config from a YAML file (or the embedded defaults), flags applied over it;
+    SpecError in one line when it is not valid."""
+    from pydantic import ValidationError
+
+    data = read_spec_file(path) if path else {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err, f"serve config {path or '(defaults)'}")) from None

@@ -1,0 +1,69 @@
+"""`GET /metrics`: the service in Prometheus' text format (prometheus_client), read at each
+scrape: batches by status (from the database), batches queued per model, engines loaded,
+and since the server started, lines (completed, failed) and tokens (input, output) per model,
+whose rates are the lines and tokens per second."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tokenmill.jobs.serve.objects import batch_status
+
+if TYPE_CHECKING:
+    from tokenmill.jobs.serve.service import BatchService
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
+
+
+class _Collector:
+    def __init__(self, svc: "BatchService"):
+        self.svc = svc
+
+    def collect(self):
+        svc = self.svc
+        rows = svc.batches.by_status_times()
+        by_status = Counter(batch_status(b) for b in rows)
+        g = GaugeMetricFamily("tokenmill_serve_batches", "Batches by status (all kept in the database)",
+                              labels=["status"])
+        for s in STATUSES:
+            g.add_metric([s], by_status.get(s, 0))
+        yield g
+        running = {e.running for e in svc.engines.values() if e.running}
+        queued = Counter(b["model"] or "" for b in rows if batch_status(b) == "in_progress" and b["id"] not in running)
+        q = GaugeMetricFamily("tokenmill_serve_queued_batches", "Batches validated and waiting for their model's engine",
+                              labels=["model"])
+        for model in svc.cfg.models:
+            q.add_metric([model], queued.get(model, 0))
+        yield q
+        loaded = GaugeMetricFamily("tokenmill_serve_engines_loaded", "1 where the model's engine is loaded now",
+                                   labels=["model"])
+        for model in svc.cfg.models:
+            e = svc.engines.get(model)
+            loaded.add_metric([model], 1 if e is not None and e.alive() and (e.loaded or e.running) else 0)
+        yield loaded
+        with svc._lock:
+            counters = dict(svc.counters)
+        lines = CounterMetricFamily("tokenmill_serve_lines", "Batch lines finished since the server started",
+                                    labels=["model", "outcome"])
+        tokens = CounterMetricFamily("tokenmill_serve_tokens", "Tokens of finished batches since the server started",
+                                     labels=["model", "kind"])
+        ended = CounterMetricFamily("tokenmill_serve_batches_ended", "Batches ended since the server started",
+                                    labels=["model", "status"])
+        for (metric, model, label), v in sorted(counters.items()):
+            fam = {"lines": lines, "tokens": tokens, "batches": ended}.get(metric)
+            if fam is not None:
+                fam.add_metric([model, label], v)
+        yield lines
+        yield tokens
+        yield ended
+
+
+def exposition(svc: "BatchService") -> bytes:
+    reg = CollectorRegistry()
+    reg.register(_Collector(svc))
+    return generate_latest(reg)

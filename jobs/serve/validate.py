@@ -1,0 +1,93 @@
+"""A batch's input file checked before anything runs, as OpenAI's `validating` step does: every
+line a request tokenmill serves, each `custom_id` once, one served model.  A batch with any
+bad line fails whole, its errors naming the line (1-based, blank lines counted), and no
+engine works on it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import IO, Any, Iterable
+
+from tokenmill.transforms.openai_batch import ENDPOINTS, LineError, parse_request
+
+
+@dataclass
+class Checked:
+    """What validation found: the requests, the one model they name, and the errors (each
+    OpenAI's `BatchError`: code, message, param, line)."""
+
+    lines: int = 0
+    model: str | None = None
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    error_count: int = 0
+
+
+def line_error(code: str, message: str, line: int | None, param: str | None = None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def check_lines(lines: Iterable[bytes], models: Iterable[str], *, max_lines: int, max_errors: int = 100) -> Checked:
+    """Check a batch file's lines; stops listing errors after `max_errors` (all are counted)."""
+    served = tuple(models)
+    out = Checked()
+    seen: set[str] = set()
+    named: dict[str, int] = {}
+
+    def fail(code: str, message: str, line: int | None, param: str | None = None) -> None:
+        out.error_count += 1
+        if len(out.errors) < max_errors:
+            out.errors.append(line_error(code, message, line, param))
+
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        out.lines += 1
+        if out.lines > max_lines:
+            fail("too_many_requests", f"the file has more than {max_lines:,} requests, the most a batch takes", n)
+            break
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            fail("invalid_json_line", f"line {n} is not valid JSON: {str(err)[:200]}", n)
+            continue
+        if not isinstance(obj, dict):
+            fail("invalid_json_line", f"line {n} is not a JSON object", n)
+            continue
+        if obj.get("method", "POST") != "POST":
+            fail("invalid_method", f"line {n}: method must be POST, got {str(obj.get('method'))[:40]!r}", n, "method")
+            continue
+        if obj.get("url") not in ENDPOINTS:
+            fail("invalid_url", f"line {n}: url must be one of {list(ENDPOINTS)}, got {str(obj.get('url'))[:80]!r}",
+                 n, "url")
+            continue
+        try:
+            req = parse_request(raw)
+        except LineError as err:
+            fail("invalid_request", f"line {n}: {err}", n)
+            continue
+        cid = req["custom_id"]
+        if cid in seen:
+            fail("duplicate_custom_id", f"line {n}: custom_id {cid[:80]!r} appears on an earlier line; each request "
+                                        "needs its own", n, "custom_id")
+            continue
+        seen.add(cid)
+        model = req.get("model")
+        if model not in served:
+            fail("model_not_found", f"line {n}: model {str(model)[:80]!r} is not served here (served: "
+                                    f"{', '.join(served)})", n, "body.model")
+            continue
+        named.setdefault(model, n)
+    if len(named) > 1:
+        (a, _), (b, line_b) = sorted(named.items(), key=lambda kv: kv[1])[:2]
+        fail("mismatched_model", f"line {line_b}: model {b!r}, but line {named[a]} names {a!r}; a batch runs on one "
+                                 "model", line_b, "body.model")
+    if out.lines == 0 and not out.errors:
+        fail("empty_file", "the input file has no requests", None)
+    out.model = next(iter(named), None)
+    return out
+
+
+def check_file(fh: IO[bytes], models: Iterable[str], *, max_lines: int, max_errors: int = 100) -> Checked:
+    with fh:
+        return check_lines(fh, models, max_lines=max_lines, max_errors=max_errors)

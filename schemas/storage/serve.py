@@ -1,0 +1,163 @@
+"""What `tokenmill serve` keeps in the database: API keys (`KeyStore`), the files clients
+upload and the batches' output files (`FileStore`), and the batches (`BatchStore`).
+
+Every read of a file or a batch names its owner (the key that made it), except with
+`owner=None`, which only an admin key's request passes: a key never reads another key's
+rows, and a list never shows them.  The bytes of the files are not here: the service's
+files store holds them under the file's id (jobs/serve/blobs.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.storage.database import SqlStore
+
+
+def key_hash(secret: str) -> str:
+    """How a key is stored and looked up: its SHA-256, hex (keys are long random strings, so a
+    plain hash is enough; the secret itself is never stored)."""
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+class KeyStore(SqlStore):
+    """The `api_keys` table."""
+
+    def add(self, key_id: str, name: str, secret: str, *, admin: bool = False) -> dict[str, Any]:
+        row = {"id": key_id, "name": name, "prefix": secret[:10], "hash": key_hash(secret), "admin": admin,
+               "created_at": time.time(), "revoked_at": None}
+        with self.engine.begin() as conn:
+            conn.execute(insert(T.api_keys).values(**row))
+        return row
+
+    def by_secret(self, secret: str) -> dict[str, Any] | None:
+        """The key row of a presented secret that is not revoked, or None."""
+        k = T.api_keys.c
+        with self.engine.connect() as conn:
+            row = conn.execute(select(T.api_keys).where(k.hash == key_hash(secret), k.revoked_at.is_(None))
+                               ).mappings().first()
+        return dict(row) if row else None
+
+    def all(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(T.api_keys).order_by(T.api_keys.c.created_at)).mappings().all()
+        return [{k: v for k, v in r.items() if k != "hash"} for r in rows]
+
+    def revoke(self, key_id_or_prefix: str) -> int:
+        """Revoke the key with this id or prefix; returns how many were revoked (0 or 1)."""
+        k = T.api_keys.c
+        with self.engine.begin() as conn:
+            found = conn.execute(select(k.id).where((k.id == key_id_or_prefix) | (k.prefix == key_id_or_prefix),
+                                                    k.revoked_at.is_(None))).scalars().all()
+            if len(found) != 1:
+                return 0
+            conn.execute(update(T.api_keys).where(k.id == found[0]).values(revoked_at=time.time()))
+        return 1
+
+
+def _owned(tbl, owner: str | None):
+    return (tbl.c.owner == owner) if owner is not None else True
+
+
+class FileStore(SqlStore):
+    """The `api_files` table (a deleted file keeps its row, marked, so its id is never reused)."""
+
+    def add(self, row: dict[str, Any]) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(insert(T.api_files).values(**row))
+
+    def get(self, file_id: str, owner: str | None) -> dict[str, Any] | None:
+        f = T.api_files
+        with self.engine.connect() as conn:
+            row = conn.execute(select(f).where(f.c.id == file_id, _owned(f, owner), f.c.deleted_at.is_(None))
+                               ).mappings().first()
+        return dict(row) if row else None
+
+    def page(self, owner: str | None, *, purpose: str | None = None, limit: int = 10000,
+             after: str | None = None, newest_first: bool = True) -> list[dict[str, Any]]:
+        f = T.api_files
+        q = select(f).where(_owned(f, owner), f.c.deleted_at.is_(None))
+        if purpose:
+            q = q.where(f.c.purpose == purpose)
+        q = _page(q, f, after, newest_first)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q.limit(limit)).mappings()]
+
+    def delete(self, file_id: str, owner: str | None) -> bool:
+        f = T.api_files
+        with self.engine.begin() as conn:
+            n = conn.execute(update(f).where(f.c.id == file_id, _owned(f, owner), f.c.deleted_at.is_(None))
+                             .values(deleted_at=time.time())).rowcount
+        return bool(n)
+
+
+def _page(q, tbl, after: str | None, newest_first: bool):
+    """Order by creation (newest first, as OpenAI lists) and start after the row `after`."""
+    order = (tbl.c.created_at.desc(), tbl.c.id.desc()) if newest_first else (tbl.c.created_at, tbl.c.id)
+    if after:
+        at = select(tbl.c.created_at).where(tbl.c.id == after).scalar_subquery()
+        if newest_first:
+            q = q.where((tbl.c.created_at < at) | ((tbl.c.created_at == at) & (tbl.c.id < after)))
+        else:
+            q = q.where((tbl.c.created_at > at) | ((tbl.c.created_at == at) & (tbl.c.id > after)))
+    return q.order_by(*order)
+
+
+#: A batch that has ended: one of these is set.
+TERMINAL = ("completed_at", "failed_at", "expired_at", "cancelled_at")
+
+
+class BatchStore(SqlStore):
+    """The `api_batches` table."""
+
+    def add(self, row: dict[str, Any]) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(insert(T.api_batches).values(**row))
+
+    def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        b = T.api_batches
+        with self.engine.connect() as conn:
+            row = conn.execute(select(b).where(b.c.id == batch_id, _owned(b, owner))).mappings().first()
+        return dict(row) if row else None
+
+    def page(self, owner: str | None, *, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
+        b = T.api_batches
+        q = _page(select(b).where(_owned(b, owner)), b, after, True)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q.limit(limit)).mappings()]
+
+    def set(self, batch_id: str, *, unless: str | None = None, **values: Any) -> bool:
+        """Set columns of a batch; with `unless` (a column), only while that column is unset (a
+        compare-and-set: a terminal time is written once).  Returns whether the row changed."""
+        b = T.api_batches
+        q = update(b).where(b.c.id == batch_id)
+        if unless:
+            q = q.where(b.c[unless].is_(None))
+        with self.engine.begin() as conn:
+            return bool(conn.execute(q.values(**values)).rowcount)
+
+    def unfinished(self) -> list[dict[str, Any]]:
+        """Batches not ended, oldest first: what a (re)started server takes up again."""
+        b = T.api_batches
+        q = select(b).where(*[b.c[c].is_(None) for c in TERMINAL]).order_by(b.c.created_at, b.c.id)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    def in_flight(self, owner: str) -> int:
+        """The key's batches not ended (what its in-flight limit counts)."""
+        b = T.api_batches
+        q = select(func.count()).select_from(b).where(b.c.owner == owner, *[b.c[c].is_(None) for c in TERMINAL])
+        with self.engine.connect() as conn:
+            return int(conn.execute(q).scalar() or 0)
+
+    def by_status_times(self) -> list[dict[str, Any]]:
+        """Every batch's timestamps (for the metrics' batches-by-status count)."""
+        b = T.api_batches
+        cols = [b.c.id, b.c.model, b.c.in_progress_at, b.c.finalizing_at, b.c.cancelling_at, b.c.errors,
+                *[b.c[c] for c in TERMINAL]]
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(select(*cols)).mappings()]

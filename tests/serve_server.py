@@ -1,0 +1,121 @@
+"""A real `tokenmill serve` for the tests: a subprocess on a loopback port, its config in a
+temporary folder, keys made with the real `tokenmill keys create`, and the real `openai`
+SDK as the client."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+READY = re.compile(r"tokenmill serve: http://([\d.]+):(\d+)/v1")
+
+
+class Server:
+    def __init__(self, root: Path, config: dict[str, Any]):
+        self.root = root
+        self.config_path = root / "serve.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.config = config
+        self.proc: subprocess.Popen | None = None
+        self.base_url = ""
+        self.log = root / "server.log"
+
+    def start(self, timeout: float = 120.0) -> "Server":
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        start_at = self.log.stat().st_size if self.log.exists() else 0  # a restart: only its own lines
+        self._fh = open(self.log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.jobs.cli", "serve", "--config",
+                                      str(self.config_path), "--port", "0"], cwd=ROOT, env=env,
+                                     stdout=self._fh, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            with open(self.log, "rb") as fh:
+                fh.seek(start_at)
+                m = READY.search(fh.read().decode(errors="replace"))
+            if m and self._answers(f"http://{m.group(1)}:{m.group(2)}"):
+                self.base_url = f"http://{m.group(1)}:{m.group(2)}"
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tokenmill serve exited {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.3)
+        raise RuntimeError(f"tokenmill serve did not answer in {timeout} s:\n{self.tail()}")
+
+    def _answers(self, url: str) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def tail(self, n: int = 4000) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return text[-n:]
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tokenmill.jobs.cli", *args, "--config", str(self.config_path)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    def make_key(self, name: str, admin: bool = False) -> dict[str, Any]:
+        res = self.cli("keys", "create", "--name", name, "--json", *(["--admin"] if admin else []))
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    def client(self, key: str | None, **kw):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.base_url}/v1", api_key=key or "none", max_retries=0, **kw)
+
+
+def chat_line(cid: str, content: str, *, model: str = "smollm2-135m", max_tokens: int = 16, **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                     "temperature": 0, **body}}
+
+
+def jsonl(path: Path, lines: list[Any]) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def wait_for(client, batch_id: str, statuses=("completed", "failed", "cancelled", "expired"), timeout: float = 600,
+             until=None):
+    """Poll a batch until its status is one of `statuses` (or `until(batch)` holds)."""
+    deadline = time.time() + timeout
+    while True:
+        b = client.batches.retrieve(batch_id)
+        if b.status in statuses or (until is not None and until(b)):
+            return b
+        if time.time() > deadline:
+            raise AssertionError(f"batch {batch_id} still {b.status} after {timeout} s: {b}")
+        time.sleep(0.5)
+
+
+def lines_of(client, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines() if x.strip()]

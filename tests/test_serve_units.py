@@ -1,0 +1,163 @@
+"""The service's pieces without a server or an engine: the batch file check, the status of a
+batch from its timestamps, the objects against the `openai` package's types, the config,
+the files store's ids, the storage of keys, files and batches on both backends."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tokenmill.jobs.serve.blobs import BlobError, LocalBlobs
+from tokenmill.jobs.serve.config import ServeConfig, load_config, window_seconds
+from tokenmill.jobs.serve.objects import batch_object, batch_status, file_object, page
+from tokenmill.jobs.serve.service import ApiError, derived_file_id, priority_of
+from tokenmill.jobs.serve.validate import check_lines
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.config import SpecError
+
+
+def _line(cid, model="m", url="/v1/chat/completions", **extra):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body, **extra}).encode()
+
+
+def test_a_clean_file_passes_with_its_one_model_and_request_count():
+    got = check_lines([_line("a"), b"\n", _line("b", url="/v1/completions").replace(b'"messages": [{"role": '
+                                                                                     b'"user", "content": "hi"}]',
+                                                                                     b'"prompt": "x"')],
+                      ["m"], max_lines=10)
+    assert (got.lines, got.model, got.errors) == (2, "m", [])
+
+
+@pytest.mark.parametrize("lines,code,line", [
+    ([b"{", _line("a")], "invalid_json_line", 1),
+    ([b"[1]"], "invalid_json_line", 1),
+    ([_line("a", method="GET")], "invalid_method", 1),
+    ([_line("a"), _line("b", url="/v1/files")], "invalid_url", 2),
+    ([_line("a"), b"", _line("a")], "duplicate_custom_id", 3),
+    ([_line("a", model="other")], "model_not_found", 1),
+    ([_line("a"), _line("b", model="n")], "mismatched_model", 2),
+    ([_line("a", body=None).replace(b'"body": null', b'"body": {"model": "m", "messages": "no"}')],
+     "invalid_request", 1),
+    ([b"", b"  "], "empty_file", None),
+    ([_line(f"x{i}") for i in range(4)], "too_many_requests", 4),
+])
+def test_each_bad_line_is_named_with_its_code_and_line(lines, code, line):
+    got = check_lines(lines, ["m", "n"], max_lines=3)
+    assert (got.errors[0]["code"], got.errors[0]["line"]) == (code, line), got.errors
+    assert got.errors[0]["message"]
+
+
+def test_errors_are_listed_up_to_the_limit_and_all_counted():
+    got = check_lines([b"{"] * 7, ["m"], max_lines=100, max_errors=3)
+    assert len(got.errors) == 3 and got.error_count == 7 and [e["line"] for e in got.errors] == [1, 2, 3]
+
+
+def _batch(**kw):
+    now = 1_796_000_000.0
+    row = {"id": "batch_x", "endpoint": "/v1/chat/completions", "input_file_id": "file-" + "a" * 24,
+           "completion_window": "24h", "created_at": now, "expires_at": now + 86400, "lines": 4, "metadata": None}
+    row.update(kw)
+    return row
+
+
+@pytest.mark.parametrize("times,status", [
+    ({}, "validating"), ({"in_progress_at": 1.0}, "in_progress"),
+    ({"in_progress_at": 1.0, "cancelling_at": 2.0}, "cancelling"),
+    ({"cancelling_at": 2.0, "finalizing_at": 3.0}, "finalizing"),
+    ({"in_progress_at": 1.0, "finalizing_at": 3.0, "completed_at": 4.0}, "completed"),
+    ({"cancelling_at": 2.0, "cancelled_at": 4.0}, "cancelled"), ({"expired_at": 5.0}, "expired"),
+    ({"failed_at": 1.0}, "failed"),
+])
+def test_a_batchs_status_is_read_from_its_timestamps(times, status):
+    assert batch_status(_batch(**times)) == status
+    obj = batch_object(_batch(**times), {"completed": 1, "failed": 1})
+    assert obj["status"] == status and obj["object"] == "batch"
+    assert obj["request_counts"] == {"total": 4, "completed": 1, "failed": 1}
+
+
+def test_objects_are_openais_types_field_for_field():
+    from openai.types import Batch, FileObject
+
+    f = file_object({"id": "file-" + "b" * 24, "bytes": 10, "created_at": 5.5, "filename": "x.jsonl",
+                     "purpose": "batch"})
+    assert set(f) == set(FileObject.model_fields) and f["status"] == "processed"
+    b = batch_object(_batch(errors=[{"code": "c", "message": "m", "param": None, "line": 2}], failed_at=9.0))
+    assert set(b) == set(Batch.model_fields) and b["errors"]["data"][0]["line"] == 2
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        batch_object(_batch(endpoint=None))  # the SDK's type refuses what a client would choke on
+    listing = page([_batch(id="b1"), _batch(id="b2")], batch_object, True)
+    assert (listing["first_id"], listing["last_id"], listing["has_more"]) == ("b1", "b2", True)
+
+
+def test_windows_priorities_and_derived_file_ids():
+    assert [window_seconds(w) for w in ("24h", "90m", "30s", "2d", "24", "h", "-1h")] == [
+        86400, 5400, 30, 172800, None, None, None]
+    assert priority_of({"priority": "7"}) == 7 and priority_of(None) == 0
+    with pytest.raises(ApiError):
+        priority_of({"priority": "high"})
+    assert derived_file_id("batch_1", "output") == derived_file_id("batch_1", "output") != derived_file_id(
+        "batch_1", "error")
+
+
+def test_the_config_refuses_what_would_fail_at_the_first_batch(tmp_path):
+    cfg = ServeConfig()
+    assert list(cfg.models) == ["smollm2-135m"] and cfg.limits.max_file_lines == 50_000
+    for bad, says in (({"models": {}}, "names no model"), ({"models": {"a": {"engine": {"model": "b"}}}},
+                                                             "name it the same"),
+                      ({"models": {"a": {"input": "x"}}}, "not served model keys"),
+                      ({"models": {"a": {"sampling": {"temperature": -1}}}}, "temperature"),
+                      ({"port": 70000}, "port")):
+        p = tmp_path / "c.yaml"
+        p.write_text(json.dumps(bad))
+        with pytest.raises(SpecError) as err:
+            load_config(str(p))
+        assert says in str(err.value) and "\n" not in str(err.value).strip(), str(err.value)
+
+
+def test_the_files_store_takes_only_its_own_ids(tmp_path):
+    store = LocalBlobs(str(tmp_path / "files"))
+    src = tmp_path / "x"
+    src.write_bytes(b"data\n")
+    fid = "file-" + "c" * 24
+    store.put_file(fid, str(src))
+    with store.open(fid) as fh:
+        assert fh.read() == b"data\n"
+    for bad in ("../x", "file-../../etc/passwd", "/etc/passwd", "file-" + "C" * 24, fid + "/.."):
+        with pytest.raises(BlobError):
+            store.path(bad)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_keys_files_and_batches_are_each_owners_own(backend, request, tmp_path):
+    url = f"sqlite:///{tmp_path / 's.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    eng = S.connect(url)
+    keys = S.KeyStore(eng)
+    a = keys.add("key_a", "alice", "tm-secret-a")
+    assert keys.by_secret("tm-secret-a")["id"] == "key_a" and keys.by_secret("tm-secret-b") is None
+    assert "tm-secret-a" not in json.dumps(keys.all(), default=str) and a["prefix"] == "tm-secret-"
+    assert keys.revoke("key_a") == 1 and keys.by_secret("tm-secret-a") is None and keys.revoke("key_a") == 0
+    files = S.FileStore(eng)
+    for i, owner in enumerate(["a", "a", "b"]):
+        files.add({"id": f"file-{i}", "owner": owner, "filename": "f", "purpose": "batch", "bytes": 1, "lines": 1,
+                   "created_at": 100.0 + i, "deleted_at": None})
+    assert [f["id"] for f in files.page("a")] == ["file-1", "file-0"]  # newest first
+    assert [f["id"] for f in files.page("a", after="file-1")] == ["file-0"]
+    assert [f["id"] for f in files.page(None, newest_first=False)] == ["file-0", "file-1", "file-2"]
+    assert files.get("file-2", "a") is None and files.get("file-2", None)["owner"] == "b"
+    assert files.delete("file-2", "a") is False and files.delete("file-2", "b") is True
+    assert files.get("file-2", "b") is None
+    batches = S.BatchStore(eng)
+    now = time.time()
+    for i, owner in enumerate(["a", "b"]):
+        batches.add({"id": f"batch_{i}", "owner": owner, "endpoint": "/v1/chat/completions",
+                     "input_file_id": "file-0", "completion_window": "24h", "created_at": now + i,
+                     "expires_at": now + 100})
+    assert batches.get("batch_1", "a") is None and batches.in_flight("a") == 1
+    assert batches.set("batch_0", unless="completed_at", completed_at=now) is True
+    assert batches.set("batch_0", unless="completed_at", completed_at=now + 1) is False  # written once
+    assert batches.in_flight("a") == 0 and [b["id"] for b in batches.unfinished()] == ["batch_1"]
