@@ -229,3 +229,22 @@ def test_an_s3_job_fetches_its_used_columns_once_counted_at_the_server(tmp_path,
     assert used <= got["bytes_sent"] <= used + 2 * footer, (got["bytes_sent"], used, footer, path.stat().st_size)
     assert got["bytes_sent"] < 0.5 * path.stat().st_size
     assert all(r and r.startswith("bytes=") and not r.endswith("-") for r in got["ranges"]), got["ranges"]
+
+
+def test_the_serve_files_store_on_s3_keeps_each_file_under_its_id(s3, tmp_path):
+    from tokenmill.jobs.serve.blobs import BlobError, blob_store
+
+    store = blob_store(f"s3://{s3.buckets['out']}/serve/files")
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"custom_id": "a"}\n')
+    fid = "file-" + "d" * 24
+    store.put_file(fid, str(src))
+    assert keys(s3, s3.buckets["out"], "serve/") == [f"serve/files/{fid}.jsonl"]
+    assert store.url(fid) == f"s3://{s3.buckets['out']}/serve/files/{fid}.jsonl"
+    assert store.open(fid).read() == src.read_bytes()
+    path, temp = store.local_copy(fid)
+    assert temp and open(path, "rb").read() == src.read_bytes()
+    store.delete(fid)
+    assert keys(s3, s3.buckets["out"], "serve/") == []
+    with pytest.raises(BlobError):
+        store.url("file-../../other-bucket/x")

@@ -161,3 +161,73 @@ def test_keys_files_and_batches_are_each_owners_own(backend, request, tmp_path):
     assert batches.set("batch_0", unless="completed_at", completed_at=now) is True
     assert batches.set("batch_0", unless="completed_at", completed_at=now + 1) is False  # written once
     assert batches.in_flight("a") == 0 and [b["id"] for b in batches.unfinished()] == ["batch_1"]
+
+
+class _Engine:
+    """A stand-in for a model's engine process: records what it was handed."""
+
+    def __init__(self):
+        self.running, self.submitted = None, []
+
+    def alive(self):
+        return True
+
+    def submit(self, batch_id, spec, db_url):
+        self.running = batch_id
+        self.submitted.append((batch_id, spec["job_id"], spec["output_format"]))
+
+
+def _service(tmp_path):
+    from tokenmill.jobs.serve.service import BatchService
+
+    cfg = ServeConfig(db=f"sqlite:///{tmp_path / 's.db'}", files=str(tmp_path / "files"), work=str(tmp_path / "runs"),
+                      models={"m": {}})
+    svc = BatchService(cfg)
+    engine = _Engine()
+    svc.engines["m"] = engine  # type: ignore[assignment]
+    svc._engine = lambda model: engine  # type: ignore[method-assign]
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(_line("a") + b"\n" + _line("b") + b"\n")
+    f = svc.add_file("k", "in.jsonl", "batch", str(src), src.stat().st_size, 2)
+    return svc, engine, f["id"]
+
+
+def test_one_models_queued_batches_run_one_at_a_time_by_priority_then_age(tmp_path):
+    svc, engine, fid = _service(tmp_path)
+    made = [svc.create_batch("k", fid, "/v1/chat/completions", "24h", meta)["id"]
+            for meta in (None, {"priority": "5"}, None, {"priority": "-1"})]
+    svc.tick()  # validates all four (in_progress) and hands the first to the engine
+    assert [b["status"] for b in map(batch_object, map(svc.batches.get, made))] == ["in_progress"] * 4
+    order = []
+    for _ in made:
+        assert engine.running is not None
+        order.append(engine.running)
+        svc.tick()  # nothing else starts while the model's engine is busy
+        assert [s[0] for s in engine.submitted] == order
+        engine.running = None
+        svc.finished[order[-1]] = ("cancelled", None)
+        svc.tick()
+    assert order == [made[1], made[0], made[2], made[3]]
+    assert engine.submitted[0][1:] == (made[1], "openai-jsonl")  # the batch's job has its id
+
+
+def test_a_queued_batch_cancelled_or_expired_ends_with_every_line_an_error_and_never_runs(tmp_path):
+    svc, engine, fid = _service(tmp_path)
+    engine.running = "busy-elsewhere"
+    a = svc.create_batch("k", fid, "/v1/chat/completions", "24h", None)["id"]
+    b = svc.create_batch("k", fid, "/v1/chat/completions", "1s", None)["id"]
+    svc.tick()
+    assert svc.cancel_batch("k", a)["cancelling_at"]
+    time.sleep(1.1)
+    svc.tick()
+    for batch_id, status, code in ((a, "cancelled", "batch_cancelled"), (b, "expired", "batch_expired")):
+        row = svc.batches.get(batch_id)
+        assert batch_status(row) == status and row["output_file_id"] is None
+        assert row["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+        with svc.blobs.open(row["error_file_id"]) as fh:
+            errs = [json.loads(x) for x in fh.read().splitlines()]
+        assert [(e["custom_id"], e["error"]["code"]) for e in errs] == [("a", code), ("b", code)]
+    assert engine.submitted == []
+    with pytest.raises(ApiError) as err:
+        svc.cancel_batch("k", a)
+    assert err.value.status == 409

@@ -204,7 +204,9 @@ class BatchService:
             status = batch_status(b)
             running = any(e.running == b["id"] for e in self.engines.values())
             if status == "validating":
-                self._validate(b)
+                valid = self._validate(b)
+                if valid is not None:
+                    queued.append(valid)
             elif status == "finalizing" or b["id"] in self.finished:
                 self._finalize(b)
             elif running:
@@ -252,7 +254,8 @@ class BatchService:
         if job is not None and job["status"] == "running" and not job.get("cancel_requested"):
             js.request_cancel(batch_id)
 
-    def _validate(self, b: dict[str, Any]) -> None:
+    def _validate(self, b: dict[str, Any]) -> dict[str, Any] | None:
+        """Check the batch's file: its row failed with the errors (None), or queued (the row)."""
         lim = self.cfg.limits
         path, temp = self.blobs.local_copy(b["input_file_id"])
         try:
@@ -271,8 +274,9 @@ class BatchService:
                              lines=found.lines if found else 0, model=found.model if found else None,
                              request_counts={"total": found.lines if found else 0, "completed": 0, "failed": 0})
             self._count("batches", (found.model if found else None) or "", "failed", 1)
-            return
+            return None
         self.batches.set(b["id"], unless="in_progress_at", in_progress_at=now, lines=found.lines, model=found.model)
+        return {**b, "in_progress_at": now, "lines": found.lines, "model": found.model}
 
     def _finalize(self, b: dict[str, Any]) -> None:
         now = time.time()
