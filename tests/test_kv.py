@@ -140,6 +140,23 @@ def test_an_engine_is_started_for_the_first_work_and_reused_for_later_work(defau
     assert (s3.job_tokens, s3.workers) == (first, 2)
 
 
+def test_a_new_job_run_whose_work_outgrew_the_engine_starts_it_again_sized_for_that_work(default_is_started):
+    """A process that runs job after job (`tokenmill serve`, run-pending): an engine sized for a
+    small job is started again for a larger one, and kept for a smaller one after it."""
+    cfg = VllmConfig(max_num_seqs=8, max_model_len=512)
+    small, large, smaller = kv.JobTokens(40, 80), kv.JobTokens(100, 5000), kv.JobTokens(50, 300)
+    s = worker.worker_session(cfg, "/m", group="job-a", job_tokens=small)
+    big = worker.worker_session(cfg, "/m", group="job-b", job_tokens=large)
+    assert big is not s and s.shut and big.job_tokens == large
+    assert worker.worker_session(cfg, "/m", group="job-c", job_tokens=smaller) is big  # it fits: no restart
+    sized = VllmConfig(max_num_seqs=8, max_model_len=512, kv_cache_memory_bytes=1 << 20)
+    held = worker.worker_session(sized, "/m", group="job-d", job_tokens=small)
+    assert worker.worker_session(sized, "/m", group="job-e", job_tokens=large) is held  # the config sized it
+    # what "holds more" means: every row, or max_num_seqs of the longest (at most max_model_len), the lesser
+    assert large.held_at_once(8, 512) == 800 and kv.JobTokens(900, 9000).held_at_once(8, 512) == 4096
+    assert vllm_engine.ENGINE.outgrown(cfg, {}, large) is False  # no work named: the default share
+
+
 def test_other_factories_get_the_config_alone(default_is_started):
     s = worker.worker_session(VllmConfig(), "/m", FakeSession, workers=2, group="g", job_tokens=kv.JobTokens(1, 1))
     assert type(s) is FakeSession and vllm_engine.ENGINE.job_tokens == {}

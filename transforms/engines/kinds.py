@@ -86,6 +86,13 @@ class EngineKind(Generic[C]):
         this job share the host (`group`: the job run), `job_tokens` the work it is for."""
         return {}
 
+    def outgrown(self, cfg: C, started: dict[str, Any], job_tokens: JobTokens | None) -> bool:
+        """Whether a running engine, made with the start keywords `started`, is too small for
+        the work `job_tokens` a new job run brings (then it is started again, sized for it):
+        a process that runs job after job (`tokenmill serve`, run-pending) must not run a
+        large job on an engine sized for a small one.  Default: never."""
+        return False
+
     def devices_per_engine(self, cfg: C) -> int:
         """The GPUs one engine of this job takes on its host: a worker on a host with GPUs
         leases that many of its own before the engine starts and the engine sees only those

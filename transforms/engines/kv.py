@@ -87,6 +87,12 @@ class JobTokens:
         sizes = list(seq_tokens)
         return cls(max_seq_tokens=max(sizes, default=0), total_seq_tokens=sum(sizes))
 
+    def held_at_once(self, max_num_seqs: int, max_model_len: int) -> int:
+        """The tokens this work can have in an engine at once: every row, or `max_num_seqs`
+        rows of the largest size (at most `max_model_len`), whichever is less."""
+        longest = min(max(self.max_seq_tokens, 0), max_model_len)
+        return min(max(self.total_seq_tokens, 0), max_num_seqs * longest)
+
 
 @dataclass(frozen=True)
 class KvSizing:
@@ -117,7 +123,7 @@ def size_for_job(job: JobTokens, *, per_token: int, block_size: int, max_num_seq
     if per_token < 1 or block_size < 1:
         raise KvError(f"per_token and block_size must be positive, got {per_token} and {block_size}")
     longest = min(max(job.max_seq_tokens, 0), max_model_len)
-    wanted = min(max(job.total_seq_tokens, 0), max_num_seqs * longest)
+    wanted = job.held_at_once(max_num_seqs, max_model_len)
     blocks = math.ceil(wanted * headroom / block_size)
     floor_blocks = math.ceil(max_model_len / block_size)
     source, reason = "job", (f"min({job.total_seq_tokens} total, {max_num_seqs} seqs × {longest}) = {wanted} tokens "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, EngineConfig
 from tokenmill.transforms.engines.kinds import engine_of
@@ -13,8 +13,9 @@ from tokenmill.transforms.engines.protocol import EngineSession
 
 SessionFactory = Callable[..., EngineSession]
 
-#: factory → (the config key its session was made for, the session)
-_SESSIONS: dict[SessionFactory, tuple[str, EngineSession]] = {}
+#: factory → (the config key its session was made for, the session, the start keywords it was made with and the
+#: work it was made for: `for_work`)
+_SESSIONS: dict[SessionFactory, tuple[str, EngineSession, tuple[str, dict[str, Any]]]] = {}
 # Re-entrant: a factory may itself take a session from the registry (a test wrapper
 # around the process's real engine).
 _LOCK = threading.RLock()
@@ -34,13 +35,15 @@ def _config_key(cfg: EngineConfig, model_path: str) -> str:
     return json.dumps([model_path, cfg.model_dump(mode="json")], sort_keys=True)
 
 
-def get_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | None = None, **start) -> EngineSession:
+def get_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | None = None, *, for_work: str = "",
+                **start) -> EngineSession:
     """The process's session of `factory` (default: its engine's) for this config, made once and
     reused across bundles and pipelines.  A session of the same factory with another
     config, or a dead one, is shut down and replaced; sessions of other factories are
     untouched (so test fakes never displace the real engine).  `start`: keywords for
     the factory when a session is made (the work it is started for); they are not
-    part of the config a session is reused for."""
+    part of the config a session is reused for.  `for_work` names that work (a job run),
+    kept with the session (`started_with`)."""
     factory = factory or factory_for(cfg)
     key = _config_key(cfg, model_path)
     with _LOCK:
@@ -51,9 +54,20 @@ def get_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | No
             del _SESSIONS[factory]
             held[1].shutdown()
         s = factory(cfg, model_path, **start)
-        _SESSIONS[factory] = (key, s)
+        _SESSIONS[factory] = (key, s, (for_work, dict(start)))
         _register_atexit()
         return s
+
+
+def started_with(cfg: EngineConfig, model_path: str, factory: SessionFactory) -> tuple[str, dict[str, Any]] | None:
+    """The work (`for_work`) and the start keywords of the process's live session of `factory`
+    for this config (None: there is none), so its engine's start policy can tell whether new
+    work outgrew it."""
+    with _LOCK:
+        held = _SESSIONS.get(factory)
+        if held is None or held[0] != _config_key(cfg, model_path) or not held[1].alive():
+            return None
+        return held[2][0], dict(held[2][1])
 
 
 def drop_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | None = None) -> None:
@@ -70,7 +84,7 @@ def drop_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | N
 def sessions() -> list[EngineSession]:
     """The sessions this process holds now, oldest first (for tests and benchmarks to inspect)."""
     with _LOCK:
-        return [s for _, s in _SESSIONS.values()]
+        return [s for _, s, _ in _SESSIONS.values()]
 
 
 def shutdown_all(*, keep_default: bool = False) -> None:

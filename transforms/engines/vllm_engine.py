@@ -60,6 +60,17 @@ class VllmEngine(EngineKind[VllmConfig]):
             start["job_tokens"] = self.job_tokens[(model_path, group)]
         return start
 
+    def outgrown(self, cfg: VllmConfig, started: dict[str, Any], job_tokens: JobTokens | None) -> bool:
+        """On a CPU, where the KV cache is sized for the work an engine starts for
+        (`cpu.cpu_kv_cache`): the new work holds more tokens at once than the engine was sized
+        for.  An engine sized by the config or by the default share (no work named) is never
+        outgrown."""
+        old = started.get("job_tokens")
+        if old is None or job_tokens is None or cfg.kv_cache_memory_bytes or has_nvidia_gpu():
+            return False
+        return (job_tokens.held_at_once(cfg.max_num_seqs, cfg.max_model_len)
+                > old.held_at_once(cfg.max_num_seqs, cfg.max_model_len))
+
     def devices_per_engine(self, cfg: VllmConfig) -> int:
         """tensor_parallel_size × pipeline_parallel_size: vLLM places one rank per device."""
         return cfg.tensor_parallel_size * int(cfg.extra.get("pipeline_parallel_size") or cfg.pipeline_parallel_size)

@@ -18,17 +18,22 @@ def worker_session(cfg: EngineConfig, model_path: str, factory: registry.Session
     (`lease_devices`), with the start keywords its start policy gives
     (`EngineKind.start_kwargs`: `workers` engines of this job share the host, `group` is
     the job run, `job_tokens` the work an engine started now is for).  A running session
-    is reused whatever the work.  A given `factory` (a test double) gets the config alone
-    and claims nothing.  `restart`: replace the current session."""
+    is reused, unless a new job run (another `group`) brings work that has outgrown it
+    (`EngineKind.outgrown`: a CPU engine's KV cache sized for a smaller job), then it is
+    started again for that work; within one run it is reused whatever the work.  A given `factory` (a test double) gets the config alone and claims nothing.
+    `restart`: replace the current session."""
     start: dict[str, object] = {}
     if factory is None:
         engine = engine_of(cfg.kind)
         lease_devices(engine.devices_per_engine(cfg), job=group)
         factory = engine.session_factory()
         start = engine.start_kwargs(cfg, model_path, workers=workers, group=group, job_tokens=job_tokens)
+        held = registry.started_with(cfg, model_path, factory)
+        if held is not None and held[0] != group and engine.outgrown(cfg, held[1], job_tokens):
+            restart = True
     if restart:
         registry.drop_session(cfg, model_path, factory)
-    return registry.get_session(cfg, model_path, factory, **start)
+    return registry.get_session(cfg, model_path, factory, for_work=group, **start)
 
 
 def lease_devices(n: int, *, job: str = "") -> leases.Lease | None:
