@@ -231,3 +231,56 @@ def test_a_queued_batch_cancelled_or_expired_ends_with_every_line_an_error_and_n
     with pytest.raises(ApiError) as err:
         svc.cancel_batch("k", a)
     assert err.value.status == 409
+
+
+def test_batches_of_two_models_run_side_by_side_up_to_concurrent_models(tmp_path):
+    from tokenmill.jobs.serve.service import BatchService
+
+    src = tmp_path / "in.jsonl"
+    for limit, started in ((2, 2), (1, 1)):
+        cfg = ServeConfig(db=f"sqlite:///{tmp_path / f's{limit}.db'}", files=str(tmp_path / "files"),
+                          work=str(tmp_path / "runs"), models={"m": {}, "n": {}}, concurrent_models=limit)
+        svc = BatchService(cfg)
+        engines = {"m": _Engine(), "n": _Engine()}
+        svc._engine = lambda model: svc.engines.setdefault(model, engines[model])  # type: ignore
+        for model in ("m", "n"):
+            src.write_bytes(_line("a", model=model) + b"\n")
+            f = svc.add_file("k", "in.jsonl", "batch", str(src), src.stat().st_size, 1)
+            svc.create_batch("k", f["id"], "/v1/chat/completions", "24h", None)
+        svc.tick()
+        assert sum(1 for e in engines.values() if e.submitted) == started
+
+
+def test_an_engine_process_unloads_its_engine_when_idle_and_answers_each_batch(monkeypatch, tmp_path):
+    import os
+    import threading
+    from multiprocessing import Pipe
+
+    from tokenmill.jobs.lifecycle import runner
+    from tokenmill.jobs.serve.engines import engine_main
+    from tokenmill.transforms.engines import registry
+
+    held: list[str] = []
+
+    class Done:
+        status, note = "succeeded", None
+
+    def run_job(spec, db_url):
+        held.append(spec.job_id)  # the engine is loaded by the job
+        return Done()
+
+    monkeypatch.setattr(runner, "run_job", run_job)
+    monkeypatch.setattr(registry, "sessions", lambda: list(held))
+    monkeypatch.setattr(registry, "shutdown_all", lambda **kw: held.clear())
+    ours, theirs = Pipe()
+    t = threading.Thread(target=engine_main, args=("m", theirs, os.getppid(), 0.5, str(tmp_path / "e.log")),
+                         daemon=True)
+    t.start()
+    spec = ServeConfig(models={"m": {}}).job_spec("m", input="x.jsonl", output=str(tmp_path / "o"), job_id="b1")
+    ours.send(("b1", spec.model_dump(mode="json", exclude_none=True), "sqlite://"))
+    assert ours.recv() == ("done", "b1", "succeeded", None)
+    assert ours.recv() == ("loaded", True) and held == ["b1"]
+    assert ours.poll(5) and ours.recv() == ("loaded", False) and held == []  # idle 0.5 s: unloaded
+    ours.send(None)
+    t.join(5)
+    assert not t.is_alive()

@@ -318,15 +318,9 @@ class StorageContract:
         import random
         from concurrent.futures import ThreadPoolExecutor
 
-        rng = random.Random(7)
-        rows = [(f"i{k}", 0, rng.randrange(10**6)) for k in range(60) for _ in range(rng.randint(1, 4))]
-        rows = list({(f, r): (i, f, r) for i, f, r in rows}.values())
-        rng.shuffle(rows)
-        units, at = [], 0
-        while at < len(rows):
-            n = rng.randint(1, 6)
-            units.append(rows[at:at + n])
-            at += n
+        from tests.unit_steps import random_units
+
+        rows, units = random_units(random.Random(7), 60)
         w = S.ResultWriter(S.connect(db_url))
 
         def worker(unit):
@@ -397,22 +391,14 @@ class StorageContract:
         rows; three rounds of fresh jobs.  Every row ends in exactly one place each round."""
         import random
 
-        from tests.unit_steps import placement_problems, run_units_in_process
+        from tests.unit_steps import placement_problems, random_units, run_units_in_process
 
         S.connect(db_url)  # migrated here first, as the launcher does before its workers start
         ctx = mp.get_context("spawn")
         with ProcessPoolExecutor(4, mp_context=ctx) as pool:
             for round_ in range(3):
-                rng, job = random.Random(round_), f"stress-{round_}"
-                rows = [(f"i{k}", rng.randrange(2), rng.randrange(10**5)) for k in range(40)
-                        for _ in range(rng.randint(1, 4))]
-                rows = list({(f, r): (i, f, r) for i, f, r in rows}.values())
-                rng.shuffle(rows)
-                units, at = [], 0
-                while at < len(rows):
-                    n = rng.randint(1, 5)
-                    units.append(rows[at:at + n])
-                    at += n
+                job = f"stress-{round_}"
+                rows, units = random_units(random.Random(round_), 40, files=2, unit_rows=5, positions=10**5)
                 shares = [units[k::4] for k in range(4)]
                 steps = list(pool.map(run_units_in_process, [db_url] * 4, [job] * 4, shares,
                                       [round_ * 10 + k for k in range(4)]))

@@ -98,6 +98,22 @@ def placement_problems(db_url: str, job_id: str, rows: list[tuple[str, int, int]
     return problems
 
 
+def random_units(rng, ids: int, *, files: int = 1, rows_per_id: int = 4, unit_rows: int = 6,
+                 positions: int = 10**6) -> tuple[list[tuple[str, int, int]], list[list[tuple[str, int, int]]]]:
+    """Rows `(id, input_file, input_row)` of `ids` ids (1 to `rows_per_id` rows each, at random
+    places, no two at one place), shuffled and cut into units of 1 to `unit_rows` rows."""
+    rows = [(f"i{k}", rng.randrange(files), rng.randrange(positions)) for k in range(ids)
+            for _ in range(rng.randint(1, rows_per_id))]
+    rows = list({(f, r): (i, f, r) for i, f, r in rows}.values())
+    rng.shuffle(rows)
+    units, at = [], 0
+    while at < len(rows):
+        n = rng.randint(1, unit_rows)
+        units.append(rows[at:at + n])
+        at += n
+    return rows, units
+
+
 def interleavings(lengths: list[int]) -> list[list[int]]:
     """Every order of the units' steps that keeps each unit's own steps in order."""
     if not any(lengths):

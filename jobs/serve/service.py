@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -307,16 +308,18 @@ class BatchService:
             self._count("tokens", model, "input", tokens["input_tokens"])
             self._count("tokens", model, "output", tokens["output_tokens"])
             self._count("batches", model, ended, 1)
+            # the result files hold what the job folder's exports held; the job's rows stay in the database
+            shutil.rmtree(self.cfg.work_root() / b["id"], ignore_errors=True)
         self.attempts.pop(b["id"], None)
 
     def _result_files(self, b: dict[str, Any], ended: str) -> tuple[str | None, str | None, dict[str, int]]:
         """The batch's output and error files from its job's export (a line that never ran an
         error line of how the batch ended): (output file id, error file id, request counts)."""
         run = self.cfg.work_root() / b["id"]
-        job = S.JobStore(self.eng).get(b["id"])
-        if job is not None and job["status"] not in (*JOB_DONE, "cancelled"):  # a run cut off (its job row says
-            export_job(self.eng, b["id"], str(run), "openai-jsonl")  # running, or failed): what it committed
         outputs, errors = run / "outputs.jsonl", run / "errors.jsonl"
+        job = S.JobStore(self.eng).get(b["id"])
+        if job is not None and (job["status"] not in (*JOB_DONE, "cancelled") or not outputs.exists()):
+            export_job(self.eng, b["id"], str(run), "openai-jsonl")  # a run cut off: what it committed
         answered = _custom_ids(outputs) | _custom_ids(errors)
         code, message = ENDED_BY.get(ended, ENDED_BY["failed"])
         path, temp = self.blobs.local_copy(b["input_file_id"])
