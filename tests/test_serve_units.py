@@ -266,6 +266,8 @@ def test_an_engine_process_unloads_its_engine_when_idle_and_answers_each_batch(m
         status, note = "succeeded", None
 
     def run_job(spec, db_url):
+        if spec.job_id == "held-elsewhere":
+            raise S.JobBusy("job 'held-elsewhere' is running (owner host:1)")
         held.append(spec.job_id)  # the engine is loaded by the job
         return Done()
 
@@ -281,6 +283,10 @@ def test_an_engine_process_unloads_its_engine_when_idle_and_answers_each_batch(m
     assert ours.recv() == ("done", "b1", "succeeded", None)
     assert ours.recv() == ("loaded", True) and held == ["b1"]
     assert ours.poll(5) and ours.recv() == ("loaded", False) and held == []  # idle 0.5 s: unloaded
+    busy = ServeConfig(models={"m": {}}).job_spec("m", input="x.jsonl", output=str(tmp_path / "o"),
+                                                  job_id="held-elsewhere")
+    ours.send(("held-elsewhere", busy.model_dump(mode="json", exclude_none=True), "sqlite://"))
+    assert ours.recv()[:2] == ("busy", "held-elsewhere")  # not an error: the scheduler runs it again later
     ours.send(None)
     t.join(5)
     assert not t.is_alive()

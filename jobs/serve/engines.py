@@ -38,13 +38,15 @@ def _leave_with_owner(owner: int) -> None:
 
 def engine_main(model: str, conn: Connection, owner: int, idle_unload_s: float, log_path: str) -> None:
     """The engine process: receives (batch id, job spec as a dict, database URL), answers
-    ("done", batch id, status, note) or ("error", batch id, message); says ("loaded", bool)
-    when its engine is loaded or unloaded."""
+    ("done", batch id, status, note), ("busy", batch id, message) where another live process
+    still holds the job, or ("error", batch id, message); says ("loaded", bool) when its engine
+    is loaded or unloaded."""
     _leave_with_owner(owner)
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(filename=log_path, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tokenmill.jobs.lifecycle.runner import run_job
+    from tokenmill.schemas import storage as S
     from tokenmill.schemas.config import load_spec
     from tokenmill.schemas.errors import first_line
     from tokenmill.transforms.engines import registry
@@ -63,6 +65,8 @@ def engine_main(model: str, conn: Connection, owner: int, idle_unload_s: float, 
         try:
             res = run_job(load_spec(spec, source=f"batch {batch_id}"), db_url=db_url)
             conn.send(("done", batch_id, res.status, res.note))
+        except S.JobBusy as err:  # the job's last owner is still alive (a server restarted at once): not a failure
+            conn.send(("busy", batch_id, first_line(err, 1000)))
         except Exception as err:
             log.exception("batch %s", batch_id)
             conn.send(("error", batch_id, first_line(err, 1000)))

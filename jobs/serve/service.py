@@ -194,8 +194,8 @@ class BatchService:
                                                    f"{msg[2] if kind == 'error' else 'its engine process died'}")
             log.warning("batch %s: %s (attempt %d)", msg[1], msg[2] if kind == "error" else "engine process died",
                         self.attempts[msg[1]])
-        if kind in ("done", "error", "died") and e is not None:
-            e.running = None
+        if kind in ("done", "error", "died", "busy") and e is not None:
+            e.running = None  # "busy": run again at a later tick, once the job's last owner is gone
         self._wake.set()
 
     def tick(self) -> None:
