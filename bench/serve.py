@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                                           for x, y in zip(a, b)],
             }
         if "polling" in args.sections:
-            log(f"polling: A = nobody polls, B = {args.pollers} clients poll every {args.poll_every} s")
+            log(f"polling: warm-up {srv.batch(files['poll'])} (the engine sized for this batch), then "
+                f"A = nobody polls, B = {args.pollers} clients poll every {args.poll_every} s")
             rounds = abba(lambda: srv.batch(files["poll"]),
                           lambda: srv.batch(files["poll"], pollers=args.pollers, poll_every_s=args.poll_every),
                           args.rounds)
