@@ -242,7 +242,7 @@ def test_batches_of_two_models_run_side_by_side_up_to_concurrent_models(tmp_path
                           work=str(tmp_path / "runs"), models={"m": {}, "n": {}}, concurrent_models=limit)
         svc = BatchService(cfg)
         engines = {"m": _Engine(), "n": _Engine()}
-        svc._engine = lambda model: svc.engines.setdefault(model, engines[model])  # type: ignore
+        svc._engine = lambda model, svc=svc, engines=engines: svc.engines.setdefault(model, engines[model])  # type: ignore
         for model in ("m", "n"):
             src.write_bytes(_line("a", model=model) + b"\n")
             f = svc.add_file("k", "in.jsonl", "batch", str(src), src.stat().st_size, 1)
