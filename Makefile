@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-quant bench-tune bench-scale bench-rerun bench-cache bench-estimate bench-serve bench-layout bench-report bench-db gpu-check clean help
+.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-quant bench-tune bench-scale bench-rerun bench-cache bench-ceiling bench-estimate bench-serve bench-layout bench-report bench-db gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -31,6 +31,7 @@ help:
 	@echo "make bench-quant - RTN against calibrated quantization (docs/QUANTIZATION.md)"
 	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
 	@echo "make bench-cache - a warm rerun from the result cache against a cold run, wall and cost (bench/cache.py)"
+	@echo "make bench-ceiling - tokenmill with a stand-in engine against a plain loop on the same 100,000 rows, A B B A (bench/ceiling.py)"
 	@echo "make bench-serve - tokenmill serve against tokenmill run: a 20-line and a 2,000-line batch, 20 pollers, 50 batches' memory (bench/serve.py)"
 	@echo "make bench-estimate - tokenmill estimate against the job it predicts, 3 inputs x vLLM and llama.cpp (bench/estimate.py)"
 	@echo "make bench-layout - one row group against 8,192-row groups, the same rows side by side (bench/layout.py)"
@@ -197,6 +198,13 @@ bench-rerun: prepare
 # on the bundled model, per round in a fresh database, after a warm-up (bench/cache.py, docs/CACHE.md).
 bench-cache: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.cache $(BENCH_ARGS)
+
+# The pipeline's own cost per row (bench/ceiling.py, issue 39): `tokenmill run` with a stand-in engine that answers at
+# once (bench/standin.py), 1 and 2 workers, against a plain loop doing the same work on the same rows, warm-up then
+# A B B A; rows/s, peak RSS per process kind, the job's wall in phases; ~15 min on 2 cores at the default 100,000 rows.
+# Shorter: make bench-ceiling BENCH_ARGS="--n 2000 --rounds 1".
+bench-ceiling: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.ceiling $(BENCH_ARGS)
 
 # `tokenmill estimate` (a sample of at most 10% of the rows) against the whole job it predicts, each a process of
 # its own, on the bundled sample and two generated length mixes, with vLLM and llama.cpp (bench/estimate.py,
