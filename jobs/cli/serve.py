@@ -70,7 +70,14 @@ def serve(config_path, db_url, host, port, files_root):
 @main.group(name="keys", context_settings=CONTEXT_SETTINGS)
 def keys_group() -> None:
     """API keys of `tokenmill serve`: each file and batch belongs to the key that made it; an
-    admin key sees every key's.  Only a key's hash is stored: it is shown once, at creation."""
+    admin key sees every key's.  Only a key's hash is stored: it is shown once, at creation.
+
+    \b
+    Examples:
+      tokenmill keys create --name alice
+      tokenmill keys list --config serve.yaml
+      tokenmill keys revoke key_0123456789abcdef
+    """
 
 
 def _store(config_path, db_url):
@@ -90,7 +97,13 @@ def _store(config_path, db_url):
 @db_flag
 @json_option
 def keys_create(name, admin, config_path, db_url, as_json):
-    """Make a key; prints it once (only its hash is kept)."""
+    """Make a key; prints it once (only its hash is kept).
+
+    \b
+    Examples:
+      tokenmill keys create --name alice
+      tokenmill keys create --name ops --admin --json
+    """
     secret = "tm-" + secrets.token_urlsafe(32)
     row = _store(config_path, db_url).add("key_" + secrets.token_hex(8), name, secret, admin=admin)
     if as_json:
@@ -105,7 +118,12 @@ def keys_create(name, admin, config_path, db_url, as_json):
 @db_flag
 @json_option
 def keys_list(config_path, db_url, as_json):
-    """The keys: id, name, prefix, admin, created, revoked."""
+    """The keys: id, name, prefix, admin, created, revoked.
+
+    \b
+    Example:
+      tokenmill keys list --db postgresql://tokenmill@localhost/tokenmill
+    """
     rows = _store(config_path, db_url).all()
     if as_json:
         emit_json(rows)
@@ -121,7 +139,12 @@ def keys_list(config_path, db_url, as_json):
 @config_option
 @db_flag
 def keys_revoke(key, config_path, db_url):
-    """Revoke a key by its id or prefix: its requests get 401 from then on."""
+    """Revoke a key by its id or prefix: its requests get 401 from then on.
+
+    \b
+    Example:
+      tokenmill keys revoke tm-q_8A0QV
+    """
     if not _store(config_path, db_url).revoke(key):
         raise Failure(f"no unrevoked key with id or prefix {key!r} (or the prefix names more than one)")
     click.echo(f"revoked {key}")
