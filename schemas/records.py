@@ -60,6 +60,8 @@ SERVER_ERROR = "server_error"
 REQUEST_TIMEOUT = "request_timeout"
 CONNECTION_DROPPED = "connection_dropped"
 BAD_RESPONSE = "bad_response"
+UNKNOWN_ADAPTER = "unknown_adapter"
+"""A row names a LoRA adapter the job did not declare (`engine.lora_adapters`)."""
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -97,6 +99,8 @@ class PromptRecord(_FromInput):
     messages: list[dict[str, str]] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     reference: str | None = None
+    adapter: str | None = None
+    """The LoRA adapter the row asks for (a name in `engine.lora_adapters`); None: the base model."""
 
 
 @dataclass(slots=True)
@@ -117,6 +121,8 @@ class TokenizedPrompt(_FromInput):
     engine that takes text rather than token ids (the `openai` engine)."""
     samples: int = 1
     """The row's `n`: its requests in the engine (one prompt, shared by prefix caching)."""
+    adapter: str | None = None
+    """The LoRA adapter the row's requests run with (`PromptRecord.adapter`); None: the base model."""
 
     @property
     def budget_tokens(self) -> int:
@@ -257,6 +263,8 @@ class OutputKey(StoredRow):
     sample: int = column("int", key=True, default=0)
     """Which of the row's `n` samples this is (0 for a row that asked for one)."""
     model: str | None = column("str:512")
+    adapter: str | None = column("str:128")
+    """The LoRA adapter that answered (its name in `engine.lora_adapters`); None: the base model."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -356,7 +364,7 @@ class WorkerRow(StoredRow):
 #: texts, the input position and what all of a job's rows share.
 REQUEST_COLUMNS = tuple(
     f.name for f in dataclasses.fields(OutputRow)
-    if f.name not in ("job_id", "model", "text", "reference", "input_file", "input_row", "logprobs", "parsed",
+    if f.name not in ("job_id", "model", "adapter", "text", "reference", "input_file", "input_row", "logprobs", "parsed",
                       "choice_probs", "embedding")
 )
 
