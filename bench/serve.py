@@ -12,7 +12,8 @@ four sections, each with its arms interleaved A B B A:
   metrics: the stricter comparison, since the warm server has no start to pay).  Lines per
   second; target ≥ 0.95× the stricter one.
 - **polling**: the same 400-line batch with no one polling and with 20 clients each polling
-  `GET /v1/batches/{id}` every 0.1 s (`--pollers`, `--poll-every`); target: slowed by ≤ 5%.
+  `GET /v1/batches/{id}` every 1 s and every 0.1 s (`--pollers`, `--poll-every`); target: slowed
+  by ≤ 5%.  The server's and the clients' CPU per poll are measured too (process CPU times).
 - **memory**: 50 consecutive 5-line batches; the server's RSS and its engine process tree's
   after each, and the least-squares slope per batch.
 
@@ -85,6 +86,10 @@ class Served:
 
     def batch(self, inp: Path, *, pollers: int = 0, poll_every_s: float = 0.1) -> dict[str, Any]:
         """Upload, create, poll until completed, download the output: its walls."""
+        import psutil
+
+        server = psutil.Process(self.server.proc.pid)
+        cpu0, mine0 = sum(server.cpu_times()[:2]), time.process_time()
         t0 = time.monotonic()
         with open(inp, "rb") as fh:
             f = self.client.files.create(file=fh, purpose="batch")
@@ -109,12 +114,15 @@ class Served:
         stop.set()
         for t in threads:
             t.join()
+        server_cpu_s, bench_cpu_s = sum(server.cpu_times()[:2]) - cpu0, time.process_time() - mine0
         if b.status != "completed":
             raise SystemExit(f"batch {b.id} ended {b.status}: {b.errors}")
         out = self.client.files.content(b.output_file_id).text
         n = sum(1 for line in out.splitlines() if line.strip())
         return {"batch_id": b.id, "lines": n, "wall_s": round(time.monotonic() - t0, 2),
-                "created_to_completed_s": round(t_done - t_created, 2), "polls": polls[0]}
+                "created_to_completed_s": round(t_done - t_created, 2), "polls": polls[0],
+                # CPU the server process (not its engine) and this process (the SDK clients) used
+                "server_cpu_s": round(server_cpu_s, 2), "bench_cpu_s": round(bench_cpu_s, 2)}
 
     def rss(self) -> dict[str, float]:
         import psutil
@@ -143,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-lines", type=int, default=400)
     ap.add_argument("--memory-batches", type=int, default=50)
     ap.add_argument("--pollers", type=int, default=20)
-    ap.add_argument("--poll-every", type=float, default=0.1, help="seconds between one poller's requests")
+    ap.add_argument("--poll-every", type=float, nargs="+", default=[1.0, 0.1],
+                    help="seconds between one poller's requests; one A B B A round set per value")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=1, help="A B B A rounds per section")
     ap.add_argument("--dtype", default="float32")
@@ -171,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             secs["small"] = {"rounds": rounds, "ratios": [round(y / x, 3) for x, y in zip(a, b)],
                              "target": "batch wall / run wall <= 0.3"}
         if "large" in args.sections:
-            log("large: A = tokenmill run, B = the batch through the server")
+            warm = lines_file(root / "large-warm.jsonl", 64, args.max_tokens, "w")
+            log(f"large: warm-up {srv.batch(warm)} (64 lines of the large file's shape: the engine sized for it), "
+                "then A = tokenmill run, B = the batch through the server")
             rounds = abba(lambda: run_cli(files["large"], root, db_url, args.dtype), lambda: srv.batch(files["large"]),
                           args.rounds)
             n = args.large_lines
@@ -186,16 +197,25 @@ def main(argv: list[str] | None = None) -> int:
                                           for x, y in zip(a, b)],
             }
         if "polling" in args.sections:
-            log(f"polling: warm-up {srv.batch(files['poll'])} (the engine sized for this batch), then "
-                f"A = nobody polls, B = {args.pollers} clients poll every {args.poll_every} s")
-            rounds = abba(lambda: srv.batch(files["poll"]),
-                          lambda: srv.batch(files["poll"], pollers=args.pollers, poll_every_s=args.poll_every),
-                          args.rounds)
-            a = [g["created_to_completed_s"] for arm, g in rounds if arm == "A"]
-            b = [g["created_to_completed_s"] for arm, g in rounds if arm == "B"]
-            secs["polling"] = {"rounds": rounds, "slowdown": [round(y / x - 1, 4) for x, y in zip(a, b)],
-                               "pollers": args.pollers, "poll_every_s": args.poll_every,
-                               "target": "polled wall / quiet wall - 1 <= 0.05"}
+            log(f"polling: warm-up {srv.batch(files['poll'])} (the engine sized for this batch)")
+            secs["polling"] = []
+            for every in args.poll_every:
+                log(f"polling every {every} s: A = nobody polls, B = {args.pollers} clients poll every {every} s")
+                rounds = abba(lambda: srv.batch(files["poll"]),
+                              lambda every=every: srv.batch(files["poll"], pollers=args.pollers, poll_every_s=every),
+                              args.rounds)
+                a = [g for arm, g in rounds if arm == "A"]
+                b = [g for arm, g in rounds if arm == "B"]
+                secs["polling"].append({
+                    "rounds": rounds, "pollers": args.pollers, "poll_every_s": every,
+                    "slowdown": [round(y["created_to_completed_s"] / x["created_to_completed_s"] - 1, 4)
+                                 for x, y in zip(a, b)],
+                    # the server's and the clients' CPU for each poll: B's less A's, over B's polls
+                    "server_cpu_ms_per_poll": [round((y["server_cpu_s"] - x["server_cpu_s"]) / y["polls"] * 1e3, 3)
+                                               for x, y in zip(a, b)],
+                    "client_cpu_ms_per_poll": [round((y["bench_cpu_s"] - x["bench_cpu_s"]) / y["polls"] * 1e3, 3)
+                                               for x, y in zip(a, b)],
+                    "target": "polled wall / quiet wall - 1 <= 0.05"})
         if "memory" in args.sections:
             log(f"memory: {args.memory_batches} batches of 5 lines")
             samples = []

@@ -89,8 +89,12 @@ async def _no_body():
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
-def caller(request: Request) -> Caller:
-    """The one authentication every route but /health takes: a bearer key, not revoked."""
+async def caller(request: Request) -> Caller:
+    """The one authentication every route but /health takes: a bearer key, not revoked.
+
+    It runs on the event loop (one indexed read, no thread hop), as does the polled
+    `GET /v1/batches/{id}`: a poll's CPU is taken from the engine on a host whose engine
+    uses every core (docs/BENCHMARKS.md, "Serving")."""
     auth = request.headers.get("authorization", "")
     scheme, _, secret = auth.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
@@ -220,11 +224,11 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
         return page(rows[:limit], render, len(rows) > limit)
 
     @app.get("/v1/batches/{batch_id}")
-    def get_batch(batch_id: str, who: Who) -> dict[str, Any]:
+    async def get_batch(batch_id: str, who: Who) -> Response:
         b = svc.batches.get(batch_id, who.scope)
         if b is None:
             raise ApiError(404, f"No such Batch object: {batch_id[:100]}", code="not_found", param="batch_id")
-        return render(b)
+        return JSONResponse(render(b))  # already checked against `Batch`: no second validation
 
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(batch_id: str, who: Who) -> dict[str, Any]:
