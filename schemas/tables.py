@@ -163,6 +163,13 @@ api_keys = Table(
     Column("admin", Boolean, nullable=False, default=False, server_default=false()),
     Column("created_at", Float, nullable=False),
     Column("revoked_at", Float),
+    # where the key's batch events go and the secret they are signed with (Standard Webhooks'
+    # `whsec_` form: the server must hold it to sign, so it is stored as is, unlike the key)
+    Column("webhook_url", String(2048)),
+    Column("webhook_secret", String(128)),
+    # the key's own quotas (null: the server's `limits`)
+    Column("tokens_per_day", BigInteger),
+    Column("max_batches_in_flight", Integer),
 )
 
 #: Files uploaded to the service or written by it (a batch's output and error files); the bytes
@@ -209,4 +216,36 @@ api_batches = Table(
     Column("error_file_id", String(64)),
     Column("request_counts", JSON),
     Column("usage", JSON),
+)
+
+#: A batch's end, to be sent to a webhook: one row per batch and event type (its id derives
+#: from both, so a batch finalized twice sends one event), with the body signed at each attempt.
+webhook_events = Table(
+    "webhook_events",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("batch_id", String(64), nullable=False, index=True),
+    Column("owner", String(64), nullable=False),
+    Column("type", String(32), nullable=False),
+    Column("url", String(2048), nullable=False),
+    Column("body", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("next_at", Float, index=True),
+    Column("attempts", Integer, nullable=False, default=0, server_default="0"),
+    Column("delivered_at", Float),
+    Column("gave_up_at", Float),
+)
+
+#: Every delivery attempt of a webhook event: when, the answer (HTTP status) or the error.
+webhook_attempts = Table(
+    "webhook_attempts",
+    metadata,
+    Column("event_id", String(64), primary_key=True),
+    Column("attempt", Integer, primary_key=True),
+    Column("batch_id", String(64), nullable=False, index=True),
+    Column("at", Float, nullable=False),
+    Column("outcome", String(16), nullable=False),
+    Column("status_code", Integer),
+    Column("error", Text),
+    Column("duration_s", Float),
 )

@@ -234,6 +234,10 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
     def cancel_batch(batch_id: str, who: Who) -> dict[str, Any]:
         return render(svc.cancel_batch(who.scope, batch_id))
 
+    from tokenmill.jobs.serve.watch import install  # it imports `Who` from here
+
+    install(app, svc)  # the live page, a batch's webhook attempts, a key's usage
+
     @app.get("/metrics")
     def metrics(who: Who) -> Response:
         from tokenmill.jobs.serve.metrics import CONTENT_TYPE, exposition

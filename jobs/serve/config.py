@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -40,12 +40,47 @@ class Limits(_Strict):
     max_file_lines: int = Field(50_000, gt=0)
     """Requests in one batch file (OpenAI's: 50,000)."""
     max_batches_in_flight: int = Field(20, gt=0)
-    """Batches of one key not ended yet; one more is refused with 429."""
+    """Batches of one key not ended yet; one more is refused with 429 (a key's own
+    `tokenmill keys quota --batches-in-flight` replaces it for that key)."""
+    tokens_per_day: int | None = Field(None, gt=0)
+    """Prompt + output tokens one key's batches may use in a UTC day; a batch created once they
+    are used is refused with 429 (none: no limit; a key's own `tokenmill keys quota
+    --tokens-per-day` replaces it for that key). A batch is counted on the day it was created."""
+    over_quota: Literal["refuse", "queue"] = "refuse"
+    """A batch over a key's quota: `refuse` (429, naming the limit and what is left), or `queue`
+    (held in `validating` until the key is under both limits again)."""
     max_completion_window_s: int = Field(7 * 86400, gt=0)
     """The longest `completion_window` accepted (`24h`, OpenAI's only value, is always within)."""
     max_metadata_keys: int = 16
     max_line_errors: int = 100
     """Validation errors listed in a failed batch (the first ones, by line)."""
+
+
+class Webhooks(_Strict):
+    """Where and how batch events are sent (jobs/serve/webhooks.py, docs/SERVING.md)."""
+
+    allow_networks: list[str] = Field(default_factory=list)
+    """Address ranges (CIDR) a webhook may reach although they are not public addresses
+    (loopback, link-local, private, metadata ranges are refused otherwise), e.g. `10.0.0.0/8`."""
+    timeout_s: float = Field(10.0, gt=0)
+    """One attempt's wait for the receiver's answer."""
+    first_retry_s: float = Field(5.0, gt=0)
+    """The wait after the first failed attempt; each later wait doubles, up to `max_retry_s`."""
+    max_retry_s: float = Field(3600.0, gt=0)
+    retry_for_s: float = Field(86400.0, gt=0)
+    """How long after the batch ended an event is still tried; then it is given up."""
+
+    @field_validator("allow_networks")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        import ipaddress
+
+        for net in v:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"allow_networks: {net!r} is not an address range like 10.0.0.0/8") from None
+        return v
 
 
 class ServeConfig(_Strict):
@@ -64,6 +99,7 @@ class ServeConfig(_Strict):
     """Model name (what a request's `body.model` names) → its job spec keys (`engine`, `sampling`,
     `batching`, ...).  `engine.model` defaults to the name."""
     limits: Limits = Field(default_factory=Limits)
+    webhooks: Webhooks = Field(default_factory=Webhooks)
     idle_unload_s: float = Field(900.0, gt=0)
     """An engine idle this long is unloaded (its model worker stays, and loads it again)."""
     concurrent_models: int = Field(1, ge=1)

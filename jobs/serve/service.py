@@ -36,7 +36,9 @@ from tokenmill.jobs.serve.blobs import blob_store
 from tokenmill.jobs.serve.config import ServeConfig, window_seconds
 from tokenmill.jobs.serve.engines import EngineProcess
 from tokenmill.jobs.serve.objects import ENDED, batch_status, usage_of
+from tokenmill.jobs.serve.quotas import Quotas
 from tokenmill.jobs.serve.validate import check_file, line_error
+from tokenmill.jobs.serve.webhooks import METADATA_KEY, WebhookSender
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.errors import first_line
 
@@ -81,6 +83,7 @@ class BatchService:
         self.eng = S.connect(self.db_url)
         self.blobs = blob_store(cfg.files_root())
         self.batches, self.files = S.BatchStore(self.eng), S.FileStore(self.eng)
+        self.webhooks, self.quotas = WebhookSender(self.eng, cfg.webhooks), Quotas(self.eng, cfg.limits)
         self.engines: dict[str, EngineProcess] = {}
         self.attempts: dict[str, int] = {}
         self.finished: dict[str, tuple[str, str | None]] = {}  # batch id → (job status, note) from its engine
@@ -126,6 +129,9 @@ class BatchService:
                                 f"{limits.max_completion_window_s} s, got {completion_window[:40]!r}",
                            param="completion_window", code="invalid_value")
         meta = _check_metadata(metadata, limits.max_metadata_keys)
+        refused = self.webhooks.check_batch_url(meta[METADATA_KEY]) if meta and METADATA_KEY in meta else None
+        if refused:
+            raise ApiError(400, refused, param=f"metadata.{METADATA_KEY}", code="invalid_value")
         f = self.files.get(input_file_id, owner)
         if f is None:
             raise ApiError(404, f"No such File object: {input_file_id}", code="not_found", param="input_file_id")
@@ -133,9 +139,7 @@ class BatchService:
             raise ApiError(400, f"file {input_file_id} has purpose {f['purpose']!r}; a batch's input needs 'batch'",
                            param="input_file_id", code="invalid_value")
         with self._lock:  # the in-flight count and the insert together: two requests cannot both pass
-            if self.batches.in_flight(owner) >= limits.max_batches_in_flight:
-                raise ApiError(429, f"this key has {limits.max_batches_in_flight} batches not ended, the most it may "
-                                    "have; wait for one to end", type="rate_limit_error", code="rate_limit_exceeded")
+            self.quotas.admit(owner)  # 429 naming the limit (or, configured to queue, held in validating)
             now = time.time()
             row: dict[str, Any] = {"id": new_id("batch_"), "owner": owner, "endpoint": endpoint, "input_file_id": input_file_id,
                    "completion_window": completion_window, "metadata": meta, "priority": priority_of(meta),
@@ -175,8 +179,10 @@ class BatchService:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="tokenmill-serve-scheduler")
         self._thread.start()
+        self.webhooks.start()
 
     def stop(self) -> None:
+        self.webhooks.stop()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -216,6 +222,8 @@ class BatchService:
             status = batch_status(b)
             running = any(e.running == b["id"] for e in self.engines.values())
             if status == "validating":
+                if self.quotas.holds(b):
+                    continue
                 valid = self._validate(b)
                 if valid is not None:
                     queued.append(valid)
@@ -286,6 +294,7 @@ class BatchService:
                              lines=found.lines if found else 0, model=found.model if found else None,
                              request_counts={"total": found.lines if found else 0, "completed": 0, "failed": 0})
             self._count("batches", (found.model if found else None) or "", "failed", 1)
+            self.webhooks.batch_ended(b["id"])
             return None
         self.batches.set(b["id"], unless="in_progress_at", in_progress_at=now, lines=found.lines, model=found.model)
         return {**b, "in_progress_at": now, "lines": found.lines, "model": found.model}
@@ -319,6 +328,7 @@ class BatchService:
             self._count("tokens", model, "input", tokens["input_tokens"])
             self._count("tokens", model, "output", tokens["output_tokens"])
             self._count("batches", model, ended, 1)
+            self.webhooks.batch_ended(b["id"])
             # the result files hold what the job folder's exports held; the job's rows stay in the database
             shutil.rmtree(self.cfg.work_root() / b["id"], ignore_errors=True)
         self.attempts.pop(b["id"], None)

@@ -14,7 +14,10 @@ the SQL, each returning plain rows (dicts of a table's columns):
   database (`RequestStats`), for metrics and reports of any size;
 - `EstimateStore`: the estimates `tokenmill estimate` made, newest first;
 - `CacheStore`: the result cache across jobs (lookups by key, inserts, stats, pruning);
-- `KeyStore`, `FileStore`, `BatchStore`: what `tokenmill serve` keeps (API keys, files, batches).
+- `KeyStore`, `FileStore`, `BatchStore`: what `tokenmill serve` keeps (API keys, files, batches);
+  `WebhookStore`: its batch events and their delivery attempts; `UsageStore`: what each key
+  used per day, counted from the jobs' own rows and metrics; `WatchReader`: what the live
+  page reads (jobs by status, one page of jobs, running jobs' live counts).
 """
 
 from tokenmill.schemas.storage.cache import CacheStore
@@ -34,8 +37,11 @@ from tokenmill.schemas.storage.reader import CHUNK_ROWS, MetricsReader
 from tokenmill.schemas.storage.results import ResultWriter
 from tokenmill.schemas.storage.serve import BatchStore, FileStore, KeyStore
 from tokenmill.schemas.storage.summary import RequestStats, RequestSummary
+from tokenmill.schemas.storage.usage import UsageStore
+from tokenmill.schemas.storage.watch import WatchReader
+from tokenmill.schemas.storage.webhooks import WebhookStore
 
 __all__ = [
-    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "StorageError",
+    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "StorageError", "UsageStore", "WatchReader", "WebhookStore",
     "alembic_config", "connect", "current_revision", "head_revision", "is_live", "owner_tag", "upgrade", "utcnow",
 ]

@@ -27,9 +27,11 @@ def key_hash(secret: str) -> str:
 class KeyStore(SqlStore):
     """The `api_keys` table."""
 
-    def add(self, key_id: str, name: str, secret: str, *, admin: bool = False) -> dict[str, Any]:
+    def add(self, key_id: str, name: str, secret: str, *, admin: bool = False, webhook_url: str | None = None,
+            webhook_secret: str | None = None) -> dict[str, Any]:
         row = {"id": key_id, "name": name, "prefix": secret[:10], "hash": key_hash(secret), "admin": admin,
-               "created_at": time.time(), "revoked_at": None}
+               "created_at": time.time(), "revoked_at": None, "webhook_url": webhook_url,
+               "webhook_secret": webhook_secret}
         with self.engine.begin() as conn:
             conn.execute(insert(T.api_keys).values(**row))
         return row
@@ -45,7 +47,25 @@ class KeyStore(SqlStore):
     def all(self) -> list[dict[str, Any]]:
         with self.engine.connect() as conn:
             rows = conn.execute(select(T.api_keys).order_by(T.api_keys.c.created_at)).mappings().all()
-        return [{k: v for k, v in r.items() if k != "hash"} for r in rows]
+        return [{k: v for k, v in r.items() if k not in ("hash", "webhook_secret")} for r in rows]
+
+    def get(self, key_id: str) -> dict[str, Any] | None:
+        """A key's row by id (revoked or not), its webhook secret included: the server's own use."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(T.api_keys).where(T.api_keys.c.id == key_id)).mappings().first()
+        return dict(row) if row else None
+
+    def update(self, key_id_or_prefix: str, **values: Any) -> str | None:
+        """Set columns of the one unrevoked key with this id or prefix (webhook, quotas); its id,
+        or None when none (or more than one) matches."""
+        k = T.api_keys.c
+        with self.engine.begin() as conn:
+            found = conn.execute(select(k.id).where((k.id == key_id_or_prefix) | (k.prefix == key_id_or_prefix),
+                                                    k.revoked_at.is_(None))).scalars().all()
+            if len(found) != 1:
+                return None
+            conn.execute(update(T.api_keys).where(k.id == found[0]).values(**values))
+        return found[0]
 
     def revoke(self, key_id_or_prefix: str) -> int:
         """Revoke the key with this id or prefix; returns how many were revoked (0 or 1)."""

@@ -1,0 +1,249 @@
+"""The live page of jobs and batches: `/` on `tokenmill serve`, and `tokenmill ui --db URL` for
+jobs run from the CLI, cron or Airflow.  Server-rendered HTML (Jinja2, autoescaped) that
+refreshes itself with a small script of its own (no CDN, no build step), paged, the database
+doing the counting (schemas/storage/watch.py).
+
+Each job's row: status, a progress bar, rows/s, time left (its measured rate, beside the
+estimate's held wall where one was made), tokens, cost so far, dead letters by reason, and the
+engine with whether it is loaded.  A job's page: the figures `tokenmill status --json` shows
+(the same catalog), the estimate beside what happened, and a batch's webhook attempts.
+
+Access: a key, given once in the login form (kept in an HttpOnly, SameSite=Strict cookie) or
+as `Authorization: Bearer`.  A key sees the jobs that are its own batches, an admin key every
+job; the page shows figures, never a prompt or an output."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from tokenmill.jobs.metrics.catalog import VIEWS, fmt
+from tokenmill.schemas import storage as S
+
+COOKIE = "tokenmill_key"
+PAGE_SIZE = 50
+#: How often the page asks for itself again (ms).
+REFRESH_MS = 2000
+#: What every page answer carries: no framing by other sites, scripts and styles only its own.
+HEADERS = {"content-security-policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'",
+           "x-content-type-options": "nosniff", "referrer-policy": "no-referrer", "cache-control": "no-store"}
+_HERE = Path(__file__).resolve().parent / "templates"
+
+
+@dataclass(frozen=True)
+class Viewer:
+    key_id: str
+    admin: bool
+
+    @property
+    def scope(self) -> str | None:
+        return None if self.admin else self.key_id
+
+
+@dataclass
+class PageContext:
+    """What the page needs of the process serving it."""
+
+    eng: Any
+    resolve: Callable[[str], Viewer | None]
+    """A presented key or token → who it is (None: refused)."""
+    engines: Callable[[], dict[str, str]] = dict
+    """The served models → their engine's state: not started, running a batch, loaded, not
+    loaded (`tokenmill serve`; none for `ui`)."""
+
+
+def key_resolver(eng, token: str | None = None) -> Callable[[str], Viewer | None]:
+    """API keys of the database (admin or not), and `token` (`tokenmill ui`'s, printed at its
+    start) as an admin."""
+    keys = S.KeyStore(eng)
+
+    def resolve(secret: str) -> Viewer | None:
+        if token is not None and hmac.compare_digest(secret.encode(), token.encode()):
+            return Viewer("ui", True)
+        row = keys.by_secret(secret)
+        return Viewer(row["id"], bool(row["admin"])) if row else None
+
+    return resolve
+
+
+def _templates():
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    env = Environment(loader=FileSystemLoader(str(_HERE)), autoescape=select_autoescape(["html"]))
+    env.filters["fmt"] = fmt
+    env.filters["when"] = _when
+    env.filters["dur"] = _duration
+    return env
+
+
+def _when(t: Any) -> str:
+    if t is None:
+        return "-"
+    if hasattr(t, "strftime"):
+        return t.strftime("%Y-%m-%d %H:%M:%S")
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = max(0.0, float(s))
+    if s < 60:
+        return f"{s:.0f} s"
+    if s < 3600:
+        return f"{s // 60:.0f} min {s % 60:.0f} s"
+    return f"{s // 3600:.0f} h {s % 3600 // 60:.0f} min"
+
+
+def _epoch(t: Any) -> float | None:
+    return None if t is None else (t.timestamp() if hasattr(t, "timestamp") else float(t))
+
+
+def job_row(job: dict[str, Any], live: dict[str, int] | None, dead: dict[str, int], lines: int | None,
+            estimate: dict[str, Any] | None, engines: dict[str, str], now: float) -> dict[str, Any]:
+    """One job's figures on the list: finished jobs from their stored metrics, running ones from
+    their rows so far."""
+    m = job.get("metrics") or {}
+    running = job["status"] == "running"
+    failed = sum(dead.values())
+    tokens: int | None
+    if live is not None:
+        done, tokens = live["answered"] + failed, live["prompt"] + live["output"]
+    else:
+        done = (job.get("succeeded") or 0) + (job.get("failed") or 0)
+        tokens = (m.get("tokens") or {}).get("total")
+    total = job.get("total") or lines
+    started = _epoch(job.get("started_at"))
+    elapsed = (now - started) if started is not None and running else None
+    rate = (done / elapsed) if elapsed and done else (m.get("throughput") or {}).get("requests_per_s")
+    left = ((total - done) / rate) if running and rate and total is not None and total >= done else None
+    est_held = ((estimate or {}).get("held_wall_s") or {}).get("value") if estimate else None
+    price = (job.get("spec") or {}).get("price_per_hour")
+    if running:
+        cost = (elapsed or 0) / 3600 * price if price is not None else None
+    else:
+        cost = (m.get("cost") or {}).get("total")
+    engine = job.get("engine_config") or {}
+    model = job.get("model")
+    state = engines[model] if model in engines else ("running" if running else "-")
+    return {"id": job["id"], "name": job.get("name"), "status": job["status"], "done": done, "total": total,
+            "rows_per_s": rate, "time_left_s": left, "estimate_left_s": (est_held - elapsed) if est_held is not None
+            and elapsed is not None else None, "tokens": tokens, "cost": cost, "cost_live": running,
+            "dead": dead, "model": model, "engine": engine.get("kind") or "vllm", "engine_state": state}
+
+
+def page_router() -> APIRouter:
+    router = APIRouter()
+    env = _templates()
+
+    def ctx(request: Request) -> PageContext:
+        return request.app.state.page
+
+    def viewer(request: Request) -> Viewer | None:
+        auth = request.headers.get("authorization", "")
+        scheme, _, secret = auth.partition(" ")
+        secret = secret.strip() if scheme.lower() == "bearer" else request.cookies.get(COOKIE, "")
+        return ctx(request).resolve(secret) if secret else None
+
+    def html(name: str, code: int = 200, **values: Any) -> HTMLResponse:
+        return HTMLResponse(env.get_template(name).render(refresh_ms=REFRESH_MS, **values), status_code=code,
+                            headers=HEADERS)
+
+    @router.get("/login", response_class=HTMLResponse, include_in_schema=False)
+    def login_form(request: Request) -> HTMLResponse:
+        return html("login.html", problem=None)
+
+    @router.post("/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        form = await request.form(max_files=0, max_fields=2)
+        secret = str(form.get("key") or "").strip()
+        if not secret or ctx(request).resolve(secret) is None:
+            return html("login.html", code=401, problem="That key is unknown or revoked.")
+        resp = RedirectResponse("/", status_code=303, headers=HEADERS)
+        resp.set_cookie(COOKIE, secret, httponly=True, samesite="strict", secure=request.url.scheme == "https",
+                        path="/")
+        return resp
+
+    @router.post("/logout", include_in_schema=False)
+    def logout() -> Response:
+        resp = RedirectResponse("/login", status_code=303, headers=HEADERS)
+        resp.delete_cookie(COOKIE, path="/")
+        return resp
+
+    @router.get("/page.js", include_in_schema=False)
+    def script() -> Response:
+        return Response((_HERE / "page.js").read_text(), media_type="text/javascript", headers=HEADERS)
+
+    @router.get("/page.css", include_in_schema=False)
+    def style() -> Response:
+        return Response((_HERE / "page.css").read_text(), media_type="text/css", headers=HEADERS)
+
+    @router.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def jobs(request: Request, offset: int = Query(0, ge=0), status: str | None = Query(None, max_length=16)
+             ) -> Response:
+        who = viewer(request)
+        if who is None:
+            return RedirectResponse("/login", status_code=303, headers=HEADERS)
+        c = ctx(request)
+        reader = S.WatchReader(c.eng)
+        now = time.time()
+        page = reader.page(who.scope, limit=PAGE_SIZE + 1, offset=offset, status=status or None)
+        more, page = len(page) > PAGE_SIZE, page[:PAGE_SIZE]
+        ids = [j["id"] for j in page]
+        running = [j["id"] for j in page if j["status"] == "running"]
+        live, dead = reader.live(running), reader.dead_by_reason(ids)
+        lines = {b["id"]: b.get("lines") for b in (S.BatchStore(c.eng).get(i) for i in running) if b}
+        estimates = {i: (S.EstimateStore(c.eng).latest(i) or {}).get("estimate") for i in running}
+        engines = c.engines()
+        rows = [job_row(j, live.get(j["id"], {"answered": 0, "prompt": 0, "output": 0}) if j["id"] in running else None,
+                        dead.get(j["id"], {}), lines.get(j["id"]), estimates.get(j["id"]), engines, now) for j in page]
+        return html("jobs.html", rows=rows, counts=reader.status_counts(who.scope), who=who, offset=offset,
+                    more=more, page_size=PAGE_SIZE, status=status, engines=engines, now=now)
+
+    @router.get("/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
+    def job_page(job_id: str, request: Request) -> Response:
+        who = viewer(request)
+        if who is None:
+            return RedirectResponse("/login", status_code=303, headers=HEADERS)
+        c = ctx(request)
+        reader = S.WatchReader(c.eng)
+        job = reader.job(job_id, who.scope)
+        if job is None:
+            return html("missing.html", code=404, job_id=job_id[:100], who=who)
+        if job["status"] == "running":
+            job.update(S.MetricsReader(c.eng).counts(job_id))
+        from tokenmill.jobs.estimate.beside import job_estimate, lines
+
+        m = job.get("metrics")
+        figures = [{"key": "total", "label": "rows", "value": job.get("total"), "text": fmt(job.get("total"))},
+                   {"key": "succeeded", "label": "answered", "value": job.get("succeeded"),
+                    "text": fmt(job.get("succeeded"))},
+                   {"key": "failed", "label": "dead letters", "value": job.get("failed"), "text": fmt(job.get("failed"))}]
+        for view in ("jobs", "status"):
+            figures += [{"key": key, "label": f.label, "value": f.value(m), "text": f.text(m)} for key, f in VIEWS[view]
+                        if f.value(m) is not None]
+        beside = job_estimate(c.eng, job_id, m)
+        dead = reader.dead_by_reason([job_id]).get(job_id, {})
+        hooks = S.WebhookStore(c.eng).events(job_id) if reader.batch_owners([job_id]) else []
+        return html("job.html", job=job, figures=figures, estimate=lines(beside) if beside else [], dead=dead,
+                    hooks=hooks, who=who)
+
+    return router
+
+
+def ui_app(db_url: str, token: str) -> Any:
+    """`tokenmill ui`: the page alone over a database (jobs run from the CLI, cron or Airflow),
+    entered with `token` (printed at its start) or an API key of that database."""
+    from fastapi import FastAPI
+
+    app = FastAPI(title="tokenmill ui", docs_url=None, redoc_url=None, openapi_url=None)
+    eng = S.connect(db_url)
+    app.state.page = PageContext(eng, key_resolver(eng, token))
+    app.include_router(page_router())
+    return app

@@ -1,0 +1,245 @@
+"""Batch events sent to webhooks: when a batch ends (`completed`, `failed`, `expired`,
+`cancelled`) and its key, or its `metadata.webhook_url`, names a URL, the server POSTs OpenAI's
+`batch.*` event (`{"id": "evt_…", "object": "event", "created_at", "type", "data": {"id"}}`)
+signed as Standard Webhooks specifies (`webhook-id`, `webhook-timestamp`, `webhook-signature`:
+HMAC-SHA256 with the key's `whsec_` secret, by the `standardwebhooks` package), so the `openai`
+SDK's `client.webhooks.unwrap` verifies it.
+
+One event per batch ending (its id derives from the batch and the type), kept in the database
+with every attempt; a background thread sends what is due and retries a failure (no answer, or
+not 2xx) after `first_retry_s`, doubling up to `max_retry_s`, until `retry_for_s` after the
+event was made.  A URL that is not http(s), or whose host resolves to an address that is not
+public (loopback, link-local and the cloud metadata address, private and shared ranges), is
+refused unless `webhooks.allow_networks` names its range: when a batch names it (400), when a
+key is given it (`tokenmill keys webhook`), and again before each attempt (a name may resolve
+elsewhere later): a refused attempt is recorded and the event given up, the URL never called."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import ipaddress
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from tokenmill.jobs.serve.config import Webhooks
+from tokenmill.jobs.serve.objects import ENDED, batch_status
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.errors import first_line
+
+log = logging.getLogger(__name__)
+
+#: Where a batch's URL may be given in its metadata.
+METADATA_KEY = "webhook_url"
+#: The longest wait between two looks at the events table when nothing is due.
+IDLE_S = 5.0
+USER_AGENT = "tokenmill-webhooks/1"
+
+Resolver = Callable[[str, int], list[str]]
+
+
+def new_secret() -> str:
+    """A webhook signing secret in Standard Webhooks' form: `whsec_` + 32 random bytes, base64."""
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def event_type(status: str) -> str:
+    return f"batch.{status}"
+
+
+def event_id(batch_id: str, kind: str) -> str:
+    """The event of a batch's ending: the same id however often the batch is finalized."""
+    return "evt_" + hashlib.sha256(f"{batch_id}/{kind}".encode()).hexdigest()[:24]
+
+
+def event_body(evt_id: str, kind: str, batch_id: str, created_at: float) -> str:
+    """OpenAI's `batch.*` webhook event, as the bytes that are signed and sent."""
+    return json.dumps({"id": evt_id, "object": "event", "created_at": int(created_at), "type": kind,
+                       "data": {"id": batch_id}}, separators=(",", ":"))
+
+
+def signed_headers(secret: str, msg_id: str, body: str, now: float) -> dict[str, str]:
+    """The Standard Webhooks headers of one attempt (the timestamp is the attempt's)."""
+    from standardwebhooks.webhooks import Webhook
+
+    when = datetime.fromtimestamp(int(now), tz=timezone.utc)
+    return {"webhook-id": msg_id, "webhook-timestamp": str(int(now)),
+            "webhook-signature": Webhook(secret).sign(msg_id, when, body)}
+
+
+def _resolve(host: str, port: int) -> list[str]:
+    return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
+
+
+def _kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    if ip.is_loopback:
+        return "a loopback address"
+    if ip.is_link_local:
+        return "a link-local address (the cloud metadata range)"
+    if ip.is_private:
+        return "a private address"
+    return "not a public address"
+
+
+class Refused(ValueError):
+    """A webhook URL the server will not call (one line: what and why)."""
+
+
+def check_url(url: str, allow_networks: list[str], resolve: Resolver = _resolve) -> None:
+    """Refused when `url` is not http(s) or its host resolves to an address that is not public
+    and not in `allow_networks`; OSError when its host does not resolve now."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as err:
+        raise Refused(f"webhook URL {url[:200]!r} is not a URL: {err}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise Refused(f"webhook URL {url[:200]!r} must be http:// or https:// with a host")
+    if parts.username is not None or parts.password is not None:
+        raise Refused("a webhook URL may not carry a user name or password (the events are signed instead)")
+    host = parts.hostname
+    nets = [ipaddress.ip_network(n, strict=False) for n in allow_networks]
+    for addr in resolve(host, port or (443 if parts.scheme == "https" else 80)):
+        ip = ipaddress.ip_address(addr.split("%")[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if any(ip.version == n.version and ip in n for n in nets):
+            continue
+        if not ip.is_global:
+            raise Refused(f"webhook host {host!r} is {ip}, {_kind(ip)}; webhooks go to public addresses unless the "
+                          "server's webhooks.allow_networks names the range")
+
+
+def batch_url(key: dict[str, Any] | None, metadata: dict[str, Any] | None) -> str | None:
+    """Where a batch's events go: its `metadata.webhook_url`, else its key's URL."""
+    return (metadata or {}).get(METADATA_KEY) or (key or {}).get("webhook_url") or None
+
+
+class WebhookSender:
+    """Makes a batch's event when it ends and sends the due events from one thread."""
+
+    def __init__(self, eng, cfg: Webhooks, *, resolve: Resolver = _resolve, clock: Callable[[], float] = time.time):
+        self.cfg, self.resolve, self.clock = cfg, resolve, clock
+        self.store, self.keys, self.batches = S.WebhookStore(eng), S.KeyStore(eng), S.BatchStore(eng)
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http: Any = None
+
+    def check_batch_url(self, url: str) -> str | None:
+        """Why a batch's `metadata.webhook_url` is refused (one line), or None."""
+        try:
+            check_url(url, self.cfg.allow_networks, self.resolve)
+        except Refused as err:
+            return str(err)
+        except OSError as err:
+            return f"webhook host of {url[:200]!r} does not resolve: {first_line(err)}"
+        return None
+
+    def batch_ended(self, batch_id: str) -> None:
+        """Make the batch's event if it ended and names a URL (a second call makes none)."""
+        b = self.batches.get(batch_id)
+        if b is None:
+            return
+        status = batch_status(b)
+        url = batch_url(self.keys.get(b["owner"]), b.get("metadata"))
+        if status not in ENDED or not url:
+            return
+        kind = event_type(status)
+        evt = event_id(batch_id, kind)
+        now = self.clock()
+        made = self.store.add_event({"id": evt, "batch_id": batch_id, "owner": b["owner"], "type": kind, "url": url,
+                                     "body": event_body(evt, kind, batch_id, b.get(f"{status}_at") or now),
+                                     "created_at": now, "next_at": now, "attempts": 0})
+        if made:
+            self._wake.set()
+
+    # ------------------------------------------------------------------ sending
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="tokenmill-serve-webhooks")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self.cfg.timeout_s + 5)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            wait = IDLE_S
+            try:
+                self.send_due()
+                nxt = self.store.next_due()
+                if nxt is not None:
+                    wait = min(IDLE_S, max(0.0, nxt - self.clock()))
+            except Exception:  # a database hiccup must not stop the sending
+                log.exception("webhook sending failed")
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def send_due(self) -> int:
+        """Attempt every due event once; returns how many were attempted."""
+        due = self.store.due(self.clock())
+        for ev in due:
+            if self._stop.is_set():
+                break
+            self.attempt(ev)
+        return len(due)
+
+    def attempt(self, ev: dict[str, Any]) -> str:
+        """One delivery attempt of an event, recorded with its outcome: delivered, failed (to be
+        tried again, or given up past `retry_for_s`) or refused (given up, the URL not called)."""
+        import httpx
+
+        n = int(ev["attempts"]) + 1
+        t0 = self.clock()
+        key = self.keys.get(ev["owner"])
+        problem: str | None = None
+        if key is None or key.get("revoked_at") is not None:
+            problem = "the batch's key was revoked"
+        elif not key.get("webhook_secret"):
+            problem = "the batch's key has no webhook secret (tokenmill keys webhook)"
+        else:
+            try:
+                check_url(ev["url"], self.cfg.allow_networks, self.resolve)
+            except Refused as err:
+                problem = str(err)
+            except OSError as err:
+                return self._failed(ev, n, t0, None, f"the host does not resolve: {first_line(err)}")
+        if problem is not None:
+            self.store.record(ev, {"attempt": n, "at": t0, "outcome": "refused", "error": problem[:2000]},
+                              next_at=None, gave_up_at=t0)
+            log.warning("webhook %s of batch %s refused: %s", ev["id"], ev["batch_id"], problem)
+            return "refused"
+        assert key is not None
+        headers = {"content-type": "application/json", "user-agent": USER_AGENT,
+                   **signed_headers(key["webhook_secret"], ev["id"], ev["body"], t0)}
+        if self._http is None:  # no proxies from the environment: the refusal above must hold for the connection
+            self._http = httpx.Client(trust_env=False, follow_redirects=False, timeout=self.cfg.timeout_s)
+        try:
+            r = self._http.post(ev["url"], content=ev["body"].encode(), headers=headers)
+        except httpx.HTTPError as err:
+            return self._failed(ev, n, t0, None, first_line(err) or type(err).__name__)
+        if 200 <= r.status_code < 300:
+            done = self.clock()
+            self.store.record(ev, {"attempt": n, "at": t0, "outcome": "delivered", "status_code": r.status_code,
+                                   "duration_s": done - t0}, next_at=None, delivered_at=done)
+            return "delivered"
+        return self._failed(ev, n, t0, r.status_code, f"the receiver answered HTTP {r.status_code}")
+
+    def _failed(self, ev: dict[str, Any], n: int, t0: float, code: int | None, error: str) -> str:
+        now = self.clock()
+        wait = min(self.cfg.first_retry_s * 2 ** (n - 1), self.cfg.max_retry_s)
+        give_up = now + wait > ev["created_at"] + self.cfg.retry_for_s
+        self.store.record(ev, {"attempt": n, "at": t0, "outcome": "failed", "status_code": code,
+                               "error": error[:2000], "duration_s": now - t0},
+                          next_at=None if give_up else now + wait, gave_up_at=now if give_up else None)
+        return "gave_up" if give_up else "failed"

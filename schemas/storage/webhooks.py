@@ -1,0 +1,59 @@
+"""What `tokenmill serve` keeps of its webhooks: one event per batch ending (`webhook_events`,
+its body fixed when it is made, so every attempt sends the same bytes under the same id) and
+every delivery attempt (`webhook_attempts`), read back per batch.  The sending is
+jobs/serve/webhooks.py's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select, update
+
+from tokenmill.schemas import tables as T
+from tokenmill.schemas.storage.database import SqlStore, insert_ignore
+
+
+class WebhookStore(SqlStore):
+    def add_event(self, row: dict[str, Any]) -> bool:
+        """Insert an event unless one of its id exists (a batch finalized twice makes one);
+        returns whether it was new."""
+        with self.engine.begin() as conn:
+            return insert_ignore(conn, T.webhook_events, [row]) == 1
+
+    def due(self, now: float, limit: int = 50) -> list[dict[str, Any]]:
+        """Events neither delivered nor given up whose next attempt is due, oldest due first."""
+        e = T.webhook_events.c
+        q = (select(T.webhook_events).where(e.next_at.is_not(None), e.next_at <= now).order_by(e.next_at, e.id)
+             .limit(limit))
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    def next_due(self) -> float | None:
+        """When the next pending event is due (None: none pending)."""
+        with self.engine.connect() as conn:
+            return conn.execute(select(func.min(T.webhook_events.c.next_at))).scalar()
+
+    def record(self, event: dict[str, Any], attempt: dict[str, Any], *, next_at: float | None,
+               delivered_at: float | None = None, gave_up_at: float | None = None) -> None:
+        """An attempt and the event's state after it, in one transaction (a server killed
+        between the two would send the attempt again, never skip it)."""
+        e = T.webhook_events.c
+        with self.engine.begin() as conn:
+            insert_ignore(conn, T.webhook_attempts, [{"event_id": event["id"], "batch_id": event["batch_id"],
+                                                      **attempt}])
+            conn.execute(update(T.webhook_events).where(e.id == event["id"]).values(
+                attempts=attempt["attempt"], next_at=next_at, delivered_at=delivered_at, gave_up_at=gave_up_at))
+
+    def events(self, batch_id: str) -> list[dict[str, Any]]:
+        """A batch's events (without their bodies), each with its attempts in order."""
+        e, a = T.webhook_events.c, T.webhook_attempts.c
+        cols = [e.id, e.type, e.url, e.created_at, e.next_at, e.attempts, e.delivered_at, e.gave_up_at]
+        with self.engine.connect() as conn:
+            events = [dict(r) for r in conn.execute(select(*cols).where(e.batch_id == batch_id)
+                                                    .order_by(e.created_at, e.id)).mappings()]
+            tries = conn.execute(select(T.webhook_attempts).where(a.batch_id == batch_id)
+                                 .order_by(a.event_id, a.attempt)).mappings().all()
+        for ev in events:
+            ev["attempt_log"] = [{k: v for k, v in t.items() if k not in ("event_id", "batch_id")} for t in tries
+                                 if t["event_id"] == ev["id"]]
+        return events
