@@ -138,3 +138,42 @@ def test_a_server_whose_tokenize_stops_answering_fails_the_job_and_leaves_the_ro
         with pytest.raises(JobError, match="did not answer after 4 attempts"):
             run_job(spec, db_url=sqlite_url)
     assert S.MetricsReader(S.connect(sqlite_url)).counts("count-down")["succeeded"] == 0
+
+
+def test_a_chunk_encoded_in_one_call_gives_each_row_the_ids_of_encoding_it_alone(model_path):
+    """Tokenize encodes a chunk at once (`LocalEncoder.encode_many`): every row gets the ids
+    `encode` gives it alone, and a conversation its template rejects fails only its own row."""
+    from tokenmill.transforms.tokenize import TokenizeFn
+
+    enc = C.TokenCounter.local(model_path).open()
+    rows = [rec(messages=CHAT), rec("a plain prompt, special tokens and all"),
+            rec(messages=[{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello?"},
+                          {"role": "assistant", "content": "Bonjour."}, {"role": "user", "content": "And then?"}]),
+            rec(messages=[{"role": "user", "content": "ünïcödé ✓ " * 20}]), rec("")]
+    alone = [enc.encode(r) for r in rows]
+    assert enc.encode_many(rows) == alone
+    assert all(ids for ids in alone[:4]) and len(set(map(tuple, alone))) == len(alone)
+
+    class Rejecting:  # a template that raises for one conversation: the batch call fails, each row is tried
+        def __init__(self, tok):
+            self.tok = tok
+
+        def apply_chat_template(self, conv, **kw):
+            if any("REJECT" in m["content"] for c in (conv if isinstance(conv[0], list) else [conv]) for m in c):
+                raise ValueError("the template rejects this conversation")
+            return self.tok.apply_chat_template(conv, **kw)
+
+        def __call__(self, *a, **kw):
+            return self.tok(*a, **kw)
+
+    bad = rec(messages=[{"role": "user", "content": "REJECT me"}])
+    got = C.LocalEncoder(Rejecting(enc.tokenizer)).encode_many([rows[0], bad, rows[1]])
+    assert got[0] == alone[0] and got[2] == alone[1] and isinstance(got[1], ValueError)
+
+    fn = TokenizeFn(C.TokenCounter.local(model_path), 2048, 8, 16, 4)
+    fn._encoder = C.LocalEncoder(Rejecting(enc.tokenizer))
+    out = list(fn.process(R.Chunk(unit="u", items=[r for r in (rows[0], bad, rows[2])])))
+    dead = [o.value for o in out if hasattr(o, "tag")]
+    (ok,) = [o for o in out if not hasattr(o, "tag")]
+    assert [list(p.token_ids) for p in ok.items] == [alone[0], alone[2]]
+    assert [(d.id, d.reason) for d in dead] == [(bad.id, R.BAD_MESSAGES)]

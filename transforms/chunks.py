@@ -4,7 +4,7 @@ survived comes out, and every row that cannot go on leaves as a dead letter on t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import apache_beam as beam
 
@@ -21,9 +21,13 @@ class MapRows(beam.DoFn):
         raise NotImplementedError
 
     def process(self, chunk: Chunk):
+        yield from self.emit(chunk, (self.map_row(item) for item in chunk.items))
+
+    @staticmethod
+    def emit(chunk: Chunk, results: Iterable[Any]):
+        """The chunk of the results that go on, and a dead letter for each FailedRecord."""
         ok = []
-        for item in chunk.items:
-            out = self.map_row(item)
+        for out in results:
             if isinstance(out, FailedRecord):
                 if chunk.part == 0:
                     yield beam.pvalue.TaggedOutput(DEAD, out)

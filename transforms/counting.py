@@ -59,6 +59,24 @@ class Encoder(Protocol):
         row itself cannot be counted (a conversation its template rejects)."""
         ...
 
+    def encode_many(self, recs: list[PromptRecord]) -> list[list[int] | Exception]:
+        """Each prompt's token ids, or the exception that row's `encode` raises (a
+        RuntimeError, the counter itself failing, is raised)."""
+        ...
+
+
+def encode_each(encoder: Encoder, recs: list[PromptRecord]) -> list[list[int] | Exception]:
+    """`encode_many` row by row: every row's ids or its own exception."""
+    out: list[list[int] | Exception] = []
+    for rec in recs:
+        try:
+            out.append(encoder.encode(rec))
+        except RuntimeError:  # the counter (a server) does not answer: the step fails
+            raise
+        except Exception as err:
+            out.append(err)
+    return out
+
 
 @dataclass(frozen=True)
 class TokenCounter:
@@ -131,10 +149,37 @@ class LocalEncoder:
     def encode(self, rec: PromptRecord) -> list[int]:
         return encode(self.tokenizer, rec)
 
+    def encode_many(self, recs: list[PromptRecord]) -> list[list[int] | Exception]:
+        """The chunk's conversations rendered in one call and tokenized in one call of the fast
+        tokenizer (without special tokens, as `apply_chat_template(tokenize=True)` does; plain
+        prompts with them): the ids `encode` gives row by row, at about half its cost per row
+        (`apply_chat_template` per row pays its own checks and a tokenizer call each).  When a conversation
+        fails, the rows are taken one by one, so only that row gets its exception."""
+        out: list[list[int] | Exception | None] = [None] * len(recs)
+        for chat in (True, False):
+            at = [i for i, r in enumerate(recs) if (r.messages is not None) == chat]
+            if not at:
+                continue
+            try:
+                if chat:  # rendered, then tokenized as apply_chat_template(tokenize=True) does: no special tokens added
+                    texts = self.tokenizer.apply_chat_template([recs[i].messages for i in at],
+                                                               add_generation_prompt=True, tokenize=False)
+                    got = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+                else:
+                    got = self.tokenizer([recs[i].prompt for i in at], add_special_tokens=True)["input_ids"]
+            except Exception:
+                got = encode_each(self, [recs[i] for i in at])
+            for i, ids in zip(at, got):
+                out[i] = ids if isinstance(ids, Exception) else list(ids)
+        return [x if x is not None else ValueError("not encoded") for x in out]
+
 
 class EstimateEncoder:
     """One pseudo-token per `ESTIMATE_BYTES` bytes of the prompt's UTF-8 text (messages as
     "role: content" lines): the same text gives the same ids, so shared prefixes still group."""
+
+    def encode_many(self, recs: list[PromptRecord]) -> list[list[int] | Exception]:
+        return encode_each(self, recs)
 
     def encode(self, rec: PromptRecord) -> list[int]:
         text = rec.prompt if rec.messages is None else "".join(f"{m['role']}: {m['content']}\n" for m in rec.messages)
@@ -149,6 +194,9 @@ class ServerEncoder:
 
     def __init__(self, client: httpx.Client, model: str, style: Style):
         self.client, self.model, self.style = client, model, style
+
+    def encode_many(self, recs: list[PromptRecord]) -> list[list[int] | Exception]:
+        return encode_each(self, recs)
 
     def encode(self, rec: PromptRecord) -> list[int]:
         if self.style == "vllm":

@@ -18,9 +18,9 @@ import apache_beam as beam
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.records import FailedRecord, PromptRecord, TokenizedPrompt
+from tokenmill.schemas.records import Chunk, FailedRecord, PromptRecord, TokenizedPrompt
 from tokenmill.transforms.chunks import MapRows, with_dead
-from tokenmill.transforms.counting import CountRefused, Encoder, TokenCounter
+from tokenmill.transforms.counting import CountRefused, Encoder, TokenCounter, encode_each
 from tokenmill.transforms.host_model import model_folder_here
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's KV block size on CUDA; the job passes the engine's real one (128 on CPU)
@@ -47,15 +47,31 @@ def tokenize_record(
     keep_source: bool = False,
     default_samples: int = 1,
 ) -> TokenizedPrompt | FailedRecord:
+    """One row: its prompt encoded, then `prompt_record`."""
+    return prompt_record(rec, encode_each(encoder, [rec])[0], max_model_len=max_model_len,
+                         default_max_tokens=default_max_tokens, block_size=block_size, prefix_blocks=prefix_blocks,
+                         keep_source=keep_source, default_samples=default_samples)
+
+
+def prompt_record(
+    rec: PromptRecord,
+    ids: list[int] | Exception,
+    *,
+    max_model_len: int,
+    default_max_tokens: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    prefix_blocks: int = 4,
+    keep_source: bool = False,
+    default_samples: int = 1,
+) -> TokenizedPrompt | FailedRecord:
+    """A row with its encoded prompt (`ids`, or the exception encoding it raised) → the record
+    the engine gets, or its dead letter (the counter refused it, its template failed, it is
+    longer than the model takes)."""
     max_tokens = rec.sampling.get("max_tokens", default_max_tokens)
-    try:
-        ids = encoder.encode(rec)
-    except RuntimeError:  # the server that counts for the job does not answer: the step fails, the rows wait for a resume
-        raise
-    except CountRefused as err:
-        return FailedRecord(rec.input_file, rec.input_row, rec.id, R.BAD_REQUEST, first_line(err))
-    except Exception as err:  # a template that rejects the conversation, for example
-        return FailedRecord(rec.input_file, rec.input_row, rec.id, R.BAD_MESSAGES, f"chat template failed: {first_line(err)}")
+    if isinstance(ids, CountRefused):
+        return FailedRecord(rec.input_file, rec.input_row, rec.id, R.BAD_REQUEST, first_line(ids))
+    if isinstance(ids, Exception):  # a template that rejects the conversation, for example
+        return FailedRecord(rec.input_file, rec.input_row, rec.id, R.BAD_MESSAGES, f"chat template failed: {first_line(ids)}")
     limit = max_model_len - max_tokens
     if len(ids) > limit:
         return FailedRecord(
@@ -76,6 +92,7 @@ def tokenize_record(
         reference=rec.reference,
         source=(rec.messages if rec.messages is not None else rec.prompt) if keep_source else None,
         samples=rec.sampling.get("n", default_samples),
+        adapter=rec.adapter,
     )
 
 
@@ -101,9 +118,12 @@ class TokenizeFn(MapRows):
                                                                     need_weights=False))
         self._encoder = counter.open()
 
-    def map_row(self, rec: PromptRecord):
+    def process(self, chunk: Chunk):
+        """The whole chunk's prompts encoded in one call (`Encoder.encode_many`), then each
+        row's record or dead letter, as `MapRows` gives them."""
         assert self._encoder is not None
-        return tokenize_record(self._encoder, rec, **self._kw)
+        encoded = self._encoder.encode_many(chunk.items)
+        yield from self.emit(chunk, (prompt_record(rec, ids, **self._kw) for rec, ids in zip(chunk.items, encoded)))
 
 
 class Tokenize(beam.PTransform):

@@ -149,9 +149,23 @@ def run_job(
     run_id = uuid.uuid4().hex[:6]
     S.JobStore(eng).start_run(job_id, run_id, t0)  # this run's device time starts with the launcher (docs/ACCOUNTING.md)
 
+    counted = {"next": 0.0, "rows": 0, "tokens": 0}
+
+    def count_progress() -> None:
+        """The rows done and the output tokens so far, counted over the job's stored rows at
+        most every second, and so that counting takes at most PROGRESS_SHARE of the time: a
+        10M-row job's counts take seconds, and are taken that much less often."""
+        now = time.monotonic()
+        if now < counted["next"]:
+            return
+        reader = S.MetricsReader(eng)
+        c = reader.counts(job_id)
+        counted.update(rows=c["succeeded"] + c["failed"], tokens=reader.output_tokens(job_id) if progress else 0)
+        counted["next"] = now + max(1.0, (time.monotonic() - now) / PROGRESS_SHARE)
+
     def rows_done() -> int:
-        c = S.MetricsReader(eng).counts(job_id)
-        return c["succeeded"] + c["failed"]
+        count_progress()
+        return counted["rows"]
 
     watch = None if estimate is None else CapWatch(spec, estimate, total_rows=plan.total_rows,
                                                     held_before_s=held_before_s, done=rows_done)
@@ -159,7 +173,8 @@ def run_job(
 
     def tick():
         if progress is not None:
-            progress(rows_done(), plan.total_rows, S.MetricsReader(eng).output_tokens(job_id))
+            count_progress()
+            progress(counted["rows"], plan.total_rows, counted["tokens"])
         if watch is not None and time.time() - last_cap_check[0] >= CAP_CHECK_EVERY_S:
             last_cap_check[0] = time.time()
             if watch.check():  # stopped as a cancel is: the batches in flight finish, every finished row kept
@@ -248,6 +263,8 @@ def run_job(
 
 #: Seconds between two checks of a capped job's bill while it runs (jobs/lifecycle/caps.py).
 CAP_CHECK_EVERY_S = 5.0
+#: The share of the heartbeat thread's time its progress counts may take (`count_progress`).
+PROGRESS_SHARE = 0.05
 
 
 #: The runners whose workers are processes of this host: `num_workers` counts this host's engines.
