@@ -149,7 +149,7 @@ def run_job(
     run_id = uuid.uuid4().hex[:6]
     S.JobStore(eng).start_run(job_id, run_id, t0)  # this run's device time starts with the launcher (docs/ACCOUNTING.md)
 
-    counted = {"next": 0.0, "rows": 0, "tokens": 0}
+    counted: dict[str, float] = {"next": 0.0, "rows": 0, "tokens": 0}
 
     def count_progress() -> None:
         """The rows done and the output tokens so far, counted over the job's stored rows at
@@ -165,7 +165,7 @@ def run_job(
 
     def rows_done() -> int:
         count_progress()
-        return counted["rows"]
+        return int(counted["rows"])
 
     watch = None if estimate is None else CapWatch(spec, estimate, total_rows=plan.total_rows,
                                                     held_before_s=held_before_s, done=rows_done)
@@ -174,7 +174,7 @@ def run_job(
     def tick():
         if progress is not None:
             count_progress()
-            progress(counted["rows"], plan.total_rows, counted["tokens"])
+            progress(int(counted["rows"]), plan.total_rows, int(counted["tokens"]))
         if watch is not None and time.time() - last_cap_check[0] >= CAP_CHECK_EVERY_S:
             last_cap_check[0] = time.time()
             if watch.check():  # stopped as a cancel is: the batches in flight finish, every finished row kept
