@@ -187,6 +187,8 @@ def _logged_in(browser, server, key):
     page.fill("input[name=key]", key)
     page.click("button[type=submit]")
     page.wait_for_url(f"{server.base_url}/")
+    (cookie,) = [c for c in page.context.cookies() if c["name"] == "tokenmill_key"]
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"  # no script of any page reads the key
     return page
 
 

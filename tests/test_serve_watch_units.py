@@ -188,3 +188,26 @@ def test_usage_per_key_per_day_adds_up_to_the_jobs_token_totals_and_a_quota_name
     assert over is not None and over.limit == "max_batches_in_flight" and "0 left" in over.message
     keys.update("key_a", tokens_per_day=54)
     assert quotas.over("key_a", in_flight=0) is None
+
+
+def test_over_quota_queue_admits_and_holds_a_batch_while_the_key_runs_its_limit(tmp_path):
+    from tokenmill.jobs.serve.service import ApiError
+
+    eng = S.connect(f"sqlite:///{tmp_path / 'q.db'}")
+    S.KeyStore(eng).add("key_a", "a", "tm-a")
+    now = time.time()
+    batches = S.BatchStore(eng)
+    for i, started in enumerate((True, False)):
+        batches.add({"id": f"batch_{i}", "owner": "key_a", "endpoint": "/v1/chat/completions",
+                     "input_file_id": "file-x", "completion_window": "24h", "created_at": now + i,
+                     "expires_at": now + 3600, "in_progress_at": now if started else None})
+    refuse = Quotas(eng, Limits(max_batches_in_flight=2))
+    with pytest.raises(ApiError) as err:
+        refuse.admit("key_a")
+    assert err.value.status == 429 and err.value.param == "max_batches_in_flight"
+    assert not refuse.holds(batches.get("batch_1"))
+    queue = Quotas(eng, Limits(max_batches_in_flight=1, over_quota="queue"))
+    queue.admit("key_a")  # accepted: held in validating instead
+    assert queue.holds(batches.get("batch_1"))  # batch_0 runs: the key is at its one
+    batches.set("batch_0", completed_at=now + 5)
+    assert not queue.holds(batches.get("batch_1"))
