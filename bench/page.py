@@ -84,7 +84,7 @@ def fill(url: str, n: int, seed: int = 0) -> str:
             batches.append({"id": f"job-{i:06d}", "owner": "key_bench", "endpoint": "/v1/chat/completions",
                             "input_file_id": "file-bench", "completion_window": "24h", "created_at": t0 + i * 60,
                             "expires_at": t0 + i * 60 + 86400, "in_progress_at": t0 + i * 60, "lines": rows,
-                            **({} if running else {"completed_at": t0 + i * 60 + 30})})
+                            "completed_at": None if running else t0 + i * 60 + 30})
     outs, dead = [], []
     for j in jobs[-RUNNING:]:
         for r in range(LIVE_ROWS):
