@@ -61,6 +61,8 @@ class PipelineParts:
     fingerprint: str | None = None
     """The engine's identity in the result cache's keys (transforms/cache.job_fingerprint);
     None: the job does not use the cache."""
+    adapter_hashes: dict[str, str] | None = None
+    """The LoRA adapters' content hashes in those keys (transforms/cache.adapter_hashes)."""
 
 
 def engines_per_host(spec: JobSpec) -> int:
@@ -79,7 +81,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     rows = work | "ReadPrompts" >> ReadPrompts(columns, served, parts.db_url, parts.job_id)
     if ids:
         rows = rows | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id)
-    valid = rows | "Validate" >> Validate(spec.reference_column)
+    valid = rows | "Validate" >> Validate(spec.reference_column, spec.engine.lora_adapters)
     dead = {"Validate": valid[DEAD]}
     unique = valid.ok
     if ids:
@@ -98,7 +100,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     todo = mine | "SkipDone" >> SkipDone(parts.db_url, parts.job_id)
     if spec.cache != "off" and parts.fingerprint:  # after the claims and SkipDone: every id once, resumable
         todo = todo | "ServeCached" >> ServeCached(parts.db_url, parts.job_id, parts.run_id, parts.fingerprint,
-                                                   spec.sampling, parts.model_name)
+                                                   spec.sampling, parts.model_name, parts.adapter_hashes)
     gen = todo | "Generate" >> Generate(
         GenerateConfig(
             job_id=parts.job_id,
@@ -112,6 +114,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
             num_workers=engines_per_host(spec),
             cache=spec.cache,
             fingerprint=parts.fingerprint,
+            adapter_hashes=parts.adapter_hashes,
         ),
         parts.session_factory,
     )

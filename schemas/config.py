@@ -62,6 +62,8 @@ RUN_ONLY_KEYS = frozenset({"job_id", "db", "runner", "name", "cache", "max_cost"
 #: The engine a spec that names no `engine.kind` runs.
 DEFAULT_ENGINE_KIND = "vllm"
 Task = Literal["generate", "embed"]
+#: A LoRA adapter's name (`EngineConfig.lora_adapters`, a row's `adapter`).
+ADAPTER_NAME = r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}"
 #: What an engine does with a request: text out, or one vector per row (`EngineConfig.task`).
 TASKS: tuple[str, ...] = get_args(Task)
 
@@ -107,10 +109,33 @@ class EngineConfig(_Strict):
     last token's, the default for a causal LM), `mean` or `cls`; the vector is L2-normalized.
     Unset for the `openai` engine: the server's own pooling."""
 
+    lora_adapters: dict[str, str] = Field(default_factory=dict, json_schema_extra={"flag": False})
+    """LoRA adapters a row may name in its `adapter` column (an OpenAI batch line: as its body's
+    `model`): name → a local adapter folder (peft's `adapter_config.json` and weights) or an
+    `s3://` URL of one (synced once per host, as a model URL is); `kind: llamacpp`: a GGUF
+    adapter file; `kind: openai`: the name the server serves the adapter under (docs/REQUESTS.md)."""
+    max_loras: int = Field(1, ge=1, le=64, json_schema_extra={"flag": False})
+    """The most adapters one engine step runs together (vLLM's `max_loras`)."""
+    max_lora_rank: int = Field(16, ge=1, le=512, json_schema_extra={"flag": False})
+    """The highest adapter rank the engine reserves room for (vLLM's `max_lora_rank`); an
+    adapter of a higher rank is refused before the job runs."""
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapter_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, where in v.items():
+            if not re.fullmatch(ADAPTER_NAME, name):
+                raise ValueError(f"adapter names must be 1-128 letters, digits, '.', '_', ':', '/' or '-', got {name!r}")
+            if not isinstance(where, str) or not where.strip():
+                raise ValueError(f"adapter {name!r} needs a folder, file, URL or served name, got {where!r}")
+        return v
+
     @model_validator(mode="after")
     def _pooling_embeds(self) -> "EngineConfig":
         if self.pooling is not None and self.task != "embed":
             raise ValueError("pooling is for task: embed")
+        if self.lora_adapters and self.task != "generate":
+            raise ValueError("lora_adapters are for task: generate")
         return self
 
     def embedding_pooling(self) -> str | None:

@@ -119,9 +119,9 @@ def _store(url: str, s3_client: Any = None):
     return _Fsspec(url)
 
 
-def list_model(url: str, s3_client: Any = None) -> list[RemoteFile]:
-    """The model's objects, or ModelNotFound (one line): unreadable, empty, or no config.json.
-    Reads the listing only, not the weights."""
+def list_model(url: str, s3_client: Any = None, *, marker: str = "config.json") -> list[RemoteFile]:
+    """The model's objects, or ModelNotFound (one line): unreadable, empty, or no `marker`
+    (config.json; a LoRA adapter's: adapter_config.json).  Reads the listing only, not the weights."""
     try:
         files = _store(url, s3_client).list()
     except ModelNotFound:
@@ -130,8 +130,9 @@ def list_model(url: str, s3_client: Any = None) -> list[RemoteFile]:
         raise ModelNotFound(f"model {url!r} cannot be listed: {first_line(err)}") from None
     if not files:
         raise ModelNotFound(f"model {url!r}: no objects under that URL")
-    if not any(f.rel == "config.json" for f in files):
-        raise ModelNotFound(f"model {url!r} has no config.json (a Hugging Face model folder is expected there)")
+    if not any(f.rel == marker for f in files):
+        what = "a Hugging Face model folder" if marker == "config.json" else f"a folder with {marker}"
+        raise ModelNotFound(f"model {url!r} has no {marker} ({what} is expected there)")
     return files
 
 
@@ -164,13 +165,15 @@ def _md5_ok(path: Path, etag: str) -> bool:
     return h.hexdigest() == etag
 
 
-def sync_model(url: str, s3_client: Any = None, *, weights: bool = True) -> Path:
+def sync_model(url: str, s3_client: Any = None, *, weights: bool = True, marker: str = "config.json") -> Path:
     """This host's complete copy of the model at `url`, fetched or refreshed as needed
     (see the module docstring); ModelNotFound (one line) when it cannot be.
-    `weights=False`: a copy of everything but the weights (WEIGHT_SUFFIXES)."""
+    `weights=False`: a copy of everything but the weights (WEIGHT_SUFFIXES); `marker`: the
+    file that must be there (`list_model`)."""
     folder = synced_folder(url, weights=weights)
     with _host_lock(folder):
-        files = [f for f in list_model(url, s3_client) if weights or not f.rel.endswith(WEIGHT_SUFFIXES)]
+        files = [f for f in list_model(url, s3_client, marker=marker)
+                 if weights or not f.rel.endswith(WEIGHT_SUFFIXES)]
         want = {f.rel: {"size": f.size, "etag": f.etag} for f in files}
         have = _manifest(folder)
         if have == want:

@@ -45,9 +45,12 @@ def answer_for(text: str) -> list[str]:
 
 class FaultServer:
     def __init__(self, model: str = "test-model", api_key: str | None = None, hang_s: float = 30.0,
-                 port: int | None = None, tokenize: str | None = None, tokenize_500: int = 0):
-        """`port`: listen there (a server restarted where the last one was); default a free one."""
+                 port: int | None = None, tokenize: str | None = None, tokenize_500: int = 0,
+                 also_serves: tuple[str, ...] = ()):
+        """`port`: listen there (a server restarted where the last one was); default a free one;
+        `also_serves`: more names /models lists (LoRA adapters, as vLLM's server lists them)."""
         self.model, self.api_key, self.hang_s = model, api_key, hang_s
+        self.also_serves = also_serves
         self.tokenize, self.tokenize_500 = tokenize, tokenize_500
         self.tokenized: Counter[str] = Counter()
         self.attempts: Counter[str] = Counter()
@@ -122,7 +125,8 @@ class FaultServer:
     async def _models(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):
             return web.json_response({"error": {"message": "bad key"}}, status=401)
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"}
+                                                             for m in (self.model, *self.also_serves)]})
 
     async def _tokenize(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):

@@ -55,6 +55,8 @@ class GenerateConfig:
     """The job's `cache` mode: with `read-write` each deterministic answer is stored (transforms/cache.py)."""
     fingerprint: str | None = None
     """The engine's identity in the result cache's keys (the launcher's `cache.job_fingerprint`)."""
+    adapter_hashes: dict[str, str] | None = None
+    """The LoRA adapters' content hashes in those keys (`cache.adapter_hashes`)."""
 
 
 class BatchTimeout(RuntimeError):
@@ -157,7 +159,7 @@ class BatchRunner:
             figures.update(answers.answered(sampling, f.text or "", f.finish_reason, f.logprobs))
         return OutputRow(
             job_id=self.cfg.job_id, id=p.id, sample=sample, input_file=p.input_file, input_row=p.input_row,
-            model=self.cfg.model_name, reference=p.reference, batch_id=batch_id, worker=self.worker,
+            model=self.cfg.model_name, adapter=p.adapter, reference=p.reference, batch_id=batch_id, worker=self.worker,
             **figures,
         ).as_dict()
 
@@ -187,7 +189,9 @@ class BatchRunner:
         ids, or the row's dead letter when the engine rejects one (the others are aborted)."""
         added: list[str] = []
         try:
-            source = {} if p.source is None else {"source": p.source}
+            source: dict[str, Any] = {} if p.source is None else {"source": p.source}
+            if p.adapter is not None:  # an engine's session is told only when a row names one
+                source["adapter"] = p.adapter
             for i, sampling in enumerate(sample_requests(request_sampling(self.cfg.sampling, p))):
                 one = rid if i == 0 else f"{rid}~{i}"
                 s.add(one, p.token_ids, sampling, **source)

@@ -3,9 +3,9 @@
 With continuous batching, padding costs nothing; what costs is repeated
 prefill of shared prefixes and idle engine time at batch tails.  So:
 
-* inside a unit, prompts are ordered (`prefix`: by prefix key then token
-  sequence, which puts prompts that share a system prompt or document next to
-  each other, back to back on one engine; `length`: longest first; `none`:
+* inside a unit, prompts are ordered (`prefix`: by prefix key, then LoRA adapter,
+  then token sequence, which puts prompts that share a system prompt or document next
+  to each other, back to back on one engine, one adapter's together; `length`: longest first; `none`:
   input order);
 * the ordered stream is cut into batches by a token budget (prompt tokens +
   max output tokens), not by request count.  A prefix group larger than a unit
@@ -24,7 +24,9 @@ from tokenmill.schemas.records import Batch, Chunk, TokenizedPrompt
 
 def order_prompts(prompts: list[TokenizedPrompt], ordering: str) -> list[TokenizedPrompt]:
     if ordering == "prefix":
-        return sorted(prompts, key=lambda p: (p.prefix_key, p.token_ids))
+        # within a prefix group, one adapter's rows together (an engine's prefix cache is per
+        # adapter, so this costs no sharing), then by token sequence
+        return sorted(prompts, key=lambda p: (p.prefix_key, p.adapter or "", p.token_ids))
     if ordering == "length":
         return sorted(prompts, key=lambda p: (-len(p.token_ids), p.input_ref))
     if ordering == "none":

@@ -6,8 +6,8 @@ a fixed seed).  Its key (`request_key`) is a hash of the engine's identity (`fin
 checkpoint's content hash, the engine kind and its versions, the dtype the engine really runs
 and the other engine keys that decide an answer, `ANSWER_KEYS`), the rendered prompt (the
 token ids Tokenize made after the chat template; for an engine that takes text, the text or
-messages too), the request's whole sampling (every `RowSampling` key, its seed + i) and its
-sample index.  The launcher computes the fingerprint once per pipeline (`job_fingerprint`); a
+messages too), the request's whole sampling (every `RowSampling` key, its seed + i), its
+sample index and a LoRA adapter's content hash (`adapter_hashes`).  The launcher computes the fingerprint once per pipeline (`job_fingerprint`); a
 checkpoint's bytes are hashed once per file version (`checkpoint_sha256`, kept on disk).
 
 `ServeCached` (between SkipDone and Generate, `cache: read` or `read-write`) looks a chunk's
@@ -108,22 +108,39 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 def request_key(fingerprint: str, token_ids: Sequence[int], source: Any, sampling: Mapping[str, Any],
-                sample: int) -> str:
+                sample: int, adapter: str | None = None) -> str:
     """The key of one engine request: sha256 of the engine's `fingerprint`, the rendered prompt
     (`token_ids`; `source`, the text or messages an engine that takes text is sent, else None),
-    the request's whole sampling (as `sample_requests` gives it: its seed is seed + sample) and
-    the sample index."""
+    the request's whole sampling (as `sample_requests` gives it: its seed is seed + sample), the
+    sample index and, for a row run with a LoRA adapter, the adapter's content hash (`adapter`;
+    a base-model request's key has none, as before adapters)."""
     head = {"engine": fingerprint, "source": source, "sampling": dict(sampling), "sample": sample,
             "tokens": len(token_ids)}
+    if adapter is not None:
+        head["adapter"] = adapter
     return _digest(head, b"\0" + _token_bytes(token_ids))
 
 
-def prompt_keys(fingerprint: str, defaults: SamplingDefaults, p: TokenizedPrompt) -> list[str] | None:
-    """The key of each of a row's samples, or None when its requests are not deterministic."""
+def prompt_keys(fingerprint: str, defaults: SamplingDefaults, p: TokenizedPrompt,
+                adapters: Mapping[str, str] | None = None) -> list[str] | None:
+    """The key of each of a row's samples, or None when its requests are not deterministic
+    (or name an adapter whose content hash `adapters` lacks)."""
     samples = sample_requests(request_sampling(defaults, p))
     if not all(deterministic(s) for s in samples):
         return None
-    return [request_key(fingerprint, p.token_ids, p.source, s, i) for i, s in enumerate(samples)]
+    adapter = None if p.adapter is None else (adapters or {}).get(p.adapter)
+    if p.adapter is not None and adapter is None:
+        return None
+    return [request_key(fingerprint, p.token_ids, p.source, s, i, adapter) for i, s in enumerate(samples)]
+
+
+def adapter_hashes(cfg: EngineConfig) -> dict[str, str]:
+    """The content hash of each LoRA adapter a job declares (its folder's or GGUF file's
+    `checkpoint_sha256`, kept per file version like a model's), for the keys of rows run with it."""
+    from tokenmill.transforms.engines.kinds import engine_of
+
+    paths = engine_of(cfg.kind).adapter_paths(cfg)
+    return {name: checkpoint_sha256(path) for name, path in paths.items()}
 
 
 # ---------------------------------------------------------------- the engine's identity (launcher)
@@ -267,16 +284,18 @@ def served_row(job_id: str, p: TokenizedPrompt, sample: int, entry: Mapping[str,
     if answer.get("embedding") is not None:
         answer["embedding"] = base64.b64decode(answer["embedding"])
     return OutputRow(job_id=job_id, id=p.id, sample=sample, input_file=p.input_file, input_row=p.input_row,
-                     model=model, reference=p.reference, batch_id=batch_id, worker=SERVED_BY,
+                     model=model, adapter=p.adapter, reference=p.reference, batch_id=batch_id, worker=SERVED_BY,
                      cached_from=entry["job_id"], **{k: answer.get(k) for k in CACHED_COLUMNS}).as_dict()
 
 
 def serve(prompts: list[TokenizedPrompt], lookup: Callable[[list[str]], Mapping[str, Mapping[str, Any]]], *,
           fingerprint: str, defaults: SamplingDefaults, job_id: str, model: str,
-          batch_id: str) -> tuple[list[TokenizedPrompt], list[dict[str, Any]], list[str]]:
+          batch_id: str, adapters: Mapping[str, str] | None = None
+          ) -> tuple[list[TokenizedPrompt], list[dict[str, Any]], list[str]]:
     """(the prompts left for the engine, the output rows served, the keys served): a row is
-    served when every one of its samples is cached; `lookup(keys)` is one lookup for all."""
-    keyed = [(p, prompt_keys(fingerprint, defaults, p)) for p in prompts]
+    served when every one of its samples is cached; `lookup(keys)` is one lookup for all;
+    `adapters`: the LoRA adapters' content hashes (`adapter_hashes`)."""
+    keyed = [(p, prompt_keys(fingerprint, defaults, p, adapters)) for p in prompts]
     found = lookup([k for _, ks in keyed if ks for k in ks])
     rest, rows, used = [], [], []
     for p, ks in keyed:
@@ -293,13 +312,13 @@ class CacheKeys:
     stored with its batch (Generate, `cache: read-write`); a row's keys are dropped once its
     answer or dead letter is out."""
 
-    def __init__(self, fingerprint: str, defaults: SamplingDefaults):
-        self.fingerprint, self._defaults = fingerprint, defaults
+    def __init__(self, fingerprint: str, defaults: SamplingDefaults, adapters: Mapping[str, str] | None = None):
+        self.fingerprint, self._defaults, self._adapters = fingerprint, defaults, dict(adapters or {})
         self._keys: dict[tuple[int, int], list[str]] = {}
 
     def remember(self, prompts: list[TokenizedPrompt]) -> None:
         for p in prompts:
-            ks = prompt_keys(self.fingerprint, self._defaults, p)
+            ks = prompt_keys(self.fingerprint, self._defaults, p, self._adapters)
             if ks:
                 self._keys[(p.input_file, p.input_row)] = ks
 
@@ -326,16 +345,16 @@ class ServeCachedFn(beam.DoFn):
     the rows it answered are committed here, one transaction per chunk."""
 
     def __init__(self, db_url: str, job_id: str, run_id: str, fingerprint: str, defaults: SamplingDefaults,
-                 model: str):
+                 model: str, adapters: Mapping[str, str] | None = None):
         self._url, self._job_id, self._run_id = db_url, job_id, run_id
-        self._fp, self._defaults, self._model = fingerprint, defaults, model
+        self._fp, self._defaults, self._model, self._adapters = fingerprint, defaults, model, dict(adapters or {})
         self._served = beam.metrics.Metrics.counter("tokenmill", "rows_served_from_cache")
 
     def process(self, chunk: Chunk):
         eng = S.connect(self._url)
         rest, rows, used = serve(chunk.items, S.CacheStore(eng).lookup, fingerprint=self._fp,
                                  defaults=self._defaults, job_id=self._job_id, model=self._model,
-                                 batch_id=f"{self._run_id}-{SERVED_BY}")
+                                 batch_id=f"{self._run_id}-{SERVED_BY}", adapters=self._adapters)
         if rows:
             S.ResultWriter(eng).commit_batch(rows, [], [], cache_used=used)
             self._served.inc(len(chunk.items) - len(rest))
@@ -345,9 +364,9 @@ class ServeCachedFn(beam.DoFn):
 
 class ServeCached(beam.PTransform):
     def __init__(self, db_url: str, job_id: str, run_id: str, fingerprint: str, defaults: SamplingDefaults,
-                 model: str):
+                 model: str, adapters: Mapping[str, str] | None = None):
         super().__init__()
-        self._fn = ServeCachedFn(db_url, job_id, run_id, fingerprint, defaults, model)
+        self._fn = ServeCachedFn(db_url, job_id, run_id, fingerprint, defaults, model, adapters)
 
     def expand(self, chunks):
         return chunks | "AnswerFromCache" >> beam.ParDo(self._fn)

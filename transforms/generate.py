@@ -71,7 +71,7 @@ class GenerateFn(beam.DoFn):
         if self._factory is None:  # a given factory is a stand-in: what it needs is its own
             self.cfg = dataclasses.replace(self.cfg, model_path=check_worker(self.cfg))
         if self.cfg.cache == "read-write" and self.cfg.fingerprint and self.cfg.db_url:
-            self._keys = CacheKeys(self.cfg.fingerprint, self.cfg.sampling)
+            self._keys = CacheKeys(self.cfg.fingerprint, self.cfg.sampling, self.cfg.adapter_hashes)
 
     def _first_session(self, chunk: Chunk) -> EngineSession:
         """The engine, started (or reused) on the first work item: its rows' sizes size the
@@ -223,7 +223,7 @@ def check_worker(cfg: GenerateConfig) -> str:
     from tokenmill.schemas.models import ModelNotFound
     from tokenmill.transforms.engines.device import has_nvidia_gpu
     from tokenmill.transforms.engines.kinds import engine_of
-    from tokenmill.transforms.host_model import model_folder_here
+    from tokenmill.transforms.host_model import adapters_here, model_folder_here
 
     problems: list[str] = []
     path = cfg.model_path
@@ -231,6 +231,7 @@ def check_worker(cfg: GenerateConfig) -> str:
     try:
         if is_model_url(url):
             path = model_folder_here(url, None)
+        adapters_here(cfg.engine.lora_adapters)
         found = engine_of(cfg.engine.kind).preflight(cfg.engine, on_gpu=has_nvidia_gpu())
         problems = found.problems
         if not problems and found.model_path and not (path and os.path.exists(path)):

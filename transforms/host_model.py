@@ -36,3 +36,14 @@ def model_folder_here(name: str, launcher_path: str | None, *, need_weights: boo
     if is_model_url(name):
         return str(sync_model(name, s3_client_here() if name.startswith("s3://") else None))
     return str(resolve_model(name, need_weights=need_weights))
+
+
+def adapters_here(adapters: dict[str, str]) -> None:
+    """This host's copy of each LoRA adapter given as a URL (`engine.lora_adapters`), synced with
+    the job's S3 endpoint; the engine then finds it where `engines.lora.local_path` says."""
+    from tokenmill.schemas.model_sync import is_model_url, sync_model
+    from tokenmill.transforms.engines.lora import ADAPTER_CONFIG
+
+    for url in adapters.values():
+        if is_model_url(url):
+            sync_model(url, s3_client_here() if url.startswith("s3://") else None, marker=ADAPTER_CONFIG)

@@ -115,6 +115,9 @@ class JsonlPlan(InputPlan[JsonlShard]):
     task: str = "generate"
     """The engine task of the pass now running (set by the job runner, one pass per task the
     lines name: `tasks`): the endpoints whose lines this pass answers."""
+    adapters: tuple[str, ...] = ()
+    """The job's LoRA adapter names (`engine.lora_adapters`, set by the job runner): a line whose
+    body `model` names one runs with that adapter, as vLLM's server serves them."""
 
     @property
     def tasks(self) -> list[str]:
@@ -123,7 +126,7 @@ class JsonlPlan(InputPlan[JsonlShard]):
         return [t for t, urls in TASK_ENDPOINTS.items() if any(self.endpoints.get(u) for u in urls)]
 
     def rules(self) -> "LineRules":
-        return LineRules(self.served_models, TASK_ENDPOINTS[self.task])
+        return LineRules(self.served_models, TASK_ENDPOINTS[self.task], self.adapters)
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,8 @@ class LineRules:
 
     models: tuple[str, ...] = ()
     urls: tuple[str, ...] = TASK_ENDPOINTS["generate"]
+    adapters: tuple[str, ...] = ()
+    """LoRA adapter names a body `model` may give (the row's `adapter`)."""
 
 
 def _open(path: str):
@@ -360,7 +365,9 @@ def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | Non
     rules = served or LineRules()
     try:
         req = parse_request(line)
-        if rules.models and req["model"] is not None and req["model"] not in rules.models:
+        if req["model"] in rules.adapters:
+            req["adapter"] = req["model"]
+        elif rules.models and req["model"] is not None and req["model"] not in rules.models:
             raise LineError(f"body.model {req['model']!r} is not served by this job (it serves {rules.models[0]!r})")
         if req["url"] not in rules.urls:
             return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Collection
 
 import apache_beam as beam
 
@@ -19,6 +19,8 @@ from tokenmill.schemas.sampling import RowSampling, RowSamplingError, validate_r
 from tokenmill.transforms.chunks import MapRows, with_dead
 
 RAW_LIMIT = 2000
+#: The input column (an OpenAI batch line: its body `model` naming an adapter) that picks a row's LoRA adapter.
+ADAPTER_COLUMN = "adapter"
 
 
 class RowError(ValueError):
@@ -111,11 +113,28 @@ def raw_repr(row: dict[str, Any]) -> str:
 
 def used_columns(columns: list[str], reference_column: str | None = None) -> list[str]:
     """The columns of a Parquet input a job reads (in the input's order): those
-    `validate_row` looks at (id, prompt, messages, the per-row sampling keys, the reference
-    column).  The others are never read from storage, and a dead letter's `raw` shows
-    only these."""
-    keys = {"id", "prompt", "messages", *RowSampling.model_fields, *([reference_column] if reference_column else [])}
+    `validate_row` looks at (id, prompt, messages, adapter, the per-row sampling keys, the
+    reference column).  The others are never read from storage, and a dead letter's `raw`
+    shows only these."""
+    keys = {"id", "prompt", "messages", ADAPTER_COLUMN, *RowSampling.model_fields,
+            *([reference_column] if reference_column else [])}
     return [c for c in columns if c in keys]
+
+
+def parse_adapter(row: dict[str, Any], adapters: Collection[str]) -> str | None:
+    """The LoRA adapter a row names (its `adapter` column; null or empty: the base model);
+    a name the job did not declare in `engine.lora_adapters` is the row's `unknown_adapter`."""
+    v = row.get(ADAPTER_COLUMN)
+    if _is_missing(v):
+        return None
+    name = _text(v, ADAPTER_COLUMN).strip()
+    if not name:
+        return None
+    if name not in adapters:
+        declared = ", ".join(sorted(adapters)) or "none"
+        raise RowError(R.UNKNOWN_ADAPTER, f"adapter {_short(name)} is not declared in engine.lora_adapters "
+                                          f"(declared: {declared})")
+    return name
 
 
 def row_id(row: dict[str, Any]) -> str:
@@ -129,7 +148,9 @@ def row_id(row: dict[str, Any]) -> str:
     return str(v)
 
 
-def validate_row(row: dict[str, Any], reference_column: str | None = None) -> PromptRecord | FailedRecord:
+def validate_row(row: dict[str, Any], reference_column: str | None = None,
+                 adapters: Collection[str] = ()) -> PromptRecord | FailedRecord:
+    """`adapters`: the names a row's `adapter` may take (the job's `engine.lora_adapters`)."""
     ref = {"input_file": row["_file_index"], "input_row": row["_row"]}
     rid = row_id(row)
     if "_error" in row:  # the reader could not make a request of it (a malformed OpenAI batch line)
@@ -149,28 +170,32 @@ def validate_row(row: dict[str, Any], reference_column: str | None = None) -> Pr
         else:
             raise RowError(R.EMPTY_PROMPT, "prompt is null" if "prompt" in row else "messages is null")
         sampling = parse_sampling(row)
+        adapter = parse_adapter(row, adapters)
         reference = None
         if reference_column and not _is_missing(row.get(reference_column)):
             reference = _text(row[reference_column], reference_column)
-        return PromptRecord(id=rid, **ref, prompt=prompt, messages=messages, sampling=sampling, reference=reference)
+        return PromptRecord(id=rid, **ref, prompt=prompt, messages=messages, sampling=sampling, reference=reference,
+                            adapter=adapter)
     except RowError as err:
         return FailedRecord(**ref, id=rid, reason=err.reason, message=str(err), raw=raw_repr(row))
 
 
 class ValidateFn(MapRows):
-    def __init__(self, reference_column: str | None = None):
+    def __init__(self, reference_column: str | None = None, adapters: Collection[str] = ()):
         self._ref = reference_column
+        self._adapters = frozenset(adapters)
 
     def map_row(self, row):
-        return validate_row(row, self._ref)
+        return validate_row(row, self._ref, self._adapters)
 
 
 class Validate(beam.PTransform):
-    """Chunks of row dicts → chunks of PromptRecords (main) and FailedRecords (tag `dead`)."""
+    """Chunks of row dicts → chunks of PromptRecords (main) and FailedRecords (tag `dead`);
+    `adapters`: the LoRA adapter names the job declares."""
 
-    def __init__(self, reference_column: str | None = None):
+    def __init__(self, reference_column: str | None = None, adapters: Collection[str] = ()):
         super().__init__()
-        self._ref = reference_column
+        self._fn = ValidateFn(reference_column, adapters)
 
     def expand(self, chunks):
-        return chunks | with_dead(ValidateFn(self._ref), "ValidateRows")
+        return chunks | with_dead(self._fn, "ValidateRows")

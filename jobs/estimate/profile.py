@@ -17,7 +17,7 @@ import random
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import numpy as np
 
@@ -92,8 +92,10 @@ class Profiler:
     """Row dicts (as the job's reader gives them) → the profile's columns."""
 
     def __init__(self, encoder, *, max_model_len: int, default_max_tokens: int, block_size: int,
-                 prefix_blocks: int, default_samples: int, reference_column: str | None = None):
+                 prefix_blocks: int, default_samples: int, reference_column: str | None = None,
+                 adapters: Collection[str] = ()):
         self.encoder, self.block_size, self.reference_column = encoder, block_size, reference_column
+        self.adapters = frozenset(adapters)
         self.kw: dict[str, Any] = dict(max_model_len=max_model_len, default_max_tokens=default_max_tokens,
                                        block_size=block_size, prefix_blocks=prefix_blocks,
                                        default_samples=default_samples)
@@ -108,7 +110,7 @@ class Profiler:
         from tokenmill.transforms.tokenize import tokenize_record
         from tokenmill.transforms.validate import validate_row
 
-        valid = validate_row(row, self.reference_column)
+        valid = validate_row(row, self.reference_column, self.adapters)
         rec: TokenizedPrompt | FailedRecord
         if isinstance(valid, FailedRecord):
             rec = valid
@@ -170,5 +172,6 @@ def profile_input(spec, plan, counter, block_size: int) -> InputProfile:
     profiler = Profiler(counter.open(), max_model_len=spec.engine.max_model_len,
                         default_max_tokens=0 if spec.engine.task == "embed" else spec.sampling.max_tokens,
                         block_size=block_size, prefix_blocks=spec.batching.prefix_blocks,
-                        default_samples=spec.sampling.n, reference_column=spec.reference_column)
+                        default_samples=spec.sampling.n, reference_column=spec.reference_column,
+                        adapters=spec.engine.lora_adapters)
     return profile_rows(rows(), profiler, total_rows=plan.total_rows, counted_by=counter.describe())

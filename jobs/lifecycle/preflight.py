@@ -24,7 +24,7 @@ from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.db import default_db_url
 from tokenmill.schemas.model_sync import is_model_url
 from tokenmill.transforms.engines.device import has_nvidia_gpu
-from tokenmill.transforms.engines.kinds import engine_of
+from tokenmill.transforms.engines.kinds import engine_of, kinds
 
 
 @dataclass
@@ -54,7 +54,8 @@ class Preflight:
         """Request lines per body model the job does not serve (they become dead letters)."""
         served = self.served_models
         models = getattr(self.plan, "models", None) or {}
-        return {m: n for m, n in models.items() if served and m not in served}
+        adapters = self.spec.engine.lora_adapters
+        return {m: n for m, n in models.items() if served and m not in served and m not in adapters}
 
 
 #: The runner class `runner: DaskRunner` runs on: Beam's DaskRunner with the faults that lose
@@ -331,6 +332,23 @@ def _check_model_url(pf: Preflight, *, sync: bool, here: bool):
     return cfg if weights else cfg.model_copy(update={"model": str(folder), "load_format": "dummy"})
 
 
+def _sync_adapters(pf: Preflight, cfg) -> None:
+    """This host's copy of each LoRA adapter given as a URL, with the job's S3 endpoint (the
+    engine's preflight then checks it as a local folder; each worker syncs its own)."""
+    from tokenmill.schemas.model_sync import sync_model
+    from tokenmill.schemas.models import ModelNotFound
+    from tokenmill.transforms.engines.lora import ADAPTER_CONFIG
+    from tokenmill.transforms.read import s3_client
+
+    for name, url in sorted(cfg.lora_adapters.items()):
+        if not is_model_url(url):
+            continue
+        try:
+            sync_model(url, s3_client(pf.options) if url.startswith("s3://") else None, marker=ADAPTER_CONFIG)
+        except (ModelNotFound, OSError) as err:
+            pf.problems.append(f"lora adapter {name!r}: {err}")
+
+
 def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
               db_url: str | None = None) -> Preflight:
     """Run every check, collecting the problems (one line each) instead of stopping at the first.
@@ -373,6 +391,11 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
     cfg = spec.engine
     if is_model_url(cfg.model):
         cfg = _check_model_url(pf, sync=engine, here=remote_workers(spec.runner.runner, pf.options, hosts) is None)
+    if cfg is not None and cfg.lora_adapters and not engine_of(cfg.kind).serves_lora:
+        pf.problems.append(f"engine kind {cfg.kind} does not run LoRA adapters (engine.lora_adapters); "
+                           f"kinds that do: {', '.join(k for k in kinds() if engine_of(k).serves_lora)}")
+    elif engine and cfg is not None and cfg.lora_adapters:
+        _sync_adapters(pf, cfg)
     if engine and cfg is not None:
         found = engine_of(spec.engine.kind).preflight(cfg, on_gpu=pf.on_gpu or fake_engine)
         pf.model_path, pf.counter = found.model_path, found.counter
@@ -393,6 +416,7 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
         pf.plan = plan_input(spec.input, spec.resolved_input_format())
         if hasattr(pf.plan, "served_models"):  # OpenAI batch lines naming another model become dead letters
             pf.plan.served_models = pf.served_models
+            pf.plan.adapters = tuple(spec.engine.lora_adapters)  # a line naming an adapter as its model runs with it
     except InputError as err:
         pf.problems.append(str(err))
     try:

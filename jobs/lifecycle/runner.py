@@ -382,7 +382,7 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
     watch_sdk_workers()  # a dead SDK worker fails the pipeline instead of hanging it
 
     from tokenmill.pipelines.batch import PipelineParts, build_pipeline
-    from tokenmill.transforms.cache import job_fingerprint
+    from tokenmill.transforms.cache import adapter_hashes, job_fingerprint
 
     parts = PipelineParts(
         job_id=job_id,
@@ -396,6 +396,7 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
         counter=counter,
         # this pass's engine (its task too) as the result cache's keys name it; None with cache off
         fingerprint=job_fingerprint(spec, model_path, stand_in=session_factory is not None),
+        adapter_hashes=adapter_hashes(spec.engine) if spec.cache != "off" and spec.engine.lora_adapters else None,
     )
     p = beam.Pipeline(options=pipeline_options(spec))
     build_pipeline(p, spec, parts)

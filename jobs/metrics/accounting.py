@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from tokenmill.jobs.metrics.adapters import adapter_figures
 from tokenmill.jobs.metrics.devices import device_summary, worker_summary
 from tokenmill.jobs.metrics.pricing import launcher_worker, price_table, prices_used, worker_rate
 from tokenmill.schemas.config import TASKS
@@ -254,6 +255,8 @@ def job_metrics(
         m["cost"] = job_cost(workers, batches, per_run, prices=prices, flat=price_per_hour,
                              fallback=_fallback_worker(hardware, device_count), output_tokens=output,
                              total_tokens=prompt + output, requests=n)
+    adapters = bool(engine_config.get("lora_adapters")) or any(a["adapter"] is not None for a in s.by_adapter)
+    m["adapters"] = adapter_figures(s.by_adapter, gen_wall, m.get("cost")) if adapters else None
     return m
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from tabulate import tabulate
 
 from tokenmill.jobs.metrics.accounting import CLOCKS
+from tokenmill.jobs.metrics.adapters import adapter_lines, compare_adapters
 from tokenmill.jobs.metrics.catalog import LATENCIES, STATS, FigureText, figure, fmt, get_path, shown_in
 from tokenmill.jobs.metrics.figures import stored_metrics
 from tokenmill.jobs.metrics.plots import (
@@ -251,6 +252,8 @@ def report_sections(data: dict[str, Any]) -> list[tuple[str, list[tuple[str, str
              f"{fmt(r.get('output_tokens'))} output tokens ({fmt(r.get('output_tok_per_s'))} tok/s), "
              f"held {fmt(r.get('held_s'), 's')}")
             for r in runs]))
+    if m.get("adapters"):
+        sections.append(("LoRA adapters (generation wall and cost by token share)", adapter_lines(m)))
     workers = figure("per_worker").value(m) or []
     if workers:
         sections.append(("Workers (measured where the engine runs)", [
@@ -336,18 +339,29 @@ def compare_cells(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, 
             for f, r in zip(shown_in("compare"), compare_metrics(a, b))]
 
 
+#: The per-adapter figures `compare` shows, with their units.
+ADAPTER_CELLS = (("rows", "count"), ("prompt_tokens", "count"), ("output_tokens", "count"), ("generation_s", "s"),
+                 ("cost", "usd"))
+
+
 def format_compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     """Two jobs side by side; ratio = B ÷ A; the last column names the better job."""
     ida, idb = a["job"]["id"], b["job"]["id"]
     out = [f"A = {ida} ({a['job'].get('status')}), B = {idb} ({b['job'].get('status')})", ""]
     out += _plain(compare_cells(a["metrics"], b["metrics"]), headers=["", "A", "B", "B/A", "better"],
                   colalign=("left", "right", "right", "right", "left"))
+    per = compare_adapters(a["metrics"], b["metrics"])
+    if per:
+        out += ["", "LoRA adapters (A / B)"]
+        out += _plain([(r["adapter"], *(f"{fmt(r[k][0], u)} / {fmt(r[k][1], u)}" for k, u in ADAPTER_CELLS))
+                       for r in per], headers=["", *(k for k, _ in ADAPTER_CELLS)], indent="  ")
     return "\n".join(out) + "\n"
 
 
 def compare_json(a: dict[str, Any], b: dict[str, Any], html_path: str | None = None) -> dict[str, Any]:
     return {"a": report_json(a), "b": report_json(b), "ratio": "B / A",
-            "rows": compare_metrics(a["metrics"], b["metrics"]), "html": html_path}
+            "rows": compare_metrics(a["metrics"], b["metrics"]),
+            "adapters": compare_adapters(a["metrics"], b["metrics"]), "html": html_path}
 
 
 def _clock(data: dict[str, Any], col: str) -> str:

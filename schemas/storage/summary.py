@@ -63,6 +63,10 @@ class RequestStats:
     cache: dict[str, Any] = field(default_factory=lambda: cache_counts(0, 0, 0, 0, {}))
     """The rows served from the result cache (`cache_counts`): in `rows`, `checked` and `valid`,
     in none of the engine's figures above."""
+    by_adapter: list[dict[str, Any]] = field(default_factory=list)
+    """Per LoRA adapter (`adapter` None: the base model), base first then by name: input rows
+    answered (`rows`, the cache's too, as `rows` above), and of the rows this job's engine
+    answered the prompt and output tokens and the summed request time (`e2e_s`)."""
 
 
 def cache_counts(rows: int, samples: int, prompt: int, output: int, sources: dict[str, int]) -> dict[str, Any]:
@@ -119,10 +123,26 @@ class RequestSummary(SqlStore):
                                          func.coalesce(func.sum(o.c.output_tokens), 0))
                                   .where(mine).group_by(o.c.token_count_source)).all()
             served = self._served(conn, job_id)
+            adapters = self._by_adapter(conn, job_id)
         return RequestStats(n=n, prompt=prompt, output=output, cached=cached, cached_known=cached_rows > 0,
                             by_source=_by_source(groups), dists=dists,
                             mean_request_output_tok_per_s=None if per_req is None else float(per_req),
-                            checked=int(checked or 0), valid=int(valid or 0), rows=int(rows or 0), cache=served)
+                            checked=int(checked or 0), valid=int(valid or 0), rows=int(rows or 0), cache=served,
+                            by_adapter=adapters)
+
+    def _by_adapter(self, conn, job_id: str) -> list[dict[str, Any]]:
+        """`RequestStats.by_adapter`: one GROUP BY over the job's outputs."""
+        o = T.outputs.c
+        engine = o.cached_from.is_(None)
+        got = conn.execute(select(
+            o.adapter, func.count().filter(o.sample == 0),
+            func.coalesce(func.sum(o.prompt_tokens).filter(engine), 0),
+            func.coalesce(func.sum(o.output_tokens).filter(engine), 0),
+            func.coalesce(func.sum(o.e2e_s).filter(engine), 0.0),
+        ).where(o.job_id == job_id).group_by(o.adapter)).all()
+        out = [{"adapter": a, "rows": int(rows or 0), "prompt_tokens": int(p), "output_tokens": int(n),
+                "request_s": float(t)} for a, rows, p, n, t in got]
+        return sorted(out, key=lambda d: (d["adapter"] is not None, d["adapter"] or ""))
 
     def _served(self, conn, job_id: str) -> dict[str, Any]:
         """`cache_counts` of the job's rows served from the result cache."""

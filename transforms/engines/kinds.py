@@ -63,6 +63,9 @@ class EngineKind(Generic[C]):
     local_weights: ClassVar[bool] = True
     """The engine runs weights tokenmill can read (`checkpoint`), so the result cache can name them
     in its keys; False: a remote server's, whose answers are never cached (docs/CACHE.md)."""
+    serves_lora: ClassVar[bool] = False
+    """The engine runs LoRA adapters (`engine.lora_adapters`), one per request as a row names it
+    (`add(..., adapter=)`); a job declaring adapters for another engine is refused in the preflight."""
     measures_cpu_dtype: ClassVar[bool] = False
     """On a CPU, `dtype: auto` is the faster dtype measured on this machine (vLLM's; `tune`
     screens candidate dtypes by that measurement)."""
@@ -122,6 +125,13 @@ class EngineKind(Generic[C]):
         hashes it into every key (transforms/cache.py).  None where `local_weights` is False.
         Default: the model folder."""
         return model_path if self.local_weights else None
+
+    def adapter_paths(self, cfg: C) -> dict[str, str]:
+        """Each declared LoRA adapter's local folder or file, whose bytes the result cache hashes
+        into the keys of the rows run with it (engines/lora.py).  Default: the declared paths."""
+        from tokenmill.transforms.engines.lora import adapter_paths
+
+        return adapter_paths(cfg)
 
     def run_dtype(self, cfg: C, model_path: str | None, *, on_gpu: bool) -> str | None:
         """The dtype the engine runs `cfg` with on this device, as the result cache's key names

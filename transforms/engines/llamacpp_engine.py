@@ -18,6 +18,7 @@ from tokenmill.transforms.engines.llamacpp_session import (
     gguf_file,
     tokenizer_name,
 )
+from tokenmill.transforms.engines.lora import adapter_problems
 from tokenmill.transforms.engines.openai_engine import CLIENT_CLOCKS
 from tokenmill.transforms.engines.protocol import EngineSession, EngineStartError
 
@@ -37,6 +38,7 @@ class LlamaCppEngine(EngineKind[LlamaCppConfig]):
     clocks = {**CLIENT_CLOCKS, "model_load_s": "worker wall clock: the llamacpp engine starting its llama-server "
                                                "until /health answers, then the client's server check"}
     packages = ("llama.cpp", "httpx")
+    serves_lora = True  # GGUF adapters loaded at start, one turned on per request (`lora`)
 
     def __init__(self) -> None:
         #: group → the cores this process claimed for its llama-server
@@ -57,7 +59,8 @@ class LlamaCppEngine(EngineKind[LlamaCppConfig]):
         return {"cores": self.cores[group]}
 
     def preflight(self, cfg: LlamaCppConfig, *, on_gpu: bool) -> EngineCheck:
-        """llama-server built, the GGUF there, a local tokenizer of the same model."""
+        """llama-server built, the GGUF there, a local tokenizer of the same model, each LoRA
+        adapter a GGUF adapter file of a rank within `max_lora_rank`."""
         check = EngineCheck()
         for one in (lambda: gguf_file(cfg.model), lambda: binary("llama-server")):
             try:
@@ -70,6 +73,7 @@ class LlamaCppEngine(EngineKind[LlamaCppConfig]):
             check.problems.append(str(err))
             return check
         check.model_path = local_tokenizer(self.kind, name, check)
+        check.problems += adapter_problems(cfg, gguf=True)
         return check
 
     def checkpoint(self, cfg: LlamaCppConfig, model_path: str | None) -> str | None:

@@ -45,6 +45,7 @@ from tokenmill.schemas.models import (
     quantization_record,
     tokenmill_home,
 )
+from tokenmill.transforms.engines.lora import adapter_paths
 from tokenmill.transforms.engines.openai_config import HttpClientConfig, OpenAIConfig
 from tokenmill.transforms.engines.openai_session import OpenAISession
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
@@ -210,14 +211,20 @@ def worker_cores(cores: list[int] | None = None) -> list[int]:
 def server_args(cfg: LlamaCppConfig, gguf: Path, port: int, threads: int) -> list[str]:
     """llama-server's arguments: `max_in_flight` parallel slots of `max_model_len` tokens
     each, continuous batching, `threads` threads for decoding and for prompts, the
-    job's model name as the alias (/v1/models lists it), loopback only; then
-    `cfg.extra["server_args"]` (a list of further llama-server flags)."""
+    job's model name as the alias (/v1/models lists it), loopback only, each LoRA adapter
+    loaded (`--lora`, in name order: its id; `--lora-init-without-apply`, each request naming
+    its scales: `lora_body`); then `cfg.extra["server_args"]` (a list of further llama-server
+    flags)."""
     slots = cfg.max_in_flight
     args = ["-m", str(gguf), "--alias", cfg.model, "--host", "127.0.0.1", "--port", str(port),
             "-np", str(slots), "-cb", "-c", str(cfg.max_model_len * slots), "-t", str(threads), "-tb", str(threads),
             "--seed", str(cfg.seed), "--no-webui"]
     if cfg.max_num_batched_tokens:
         args += ["-b", str(cfg.max_num_batched_tokens)]
+    if cfg.lora_adapters:  # every adapter loaded at scale 0; a request turns its own on (`lora_body`)
+        for _, path in sorted(adapter_paths(cfg).items()):
+            args += ["--lora", path]
+        args.append("--lora-init-without-apply")
     pooling = cfg.embedding_pooling()
     if pooling is not None:  # an embedding server: a prompt's tokens in one micro-batch, as pooling needs
         args += ["--embeddings", "--pooling", pooling, "-ub", str(cfg.max_model_len), "-b", str(cfg.max_model_len)]
@@ -323,6 +330,19 @@ class LlamaServer:
 # ---------------------------------------------------------------- the session
 
 
+def lora_body(cfg: LlamaCppConfig) -> dict[str | None, dict[str, Any]]:
+    """Adapter name (None: no adapter) → the body keys that run a request with it on
+    llama-server: its `lora` field naming every loaded adapter (its id: its place in
+    `server_args`' `--lora` flags), the request's at scale 1, the others at 0.  Every request
+    says so: llama-server (this build) applied the loaded adapters to a request without a `lora`
+    field, `--lora-init-without-apply` notwithstanding (seen here)."""
+    names = sorted(cfg.lora_adapters)
+    if not names:
+        return {}
+    return {want: {"lora": [{"id": i, "scale": 1.0 if name == want else 0.0} for i, name in enumerate(names)]}
+            for want in (None, *names)}
+
+
 def client_config(cfg: LlamaCppConfig, base_url: str) -> OpenAIConfig:
     """The `openai` engine config that drives a local server: its URL, the job's model
     name (the server's alias), requests in flight = its slots, the retry limits, the task
@@ -346,7 +366,8 @@ class LlamaCppSession:
         self.cores = worker_cores(cores)
         self.server = LlamaServer(cfg, self.gguf, self.cores)
         try:
-            self.client = OpenAISession(client_config(cfg, f"{self.server.url}/v1"), dialect="llama.cpp")
+            self.client = OpenAISession(client_config(cfg, f"{self.server.url}/v1"), dialect="llama.cpp",
+                                        adapter_keys=lora_body(cfg))
         except BaseException:
             self.server.stop()
             raise
@@ -360,8 +381,9 @@ class LlamaCppSession:
             self._props["n_ctx_per_slot"] = gen["n_ctx"]
 
     # -- EngineSession: requests go through the openai client
-    def add(self, request_id: str, token_ids, sampling: dict[str, Any], *, source=None) -> None:
-        self.client.add(request_id, token_ids, sampling, source=source)
+    def add(self, request_id: str, token_ids, sampling: dict[str, Any], *, source=None,
+            adapter: str | None = None) -> None:
+        self.client.add(request_id, token_ids, sampling, source=source, adapter=adapter)
 
     def step(self) -> list[Finished]:
         if not self.server.running():

@@ -71,6 +71,7 @@ class OpenAIEngine(EngineKind[OpenAIConfig]):
     takes_text = True
     measures_prefix_cache = False
     local_weights = False  # the server's: its answers are never cached (docs/CACHE.md)
+    serves_lora = True  # an adapter's served name sent as the request's `model`
     clocks = CLIENT_CLOCKS
     packages = ("httpx",)
 
@@ -101,6 +102,10 @@ class OpenAIEngine(EngineKind[OpenAIConfig]):
         except EngineStartError as err:
             check.problems.append(str(err))
         return check
+
+    def adapter_paths(self, cfg: OpenAIConfig) -> dict[str, str]:
+        """None here: the server holds the adapters (its answers are never cached)."""
+        return {}
 
     def describe(self, cfg: OpenAIConfig, model_path: str | None) -> str:
         return f"{cfg.model} at {cfg.base_url} ({token_counter(cfg, lambda name: model_path or None).describe()})"

@@ -82,13 +82,17 @@ def served_models(client: httpx.Client, base_url: str) -> list[str]:
 
 def check_server(cfg: OpenAIConfig) -> list[str]:
     """What the preflight and a starting session check: the key variable is set, the
-    server answers, and it serves `cfg.model`.  Returns the served names; EngineStartError
-    (one line) otherwise."""
+    server answers, and it serves `cfg.model` and each LoRA adapter's served name.  Returns
+    the served names; EngineStartError (one line) otherwise."""
     with _client(cfg, api_key(cfg), CHECK_TIMEOUT_S, 1) as client:
         names = served_models(client, cfg.base_url or "")
     if cfg.model not in names:
         raise EngineStartError(f"OpenAI-compatible server {cfg.base_url} does not serve model {cfg.model!r}; "
                                f"it lists {names}")
+    missing = {a: served for a, served in sorted(cfg.lora_adapters.items()) if served not in names}
+    if missing:
+        raise EngineStartError(f"OpenAI-compatible server {cfg.base_url} does not serve the LoRA adapters "
+                               f"{missing} (name: served name); it lists {names}")
     return names
 
 
@@ -129,12 +133,16 @@ class OpenAISession:
 
     def __init__(self, cfg: OpenAIConfig, model_path: str = "", *,
                  count_source: str = R.TOKENS_BY_LOCAL_TOKENIZER_AND_STREAM_CHUNKS,
-                 dialect: requests.Dialect = "openai"):
+                 dialect: requests.Dialect = "openai", adapter_keys: dict[str | None, dict[str, Any]] | None = None):
         """`model_path`: the local tokenizer's folder, when Tokenize counted the prompts with
         one; `count_source`: the token_count_source of a row the server sends no `usage` for
         (how Tokenize counted them: counting.ROW_SOURCES); `dialect`: how the server is asked
-        for structured outputs (requests.http_body)."""
+        for structured outputs (requests.http_body); `adapter_keys`: a LoRA adapter's name (None:
+        a request naming none) → the body keys that run a request with it (default: `model` its
+        served name, as vLLM's server takes it)."""
         t = time.perf_counter()
+        self.adapter_keys: dict[str | None, dict[str, Any]] = dict(adapter_keys) if adapter_keys is not None else {
+            name: {"model": served} for name, served in cfg.lora_adapters.items()}
         self.cfg = cfg
         self.dialect = dialect
         self.max_num_seqs = cfg.max_in_flight
@@ -159,15 +167,19 @@ class OpenAISession:
             thread.start()
 
     # -- EngineSession
-    def add(self, request_id: str, token_ids, sampling: dict[str, Any], *, source=None) -> None:
+    def add(self, request_id: str, token_ids, sampling: dict[str, Any], *, source=None,
+            adapter: str | None = None) -> None:
         if source is None:
             raise ValueError("the openai engine sends text: this request has no prompt text or messages")
+        if adapter is not None and adapter not in self.adapter_keys:
+            raise ValueError(f"adapter {adapter!r} is not declared in engine.lora_adapters")
         if self._stop.is_set():
             raise RuntimeError("the openai session was stopped")
         if self.cfg.task == "embed":
             body = requests.embedding_body(self.cfg.model, source)
         else:
             body = requests.request_body(self.cfg.model, source, sampling, self.dialect)
+            body.update(self.adapter_keys.get(adapter, {}))
         with self._lock:
             self._live.add(request_id)
         k = None if self.cfg.task == "embed" else requests.logprobs_wanted(sampling)

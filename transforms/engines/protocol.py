@@ -54,7 +54,9 @@ class EngineSession(Protocol):
 
         An engine that takes text (`EngineKind.takes_text`) is also given `source=` the
         prompt as the row wrote it (its text, or its chat messages); Generate passes it
-        only when Tokenize kept it (`TokenizedPrompt.source`), so token-id engines get None."""
+        only when Tokenize kept it (`TokenizedPrompt.source`), so token-id engines get None.
+        A row that names a LoRA adapter is added with `adapter=` its name (a key of the
+        config's `lora_adapters`; only an engine that `serves_lora` is given one)."""
         ...
 
     def step(self) -> list[Finished]:

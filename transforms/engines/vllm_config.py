@@ -9,6 +9,8 @@ from pydantic import Field, field_validator
 
 from tokenmill.schemas.config import EngineConfig, one_of
 
+#: The adapter ranks vLLM reserves room for (its `LoRAConfig.max_lora_rank`).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: `gpu_memory_utilization` when the job sets none: on a GPU, and of RAM on a CPU.
 GPU_MEMORY_SHARE = 0.9
 CPU_MEMORY_SHARE = 0.5
@@ -56,3 +58,10 @@ class VllmConfig(EngineConfig):
 
     _dtype = field_validator("dtype")(one_of("auto", "float32", "bfloat16", "float16", "half", "float"))
     _kv_dtype = field_validator("kv_cache_dtype")(one_of("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"))
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _lora_rank(cls, v: int) -> int:
+        if v not in VLLM_LORA_RANKS:
+            raise ValueError(f"vLLM takes max_lora_rank one of {list(VLLM_LORA_RANKS)}, got {v}")
+        return v

