@@ -36,21 +36,9 @@ def prefix_key(token_ids, block_size: int = DEFAULT_BLOCK_SIZE, blocks: int = 4)
     return hashlib.blake2b(array("i", head).tobytes(), digest_size=8).hexdigest()
 
 
-def tokenize_record(
-    encoder: Encoder,
-    rec: PromptRecord,
-    *,
-    max_model_len: int,
-    default_max_tokens: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    prefix_blocks: int = 4,
-    keep_source: bool = False,
-    default_samples: int = 1,
-) -> TokenizedPrompt | FailedRecord:
-    """One row: its prompt encoded, then `prompt_record`."""
-    return prompt_record(rec, encode_each(encoder, [rec])[0], max_model_len=max_model_len,
-                         default_max_tokens=default_max_tokens, block_size=block_size, prefix_blocks=prefix_blocks,
-                         keep_source=keep_source, default_samples=default_samples)
+def tokenize_record(encoder: Encoder, rec: PromptRecord, **kw: Any) -> TokenizedPrompt | FailedRecord:
+    """One row: its prompt encoded, then `prompt_record` with the same keywords."""
+    return prompt_record(rec, encode_each(encoder, [rec])[0], **kw)
 
 
 def prompt_record(

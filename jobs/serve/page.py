@@ -24,6 +24,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from tokenmill.jobs.metrics.catalog import VIEWS, fmt
+from tokenmill.jobs.serve.app import Caller
 from tokenmill.schemas import storage as S
 
 COOKIE = "tokenmill_key"
@@ -36,38 +37,28 @@ HEADERS = {"content-security-policy": "default-src 'self'; frame-ancestors 'none
 _HERE = Path(__file__).resolve().parent / "templates"
 
 
-@dataclass(frozen=True)
-class Viewer:
-    key_id: str
-    admin: bool
-
-    @property
-    def scope(self) -> str | None:
-        return None if self.admin else self.key_id
-
-
 @dataclass
 class PageContext:
     """What the page needs of the process serving it."""
 
     eng: Any
-    resolve: Callable[[str], Viewer | None]
+    resolve: Callable[[str], Caller | None]
     """A presented key or token → who it is (None: refused)."""
     engines: Callable[[], dict[str, str]] = dict
     """The served models → their engine's state: not started, running a batch, loaded, not
     loaded (`tokenmill serve`; none for `ui`)."""
 
 
-def key_resolver(eng, token: str | None = None) -> Callable[[str], Viewer | None]:
+def key_resolver(eng, token: str | None = None) -> Callable[[str], Caller | None]:
     """API keys of the database (admin or not), and `token` (`tokenmill ui`'s, printed at its
     start) as an admin."""
     keys = S.KeyStore(eng)
 
-    def resolve(secret: str) -> Viewer | None:
+    def resolve(secret: str) -> Caller | None:
         if token is not None and hmac.compare_digest(secret.encode(), token.encode()):
-            return Viewer("ui", True)
+            return Caller("ui", True)
         row = keys.by_secret(secret)
-        return Viewer(row["id"], bool(row["admin"])) if row else None
+        return Caller(row["id"], bool(row["admin"])) if row else None
 
     return resolve
 
@@ -145,7 +136,7 @@ def page_router() -> APIRouter:
     def ctx(request: Request) -> PageContext:
         return request.app.state.page
 
-    def viewer(request: Request) -> Viewer | None:
+    def viewer(request: Request) -> Caller | None:
         auth = request.headers.get("authorization", "")
         scheme, _, secret = auth.partition(" ")
         secret = secret.strip() if scheme.lower() == "bearer" else request.cookies.get(COOKIE, "")
