@@ -141,3 +141,46 @@ def test_many_units_and_parts_answer_every_row_once_with_duplicates_across_units
     workers = S.MetricsReader(eng).workers("units")  # the engine-side counters agree with what the engine saw
     assert sum(w["admitted_rows"] for w in workers) == sum(w["generated_rows"] for w in workers) == n
     assert sum(w["generated_tokens"] for w in workers) == 2 * n
+
+
+def test_every_chunk_step_hands_on_chunks_with_the_chunk_coder_whose_size_estimate_pickles_nothing(
+        tmp_path, sqlite_url, model_path, monkeypatch):
+    """Beam measures the size of a step's first outputs (and a sample of the rest) with the
+    output's coder; a pickling coder pickles the element to measure it, and a chunk is a
+    whole unit.  Each chunk step's main output is typed `Chunk`, so Beam picks `ChunkCoder`,
+    whose estimate counts the records and pickles nothing."""
+    import pickle
+
+    import apache_beam as beam
+
+    from tokenmill.pipelines.batch import PipelineParts, build_pipeline
+    from tokenmill.schemas.config import JobSpec
+    from tokenmill.schemas.records import Chunk
+    from tokenmill.transforms.chunks import NOMINAL_RECORD_BYTES, ChunkCoder
+    from tokenmill.transforms.read import plan_input
+
+    inp = write_parquet(tmp_path / "in.parquet", [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(4)])
+    spec = JobSpec.model_validate(job_spec(inp, tmp_path / "out", job_id="coder"))
+    parts = PipelineParts(job_id="coder", run_id="r1", plan=plan_input(str(inp)), model_name="fake",
+                          model_path=model_path, db_url=sqlite_url, session_factory=FakeSession)
+    p = beam.Pipeline()
+    build_pipeline(p, spec, parts)
+    steps = {"ReadUnit", "ClaimRowIds", "ValidateRows", "FirstWins", "ChatTemplateAndCount", "OwnSegment", "DropAnswered"}
+    seen: dict[str, object] = {}
+
+    class Visitor(beam.pipeline.PipelineVisitor):
+        def visit_transform(self, node):
+            label = node.full_label.split("/")
+            name = label[1] if len(label) > 1 else ""
+            if name in steps and node.outputs:
+                seen[name] = node.outputs[None].element_type
+
+    p.visit(Visitor())
+    assert seen == {s: Chunk for s in steps}
+    assert isinstance(beam.coders.registry.get_coder(Chunk), ChunkCoder)
+
+    chunk = Chunk("u", [{"id": f"r{i}", "prompt": "x" * 1000} for i in range(300)])
+    coder = ChunkCoder().get_impl()
+    assert ChunkCoder().decode(ChunkCoder().encode(chunk)) == chunk
+    monkeypatch.setattr(pickle, "dumps", lambda *a, **k: pytest.fail("the size estimate pickled the chunk"))
+    assert coder.estimate_size(chunk) == 300 * NOMINAL_RECORD_BYTES

@@ -20,6 +20,7 @@ from typing import Iterable
 import apache_beam as beam
 
 from tokenmill.schemas.records import Batch, Chunk, TokenizedPrompt
+from tokenmill.transforms.chunks import over_chunks
 
 
 def order_prompts(prompts: list[TokenizedPrompt], ordering: str) -> list[TokenizedPrompt]:
@@ -107,4 +108,4 @@ class TakePart(beam.PTransform):
         self._ordering = ordering
 
     def expand(self, chunks):
-        return chunks | "OwnSegment" >> beam.ParDo(TakePartFn(self._ordering))
+        return chunks | over_chunks(TakePartFn(self._ordering), "OwnSegment")

@@ -4,6 +4,7 @@ survived comes out, and every row that cannot go on leaves as a dead letter on t
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Iterable
 
 import apache_beam as beam
@@ -11,6 +12,42 @@ import apache_beam as beam
 from tokenmill.schemas.records import Chunk, FailedRecord
 
 DEAD = "dead"
+
+#: A nominal encoded size of one of a chunk's records, for `ChunkCoder.estimate_size`.
+NOMINAL_RECORD_BYTES = 512
+
+
+class ChunkCoder(beam.coders.Coder):
+    """How a `Chunk` is encoded where it crosses between stages: pickled.
+
+    Beam also estimates the size of a step's first outputs and a sample of the rest
+    (its `OperationCounters`, for the `MeanByteCount` counter), and a pickling coder does
+    that by encoding the element.  A chunk is a whole unit, thousands of rows, and a job
+    has few units, so nearly every chunk was pickled after every step only to be
+    measured: 6-7 s of the main thread at 100,000 rows (docs/BENCHMARKS.md).  This
+    coder's estimate is the record count times a nominal record size instead; no
+    figure of tokenmill's reads Beam's byte counters."""
+
+    def encode(self, value: Chunk) -> bytes:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def decode(self, encoded: bytes) -> Chunk:
+        return pickle.loads(encoded)
+
+    def is_deterministic(self) -> bool:
+        return False
+
+    def estimate_size(self, value: Any) -> int:
+        return NOMINAL_RECORD_BYTES * len(getattr(value, "items", ()) or ())
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+
+beam.coders.registry.register_coder(Chunk, ChunkCoder)
 
 
 class MapRows(beam.DoFn):
@@ -37,6 +74,13 @@ class MapRows(beam.DoFn):
             yield chunk.with_items(ok)
 
 
+def over_chunks(fn: beam.DoFn, label: str, *tags: str):
+    """A ParDo of `fn` whose main output is chunks (encoded by `ChunkCoder`); with `tags`,
+    its main output is `ok` and the tagged outputs are those."""
+    step = beam.ParDo(fn).with_output_types(Chunk)
+    return label >> (step.with_outputs(*tags, main="ok") if tags else step)
+
+
 def with_dead(fn: beam.DoFn, label: str):
-    """A ParDo of `fn` with its main output `ok` and dead letters on `dead`."""
-    return label >> beam.ParDo(fn).with_outputs(DEAD, main="ok")
+    """A ParDo of `fn` with its main output `ok` (chunks) and dead letters on `dead`."""
+    return over_chunks(fn, label, DEAD)

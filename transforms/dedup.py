@@ -23,7 +23,7 @@ import apache_beam as beam
 from tokenmill.schemas import records as R
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.records import Chunk, FailedRecord, duplicate_message
-from tokenmill.transforms.chunks import DEAD
+from tokenmill.transforms.chunks import DEAD, over_chunks, with_dead
 from tokenmill.transforms.read import MAX_UNIT_ROWS
 from tokenmill.transforms.validate import RAW_LIMIT, row_id
 
@@ -55,7 +55,7 @@ class ClaimIds(beam.PTransform):
         self._fn = ClaimIdsFn(db_url, job_id)
 
     def expand(self, chunks):
-        return chunks | "ClaimRowIds" >> beam.ParDo(self._fn)
+        return chunks | over_chunks(self._fn, "ClaimRowIds")
 
 
 def duplicate(rec, first: tuple[int, int]) -> FailedRecord:
@@ -95,4 +95,4 @@ class DedupIds(beam.PTransform):
         self._fn = DedupIdsFn(db_url, job_id)
 
     def expand(self, chunks):
-        return chunks | "FirstWins" >> beam.ParDo(self._fn).with_outputs(DEAD, main="ok")
+        return chunks | with_dead(self._fn, "FirstWins")

@@ -22,6 +22,7 @@ import apache_beam as beam
 
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Chunk
+from tokenmill.transforms.chunks import over_chunks
 from tokenmill.transforms.files import open_file
 from tokenmill.transforms.spill import read_spilled
 
@@ -430,7 +431,7 @@ class ReadPrompts(beam.PTransform):
         self._fn = ReadUnitFn(columns, served, db_url, job_id)
 
     def expand(self, units):
-        return units | "ReadUnit" >> beam.ParDo(self._fn)
+        return units | over_chunks(self._fn, "ReadUnit")
 
 
 def plan_input(path: str, fmt: str = "parquet") -> InputPlan:

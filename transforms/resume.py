@@ -12,6 +12,7 @@ import apache_beam as beam
 
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.records import Chunk
+from tokenmill.transforms.chunks import over_chunks
 
 
 def undone(eng, job_id: str, chunk: Chunk) -> Chunk | None:
@@ -45,4 +46,4 @@ class SkipDone(beam.PTransform):
         self._fn = SkipDoneFn(db_url, job_id)
 
     def expand(self, chunks):
-        return chunks | "DropAnswered" >> beam.ParDo(self._fn)
+        return chunks | over_chunks(self._fn, "DropAnswered")
