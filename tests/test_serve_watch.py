@@ -2,7 +2,10 @@
 the real engine on the bundled model, the `openai` SDK as the client): each ending sends one
 signed `batch.*` event that the SDK's own verifier accepts, after the receiver refused the
 first two attempts; a URL in a refused range is never called; a quota is refused with 429
-naming the limit; the usage per key adds up to `tokenmill status --json` of its batches."""
+naming the limit; the usage per key adds up to `tokenmill status --json` of its batches.  The
+live page in a real headless Chromium: a running batch's progress advancing, a queued batch
+listed before it is a job, a job's page drawing the report's figures (running and finished)
+with the estimate beside them, each key seeing only its own."""
 
 from __future__ import annotations
 
@@ -192,6 +195,19 @@ def _logged_in(browser, server, key):
     return page
 
 
+#: An estimate of the page test's batch (as `tokenmill estimate` stores one), shown beside what happened.
+ESTIMATE = {"tokens": {"output": {"value": 3840, "lo": 3500, "hi": 4000}, "prompt": {"value": 4000, "lo": 3900,
+                                                                                  "hi": 4100}},
+            "generation_wall_s": {"value": 40.0, "lo": 25.0, "hi": 60.0}, "engine": "vllm"}
+
+
+def _plots_drawn(page, names):
+    """Each named figure of the report drawn by plotly.js in the page (its SVG, with bars or lines)."""
+    for name in names:
+        page.wait_for_selector(f"#plot-{name}[data-drawn] .main-svg", timeout=30_000)
+        assert page.query_selector(f"#plot-{name} .main-svg .trace") is not None, name
+
+
 def test_the_page_needs_a_key_and_a_wrong_one_is_told_so(server, browser, artifacts):
     page = browser.new_context().new_page()
     page.goto(f"{server.base_url}/jobs/anything")
@@ -219,6 +235,28 @@ def test_the_page_shows_a_running_batch_advancing_and_a_key_sees_only_its_own(se
     first = int(page.get_attribute(f"{row} [data-done]", "data-done"))
     assert "running a batch" in page.inner_text(f"{row} td:last-child")
     page.screenshot(path=str(artifacts / "jobs-running.png"))
+    # a second batch queued behind the first: no job yet, listed as a batch not started
+    queued = client.batches.create(input_file_id=_upload(client, jsonl(tmp_path / "q.jsonl", lines[:2])).id,
+                                   endpoint="/v1/chat/completions", completion_window="24h")
+    # the running job's own page: the report's figures, drawn while it runs, the estimate beside them
+    S.EstimateStore(S.connect(server.config["db"])).add(b.id, ESTIMATE, sample_rows=12, total_rows=120)
+    job = page.context.new_page()
+    refused = []  # what the page's Content-Security-Policy refused (plotly.js is served by the page itself)
+    job.on("console", lambda m: refused.append(m.text) if "Content Security Policy" in m.text else None)
+    job.goto(f"{server.base_url}/jobs/{b.id}")
+    assert job.get_attribute("[data-status]", "data-status") == "running"
+    _plots_drawn(job, ("latency", "throughput"))
+    assert "output tokens" in job.inner_text("table.estimate")
+    traces = [t.get("name") for t in json.loads(job.get_attribute("#plot-throughput", "data-plot"))["data"]]
+    assert any(name and name.startswith("estimate:") for name in traces), traces
+    job.screenshot(path=str(artifacts / "job-running.png"), full_page=True)
+    assert refused == []
+    csp = httpx.get(f"{server.base_url}/jobs/{b.id}", headers={"Authorization": f"Bearer {alice['key']}"}).headers[
+        "content-security-policy"]
+    assert "script-src" not in csp and "default-src 'self'" in csp and "unsafe-eval" not in csp  # scripts: own files
+    page.wait_for_selector(f"table.waiting tr[data-batch='{queued.id}']", timeout=30_000)
+    page.screenshot(path=str(artifacts / "jobs-waiting.png"), full_page=True)
+    client.batches.cancel(queued.id)
     # the page refreshes itself: no reload here
     deadline = time.time() + 120  # read from here: the page's CSP refuses a script the test would evaluate in it
     while int(page.get_attribute(f"{row} [data-done]", "data-done")) <= first:
@@ -235,6 +273,7 @@ def test_the_page_shows_a_running_batch_advancing_and_a_key_sees_only_its_own(se
     assert done.status == "completed"
     page.goto(f"{server.base_url}/jobs/{b.id}")
     page.wait_for_selector("[data-status=succeeded]")
+    _plots_drawn(page, ("latency", "throughput", "cost"))
     shown = {el.get_attribute("data-figure"): json.loads(el.get_attribute("data-value"))
              for el in page.query_selector_all("td[data-figure]")}
     page.screenshot(path=str(artifacts / "job-finished.png"), full_page=True)

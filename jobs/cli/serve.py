@@ -101,6 +101,7 @@ def ui(db_url, host, port):
         sock.bind((host, port))
     except OSError as err:
         raise Failure(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    sock.listen(128)  # connections wait for the server from the moment its address is printed
     click.echo(f"tokenmill ui: http://{host}:{sock.getsockname()[1]}/ (log in with {token})", err=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 

@@ -88,22 +88,42 @@ def tokens_over_time(data: dict[str, Any]) -> tuple[list[float], list[int], list
             [0, *np.cumsum(sums).tolist()])
 
 
+def _estimated(data: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """The estimate's figure `path` beside the job (jobs/estimate/beside.py), if it has a value."""
+    f = next((f for f in ((data.get("estimate") or {}).get("figures") or ()) if f.get("figure") == path), None)
+    return f if f is not None and f.get("value") is not None else None
+
+
+def _interval(f: dict[str, Any]) -> dict[str, Any]:
+    """A plotly error bar of an estimated figure's interval [lo, hi] around its value."""
+    v = f["value"]
+    return dict(type="data", symmetric=False, array=[max(0.0, (f.get("hi") or v) - v)],
+                arrayminus=[max(0.0, v - (f.get("lo") or v))])
+
+
 def throughput_figure(datas: list[dict[str, Any]], names: list[str]):
-    """Cumulative output tokens over time (and, for one job, output tokens per time bin)."""
+    """Cumulative output tokens over time (and, for one job, output tokens per time bin); for
+    one job with an estimate (`tokenmill estimate`), the estimated output tokens at the
+    estimated end of generation with both intervals, beside the line of what happened."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     for d, name in zip(datas, names):
         starts, sums, ts, cum = tokens_over_time(d)
-        if not ts:
-            continue
-        if len(datas) == 1:
+        if len(datas) == 1 and ts:
             width = (starts[1] - starts[0]) if len(starts) > 1 else 1.0
             fig.add_trace(go.Bar(x=[s + width / 2 for s in starts], y=[s / width for s in sums], width=width,
                                  name="output tok/s (per bin)", marker_color="#9ecae1"), secondary_y=False)
-        fig.add_trace(go.Scatter(x=ts, y=cum, mode="lines", name=f"{name}: cumulative output tokens"),
-                      secondary_y=len(datas) == 1)
+        if ts:
+            fig.add_trace(go.Scatter(x=ts, y=cum, mode="lines", name=f"{name}: cumulative output tokens"),
+                          secondary_y=len(datas) == 1)
+        wall, out = _estimated(d, "generation_wall_s"), _estimated(d, "tokens.output")
+        if len(datas) == 1 and wall is not None and out is not None:
+            fig.add_trace(go.Scatter(x=[wall["value"]], y=[out["value"]], mode="markers", error_x=_interval(wall),
+                                     error_y=_interval(out), marker=dict(symbol="diamond", size=11, color="#d62728"),
+                                     name="estimate: output tokens at the end of generation (90 % intervals)"),
+                          secondary_y=True)
     fig.update_xaxes(title_text="seconds since generation started (worker wall clock, outputs.finished_at)")
     if len(datas) == 1:
         fig.update_yaxes(title_text="output tok/s", secondary_y=False)
@@ -146,6 +166,19 @@ def failures_figure(datas: list[dict[str, Any]], names: list[str]):
     fig.update_layout(title="Failed rows by reason", yaxis_title="rows", height=320, barmode="group",
                       margin=dict(t=60, b=40))
     return fig
+
+
+def job_figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
+    """One job's figures, (name, plotly figure) in the report's order: latency, output tokens
+    over time (with the estimate beside it), cost (a priced job) and failures (a job with any).
+    The HTML report and the live page's job page (jobs/serve/page.py) both draw these."""
+    name = data["job"]["id"]
+    figs = [("latency", latency_figure([data], [name])), ("throughput", throughput_figure([data], [name]))]
+    if figure("cost_basis").value(data["metrics"]):
+        figs.append(("cost", cost_figure([data], [name])))
+    if figure("failures_by_reason").value(data["metrics"]):
+        figs.append(("failures", failures_figure([data], [name])))
+    return figs
 
 
 # ---------------------------------------------------------------- the page

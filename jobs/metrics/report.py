@@ -26,8 +26,8 @@ from tokenmill.jobs.metrics.catalog import LATENCIES, STATS, FigureText, figure,
 from tokenmill.jobs.metrics.figures import stored_metrics
 from tokenmill.jobs.metrics.plots import (
     cost_figure,
-    failures_figure,
     fig_html,
+    job_figures,
     latency_figure,
     page,
     table_html,
@@ -389,17 +389,14 @@ def render_html(data: dict[str, Any], out_dir: str | Path) -> Path:
              "</span></h1>", "<div class=grid>"]
     for title, items in secs[:2]:
         parts.append(f"<div><h2>{html.escape(title)}</h2>{table_html(items)}</div>")
+    figs = job_figures(data)
     parts.append("</div><h2>Latency (per request)</h2>" + _latency_table(data))
-    parts.append(fig_html(latency_figure([data], [jid])))
+    parts += [fig_html(f) for _, f in figs[:1]]
     parts.append("<div class=grid>")
     for title, items in secs[2:]:
         parts.append(f"<div><h2>{html.escape(title)}</h2>{table_html(items)}</div>")
     parts.append("</div>")
-    parts.append(fig_html(throughput_figure([data], [jid])))
-    if figure("cost_basis").value(data["metrics"]):
-        parts.append(fig_html(cost_figure([data], [jid])))
-    if figure("failures_by_reason").value(data["metrics"]):
-        parts.append(fig_html(failures_figure([data], [jid])))
+    parts += [fig_html(f) for _, f in figs[1:]]
     path = out / f"report-{_safe(jid)}.html"
     path.write_text(page(f"tokenmill report {jid}", "".join(parts)), encoding="utf-8")
     return path

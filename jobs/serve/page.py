@@ -5,8 +5,11 @@ doing the counting (schemas/storage/watch.py).
 
 Each job's row: status, a progress bar, rows/s, time left (its measured rate, beside the
 estimate's held wall where one was made), tokens, cost so far, dead letters by reason, and the
-engine with whether it is loaded.  A job's page: the figures `tokenmill status --json` shows
-(the same catalog), the estimate beside what happened, and a batch's webhook attempts.
+engine with whether it is loaded; above them the service's batches that are no job yet
+(validating, queued).  A job's page: the figures `tokenmill status --json` shows (the same
+catalog), the estimate beside what happened, the report's own plots (jobs/metrics/plots.py,
+made on the server as plotly JSON from the database's counts, drawn by plotly.js served here),
+and a batch's webhook attempts.
 
 Access: a key, given once in the login form (kept in an HttpOnly, SameSite=Strict cookie) or
 as `Authorization: Bearer`.  A key sees the jobs that are its own batches, an admin key every
@@ -14,7 +17,9 @@ job; the page shows figures, never a prompt or an output."""
 
 from __future__ import annotations
 
+import functools
 import hmac
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,15 +30,25 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from tokenmill.jobs.metrics.catalog import VIEWS, fmt
 from tokenmill.jobs.serve.app import Caller
+from tokenmill.jobs.serve.objects import batch_status
 from tokenmill.schemas import storage as S
 
 COOKIE = "tokenmill_key"
 PAGE_SIZE = 50
 #: How often the page asks for itself again (ms).
 REFRESH_MS = 2000
+#: How long a running job's report (its metrics and figures) is shown before it is made again.
+PLOTS_TTL_S = 10.0
+#: plotly.js, from the `plotly` package (the report extra) and served by the page itself: no CDN.
+PLOTLY_JS = "/plotly.js"
 #: What every page answer carries: no framing by other sites, scripts and styles only its own.
 HEADERS = {"content-security-policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'",
            "x-content-type-options": "nosniff", "referrer-policy": "no-referrer", "cache-control": "no-store"}
+#: A job's page, with the report's plots: plotly.js styles what it draws with inline styles
+#: (its own <style> rules and style attributes), so styles may be inline there; scripts stay
+#: the page's own files only (no inline script, no eval), and every value is autoescaped.
+PLOT_HEADERS = {**HEADERS, "content-security-policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+                                                      "frame-ancestors 'none'; form-action 'self'"}
 _HERE = Path(__file__).resolve().parent / "templates"
 
 
@@ -47,6 +62,8 @@ class PageContext:
     engines: Callable[[], dict[str, str]] = dict
     """The served models → their engine's state: not started, running a batch, loaded, not
     loaded (`tokenmill serve`; none for `ui`)."""
+    held: Callable[[dict[str, Any]], str | None] = lambda b: None
+    """Why a validating batch waits, or None (`tokenmill serve`: its key over a quota)."""
 
 
 def key_resolver(eng, token: str | None = None) -> Callable[[str], Caller | None]:
@@ -132,6 +149,7 @@ def job_row(job: dict[str, Any], live: dict[str, int] | None, dead: dict[str, in
 def page_router() -> APIRouter:
     router = APIRouter()
     env = _templates()
+    reports = JobReports()
 
     def ctx(request: Request) -> PageContext:
         return request.app.state.page
@@ -142,9 +160,9 @@ def page_router() -> APIRouter:
         secret = secret.strip() if scheme.lower() == "bearer" else request.cookies.get(COOKIE, "")
         return ctx(request).resolve(secret) if secret else None
 
-    def html(name: str, code: int = 200, **values: Any) -> HTMLResponse:
+    def html(name: str, code: int = 200, headers: dict[str, str] = HEADERS, **values: Any) -> HTMLResponse:
         return HTMLResponse(env.get_template(name).render(refresh_ms=REFRESH_MS, **values), status_code=code,
-                            headers=HEADERS)
+                            headers=headers)
 
     @router.get("/login", response_class=HTMLResponse, include_in_schema=False)
     def login_form(request: Request) -> HTMLResponse:
@@ -192,10 +210,14 @@ def page_router() -> APIRouter:
         lines = {b["id"]: b.get("lines") for b in (S.BatchStore(c.eng).get(i) for i in running) if b}
         estimates = {i: (S.EstimateStore(c.eng).latest(i) or {}).get("estimate") for i in running}
         engines = c.engines()
+        n_waiting, waiting = reader.waiting(who.scope, limit=PAGE_SIZE) if offset == 0 and not status else (0, [])
+        waits = [{**b, "status": batch_status(b), "waiting_s": now - b["created_at"], "held": c.held(b)}
+                 for b in waiting]
         rows = [job_row(j, live.get(j["id"], {"answered": 0, "prompt": 0, "output": 0}) if j["id"] in running else None,
                         dead.get(j["id"], {}), lines.get(j["id"]), estimates.get(j["id"]), engines, now) for j in page]
         return html("jobs.html", rows=rows, counts=reader.status_counts(who.scope), who=who, offset=offset,
-                    more=more, page_size=PAGE_SIZE, status=status, engines=engines, now=now)
+                    more=more, page_size=PAGE_SIZE, status=status, engines=engines, now=now, waiting=waits,
+                    n_waiting=n_waiting)
 
     @router.get("/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
     def job_page(job_id: str, request: Request) -> Response:
@@ -209,9 +231,10 @@ def page_router() -> APIRouter:
             return html("missing.html", code=404, job_id=job_id[:100], who=who)
         if job["status"] == "running":
             job.update(S.MetricsReader(c.eng).counts(job_id))
-        from tokenmill.jobs.estimate.beside import job_estimate, lines
+        from tokenmill.jobs.estimate.beside import lines
 
-        m = job.get("metrics")
+        rep = reports.get(c.eng, job)
+        m = rep["metrics"]
         figures = [{"key": "total", "label": "rows", "value": job.get("total"), "text": fmt(job.get("total"))},
                    {"key": "succeeded", "label": "answered", "value": job.get("succeeded"),
                     "text": fmt(job.get("succeeded"))},
@@ -219,13 +242,75 @@ def page_router() -> APIRouter:
         for view in ("jobs", "status"):
             figures += [{"key": key, "label": f.label, "value": f.value(m), "text": f.text(m)} for key, f in VIEWS[view]
                         if f.value(m) is not None]
-        beside = job_estimate(c.eng, job_id, m)
+        beside = rep["estimate"]
         dead = reader.dead_by_reason([job_id]).get(job_id, {})
         hooks = S.WebhookStore(c.eng).events(job_id) if reader.batch_owners([job_id]) else []
         return html("job.html", job=job, figures=figures, estimate=lines(beside) if beside else [], dead=dead,
-                    hooks=hooks, who=who)
+                    hooks=hooks, who=who, plots=rep["plots"], metrics_source=rep["source"], headers=PLOT_HEADERS,
+                    plots_age_s=time.monotonic() - rep["at"], plotly_js=PLOTLY_JS)
+
+    @router.get(PLOTLY_JS, include_in_schema=False)
+    def plotly_js() -> Response:
+        js = _plotly_js()
+        if js is None:
+            return Response("plotly is not installed (pip install 'tokenmill[report]')", status_code=404,
+                            media_type="text/plain", headers=HEADERS)
+        return Response(js, media_type="text/javascript",
+                        headers={**HEADERS, "cache-control": "public, max-age=86400"})
 
     return router
+
+
+@functools.lru_cache(maxsize=1)
+def _plotly_js() -> str | None:
+    try:
+        from plotly.offline import get_plotlyjs
+    except ImportError:
+        return None
+    return get_plotlyjs()
+
+
+class JobReports:
+    """A job's report (jobs/metrics/report.py: its metrics, the estimate beside them, and the
+    report's own figures) for its page, made at most once per `ttl_s` while the job runs and
+    once after it ended: the page asks every `REFRESH_MS`, each ask costing the database only
+    the job's counts.  The figures' per-request counts are the database's (`RequestSummary`)."""
+
+    def __init__(self, ttl_s: float = PLOTS_TTL_S, size: int = 64):
+        self.ttl_s, self.size = ttl_s, size
+        self._held: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, eng, job: dict[str, Any]) -> dict[str, Any]:
+        version = (job["status"], job.get("finished_at"))
+        with self._lock:
+            held = self._held.get(job["id"])
+        now = time.monotonic()
+        if held is not None and held[0] == version and (job["status"] != "running" or now - held[1]["at"] < self.ttl_s):
+            return held[1]
+        rep = job_report(eng, job["id"])
+        with self._lock:
+            if len(self._held) >= self.size:
+                self._held.pop(next(iter(self._held)))
+            self._held[job["id"]] = (version, rep)
+        return rep
+
+
+def job_report(eng, job_id: str) -> dict[str, Any]:
+    """What a job's page shows of its report: its metrics (stored, or computed now from the
+    committed rows while it runs), the estimate beside them and the report's figures as plotly
+    JSON (None: plotly, the `report` extra, is not installed)."""
+    from tokenmill.jobs.metrics.report import load_report
+
+    data = load_report(eng, job_id)
+    try:
+        from tokenmill.jobs.metrics.plots import job_figures
+
+        plots: list[dict[str, str]] | None = [{"name": name, "json": fig.to_json()} for name, fig in job_figures(data)]
+    except ImportError:
+        plots = None
+    return {"metrics": data["metrics"], "estimate": data["estimate"], "source": data["metrics_source"],
+            "plots": plots, "at": time.monotonic()}
 
 
 def ui_app(db_url: str, token: str) -> Any:

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Query, Request
 
 from tokenmill.jobs.serve.app import Who
+from tokenmill.jobs.serve.objects import batch_status
 from tokenmill.jobs.serve.page import PageContext, key_resolver, page_router
 from tokenmill.jobs.serve.service import ApiError, BatchService
 from tokenmill.schemas import storage as S
@@ -47,5 +48,8 @@ def install(app: FastAPI, svc: BatchService) -> None:
                       else "loaded" if e.loaded else "not loaded")
         return out
 
-    app.state.page = PageContext(svc.eng, key_resolver(svc.eng), engines=engines)
+    def held(b: dict[str, Any]) -> str | None:
+        return "held: its key is at a quota" if batch_status(b) == "validating" and svc.quotas.holds(b) else None
+
+    app.state.page = PageContext(svc.eng, key_resolver(svc.eng), engines=engines, held=held)
     app.include_router(page_router())

@@ -1,5 +1,6 @@
 """What the live page (jobs/serve/page.py) reads: jobs by status, one page of jobs at a time,
-and for that page only the running jobs' live counts and every job's dead letters by reason.
+and for that page only the running jobs' live counts and every job's dead letters by reason;
+the service's batches that are no job yet (validating, queued).
 The database does the counting and the paging, so a page costs the same at 10,000 jobs as at
 ten.  `owner` scopes every read to the jobs that are that API key's batches (None: all)."""
 
@@ -7,10 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import ColumnElement, case, func, select
 
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.storage.database import SqlStore
+from tokenmill.schemas.storage.serve import TERMINAL
+
+#: The batch columns the page shows of a batch that is not a job yet.
+WAITING_COLUMNS = ("id", "owner", "model", "lines", "metadata", "created_at", "expires_at", "in_progress_at",
+                   "cancelling_at", "finalizing_at")
 
 #: The job columns a page's rows carry (not the spec or the whole metrics of every job).
 ROW_COLUMNS = ("id", "name", "status", "model", "engine_config", "submitted_at", "started_at", "finished_at",
@@ -77,6 +83,22 @@ class WatchReader(SqlStore):
             for job_id, reason, n in conn.execute(q).all():
                 out.setdefault(job_id, {})[reason] = int(n)
         return out
+
+    def waiting(self, owner: str | None, *, limit: int) -> tuple[int, list[dict[str, Any]]]:
+        """The service's batches not ended that are no job yet (validating, or queued for their
+        model's engine): how many, and the oldest `limit` of them (the order they run in, save
+        priority)."""
+        b = T.api_batches.c
+        where: list[ColumnElement[bool]] = [*[b[c].is_(None) for c in TERMINAL], ~b.id.in_(select(T.jobs.c.id))]
+        if owner is not None:
+            where.append(b.owner == owner)
+        with self.engine.connect() as conn:
+            n = int(conn.execute(select(func.count()).select_from(T.api_batches).where(*where)).scalar() or 0)
+            if not n:
+                return 0, []
+            rows = conn.execute(select(*[b[c] for c in WAITING_COLUMNS]).where(*where)
+                                .order_by(b.created_at, b.id).limit(limit)).mappings().all()
+        return n, [dict(r) for r in rows]
 
     def batch_owners(self, job_ids: list[str]) -> dict[str, str]:
         """Which of these jobs are the service's batches, and whose."""
