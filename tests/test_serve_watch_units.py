@@ -5,6 +5,7 @@ backends against the jobs' own token totals."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -87,18 +88,24 @@ def _ended_batch(eng, batch_id, owner, **kw):
                            "completed_at": now, **kw})
 
 
+def _end(eng, sender, batch_id, owner, status="completed"):
+    """A batch made finalizing, then ended by the sender (its ending and its event at once)."""
+    _ended_batch(eng, batch_id, owner, completed_at=None)
+    return sender.end_batch(S.BatchStore(eng).get(batch_id), status, **{f"{status}_at": time.time()})
+
+
 def test_the_sender_retries_with_backoff_delivers_once_and_records_every_attempt(tmp_path):
     eng = S.connect(f"sqlite:///{tmp_path / 'w.db'}")
     rx = Receiver(fail=2)
     try:
         secret = new_secret()
         S.KeyStore(eng).add("key_a", "a", "tm-a", webhook_url=rx.url, webhook_secret=secret)
-        _ended_batch(eng, "batch_1", "key_a")
         clock = [time.time()]
         sender = WebhookSender(eng, Webhooks(allow_networks=["127.0.0.1/32"], first_retry_s=2, max_retry_s=3,
                                              retry_for_s=100), clock=lambda: clock[0])
-        sender.batch_ended("batch_1")
-        sender.batch_ended("batch_1")  # a second finalization: no second event
+        assert _end(eng, sender, "batch_1", "key_a")
+        # a second finalization: the batch has ended, no second event
+        assert not sender.end_batch(S.BatchStore(eng).get("batch_1"), "completed", completed_at=time.time())
         outcomes = []
         for step in (0, 1.9, 0.2, 2.9, 0.2, 10):  # due at 0, then 2 s later, then min(4, 3) s later
             clock[0] += step
@@ -121,13 +128,11 @@ def test_the_sender_gives_up_after_retry_for_s_and_never_calls_a_refused_url(tmp
         keys = S.KeyStore(eng)
         keys.add("key_a", "a", "tm-a", webhook_url=failing.url, webhook_secret=new_secret())
         keys.add("key_b", "b", "tm-b", webhook_url=refused.url, webhook_secret=new_secret())
-        _ended_batch(eng, "batch_a", "key_a")
-        _ended_batch(eng, "batch_b", "key_b")
         clock = [time.time()]
         sender = WebhookSender(eng, Webhooks(allow_networks=["127.0.0.1/32"], first_retry_s=1, max_retry_s=1,
                                              retry_for_s=2.5), clock=lambda: clock[0])
-        for b in ("batch_a", "batch_b"):
-            sender.batch_ended(b)
+        for b, k in (("batch_a", "key_a"), ("batch_b", "key_b")):
+            assert _end(eng, sender, b, k)
         for _ in range(6):
             sender.send_due()
             clock[0] += 1.01
@@ -141,6 +146,123 @@ def test_the_sender_gives_up_after_retry_for_s_and_never_calls_a_refused_url(tmp
     finally:
         failing.close()
         refused.close()
+
+
+def test_delivery_connects_to_the_address_it_checked_with_the_name_as_host_resolving_once(tmp_path):
+    eng = S.connect(f"sqlite:///{tmp_path / 'w.db'}")
+    rx = Receiver()
+    try:
+        port = rx.httpd.server_address[1]
+        asked = []
+
+        def resolve(host, p):  # `.invalid` never resolves (RFC 6761): only this answer can reach the receiver
+            asked.append(host)
+            return ["127.0.0.1"]
+
+        S.KeyStore(eng).add("key_a", "a", "tm-a", webhook_url=f"http://hooks.invalid:{port}/hook",
+                            webhook_secret=new_secret())
+        sender = WebhookSender(eng, Webhooks(allow_networks=["127.0.0.1/32"]), resolve=resolve)
+        assert _end(eng, sender, "batch_1", "key_a")
+        assert sender.send_due() == 1
+        ((headers, _, code),) = rx.got
+        assert code == 200 and headers["host"] == f"hooks.invalid:{port}"
+        assert asked == ["hooks.invalid"]  # one resolution, checked and connected to: no second one to rebind
+        (ev,) = S.WebhookStore(eng).events("batch_1")
+        assert [a["outcome"] for a in ev["attempt_log"]] == ["delivered"]
+    finally:
+        rx.close()
+
+
+def test_a_name_that_resolves_to_loopback_by_delivery_is_refused_and_never_called(tmp_path):
+    """The attacker registers a name that resolves to a public address, then points it at the
+    server's own loopback (DNS rebinding); and a name that is loopback outright (`localhost`)."""
+    eng = S.connect(f"sqlite:///{tmp_path / 'w.db'}")
+    rx = Receiver()
+    try:
+        port = rx.httpd.server_address[1]
+        answers = iter([["93.184.216.34"], ["127.0.0.1"]])
+        rebinding = WebhookSender(eng, Webhooks(), resolve=lambda host, p: next(answers))
+        url = f"http://rebind.example:{port}/hook"
+        assert rebinding.check_batch_url(url) is None  # public when the batch named it
+        S.KeyStore(eng).add("key_a", "a", "tm-a", webhook_secret=new_secret())
+        _ended_batch(eng, "batch_1", "key_a", completed_at=None, metadata={"webhook_url": url})
+        assert rebinding.end_batch(S.BatchStore(eng).get("batch_1"), "completed", completed_at=time.time())
+        assert rebinding.send_due() == 1
+        (ev,) = S.WebhookStore(eng).events("batch_1")
+        assert [a["outcome"] for a in ev["attempt_log"]] == ["refused"] and ev["gave_up_at"]
+        assert "127.0.0.1" in ev["attempt_log"][0]["error"] and "loopback" in ev["attempt_log"][0]["error"]
+        # `localhost`, resolved by this host's own resolver at delivery
+        S.KeyStore(eng).add("key_b", "b", "tm-b", webhook_url=f"http://localhost:{port}/hook",
+                            webhook_secret=new_secret())
+        sender = WebhookSender(eng, Webhooks())
+        assert sender.check_batch_url(f"http://localhost:{port}/hook") is not None
+        assert _end(eng, sender, "batch_2", "key_b")
+        assert sender.send_due() == 1
+        (ev,) = S.WebhookStore(eng).events("batch_2")
+        assert [a["outcome"] for a in ev["attempt_log"]] == ["refused"] and "loopback" in ev["attempt_log"][0]["error"]
+        assert rx.got == []
+    finally:
+        rx.close()
+
+
+#: Run in a process of its own: a real BatchService ends a cancelled batch and is SIGKILLed
+#: at the statement that inserts the batch's webhook event, after the ending's update.
+_KILLED_WHILE_ENDING = """
+import os, signal, sys
+from sqlalchemy import event
+from tokenmill.jobs.serve.config import ServeConfig
+from tokenmill.jobs.serve.service import BatchService
+
+svc = BatchService(ServeConfig.model_validate_json(sys.argv[1]))
+def kill(conn, cursor, statement, *a):
+    if statement.lstrip().upper().startswith("INSERT INTO WEBHOOK_EVENTS"):
+        os.kill(os.getpid(), signal.SIGKILL)
+event.listen(svc.eng, "before_cursor_execute", kill)
+svc.tick()
+print("not killed")
+"""
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_server_killed_while_ending_a_batch_loses_no_event_and_its_restart_makes_exactly_one(backend, request,
+                                                                                            tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.serve_server import ROOT, chat_line
+    from tokenmill.jobs.serve.config import ServeConfig
+    from tokenmill.jobs.serve.objects import batch_status
+    from tokenmill.jobs.serve.service import BatchService
+
+    url = f"sqlite:///{tmp_path / 'k.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    rx = Receiver()
+    try:
+        cfg = ServeConfig(db=url, files=str(tmp_path / "files"), work=str(tmp_path / "runs"), models={"m": {}},
+                          webhooks={"allow_networks": ["127.0.0.1/32"]})
+        svc = BatchService(cfg)
+        S.KeyStore(svc.eng).add("key_a", "a", "tm-a", webhook_url=rx.url, webhook_secret=new_secret())
+        src = tmp_path / "in.jsonl"
+        src.write_text(json.dumps(chat_line("a", "hi", model="m")) + "\n")
+        f = svc.add_file("key_a", "in.jsonl", "batch", str(src), src.stat().st_size, 1)
+        b = svc.create_batch("key_a", f["id"], "/v1/chat/completions", "24h", None)["id"]
+        svc.cancel_batch("key_a", b)  # the next tick finalizes it: cancelled, every line an error line
+        res = subprocess.run([sys.executable, "-c", _KILLED_WHILE_ENDING, cfg.model_dump_json()], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == -9, res.stdout + res.stderr
+        row = svc.batches.get(b)
+        assert batch_status(row) == "finalizing" and row["cancelled_at"] is None  # the ending was not kept...
+        assert S.WebhookStore(svc.eng).events(b) == []  # ...and neither was its event: both or neither
+        for _ in range(2):  # restarted, and restarted again: one ending, one event
+            again = BatchService(cfg)
+            again.tick()
+            assert batch_status(again.batches.get(b)) == "cancelled"
+            (ev,) = S.WebhookStore(again.eng).events(b)
+            assert ev["type"] == "batch.cancelled"
+            again.webhooks.send_due()
+        assert [(h["webhook-id"], code) for h, _, code in rx.got] == [(ev["id"], 200)]
+    finally:
+        rx.close()
 
 
 def _output(job_id, row, prompt, output, sample=0):
@@ -211,3 +333,31 @@ def test_over_quota_queue_admits_and_holds_a_batch_while_the_key_runs_its_limit(
     assert queue.holds(batches.get("batch_1"))  # batch_0 runs: the key is at its one
     batches.set("batch_0", completed_at=now + 5)
     assert not queue.holds(batches.get("batch_1"))
+
+
+def test_the_page_lists_batches_that_are_no_job_yet_each_key_its_own(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from tokenmill.jobs.serve.page import ui_app
+
+    db = f"sqlite:///{tmp_path / 'p.db'}"
+    eng = S.connect(db)
+    keys, batches = S.KeyStore(eng), S.BatchStore(eng)
+    keys.add("key_a", "a", "tm-aaaa")
+    keys.add("key_b", "b", "tm-bbbb")
+    now = time.time()
+    for i, (owner, extra) in enumerate((("key_a", {}), ("key_a", {"in_progress_at": now, "model": "m", "lines": 7}),
+                                        ("key_b", {}), ("key_a", {"failed_at": now}))):
+        batches.add({"id": f"batch_{i}", "owner": owner, "endpoint": "/v1/chat/completions", "input_file_id": "file-x",
+                     "completion_window": "24h", "created_at": now - 60 + i, "expires_at": now + 3600, **extra})
+    client = TestClient(ui_app(db, "tmui-token"))
+
+    def shown(secret):
+        r = client.get("/", headers={"Authorization": f"Bearer {secret}"})
+        assert r.status_code == 200
+        return {m.group(1): m.group(2) for m in re.finditer(r'<tr data-batch="([^"]+)" data-status="([^"]+)"', r.text)}
+
+    # validating, and validated but queued for its engine (no job row yet); an ended one is not waiting
+    assert shown("tm-aaaa") == {"batch_0": "validating", "batch_1": "in_progress"}
+    assert shown("tm-bbbb") == {"batch_2": "validating"}
+    assert shown("tmui-token") == {"batch_0": "validating", "batch_1": "in_progress", "batch_2": "validating"}

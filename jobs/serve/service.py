@@ -290,11 +290,11 @@ class BatchService:
         now = time.time()
         if found is None or found.errors:
             errors = found.errors if found is not None else [line_error("file_unreadable", problem, None)]
-            self.batches.set(b["id"], unless="failed_at", failed_at=now, errors=errors,
-                             lines=found.lines if found else 0, model=found.model if found else None,
-                             request_counts={"total": found.lines if found else 0, "completed": 0, "failed": 0})
-            self._count("batches", (found.model if found else None) or "", "failed", 1)
-            self.webhooks.batch_ended(b["id"])
+            if self.webhooks.end_batch(b, "failed", failed_at=now, errors=errors, lines=found.lines if found else 0,
+                                       model=found.model if found else None,
+                                       request_counts={"total": found.lines if found else 0, "completed": 0,
+                                                       "failed": 0}):
+                self._count("batches", (found.model if found else None) or "", "failed", 1)
             return None
         self.batches.set(b["id"], unless="in_progress_at", in_progress_at=now, lines=found.lines, model=found.model)
         return {**b, "in_progress_at": now, "lines": found.lines, "model": found.model}
@@ -320,7 +320,7 @@ class BatchService:
         if ended == "failed":
             values["errors"] = [line_error("batch_failed", (note or (job or {}).get("error") or "the job failed")[:1000],
                                            None)]
-        if self.batches.set(b["id"], unless=f"{ended}_at", **values):
+        if self.webhooks.end_batch(b, ended, **values):  # the ending and its webhook event: one transaction
             model = b.get("model") or ""
             self._count("lines", model, "completed", counts["completed"])
             self._count("lines", model, "failed", counts["failed"])
@@ -328,7 +328,6 @@ class BatchService:
             self._count("tokens", model, "input", tokens["input_tokens"])
             self._count("tokens", model, "output", tokens["output_tokens"])
             self._count("batches", model, ended, 1)
-            self.webhooks.batch_ended(b["id"])
             # the result files hold what the job folder's exports held; the job's rows stay in the database
             shutil.rmtree(self.cfg.work_root() / b["id"], ignore_errors=True)
         self.attempts.pop(b["id"], None)

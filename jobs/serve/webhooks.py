@@ -11,8 +11,11 @@ not 2xx) after `first_retry_s`, doubling up to `max_retry_s`, until `retry_for_s
 event was made.  A URL that is not http(s), or whose host resolves to an address that is not
 public (loopback, link-local and the cloud metadata address, private and shared ranges), is
 refused unless `webhooks.allow_networks` names its range: when a batch names it (400), when a
-key is given it (`tokenmill keys webhook`), and again before each attempt (a name may resolve
-elsewhere later): a refused attempt is recorded and the event given up, the URL never called."""
+key is given it (`tokenmill keys webhook`), and again at each attempt (a name may resolve
+elsewhere later): the name is resolved once, every address checked, and the connection made to
+a checked address with the name in the Host header and TLS's SNI (`pinned`), so a name that
+answers a public address to the check and a private one to the connection reaches no private
+address.  A refused attempt is recorded and the event given up, the URL never called."""
 
 from __future__ import annotations
 
@@ -27,10 +30,10 @@ import threading
 import time
 from datetime import datetime, timezone
 from typing import Any, Callable
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from tokenmill.jobs.serve.config import Webhooks
-from tokenmill.jobs.serve.objects import ENDED, batch_status
+from tokenmill.jobs.serve.objects import ENDED
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.errors import first_line
 
@@ -92,9 +95,10 @@ class Refused(ValueError):
     """A webhook URL the server will not call (one line: what and why)."""
 
 
-def check_url(url: str, allow_networks: list[str], resolve: Resolver = _resolve) -> None:
-    """Refused when `url` is not http(s) or its host resolves to an address that is not public
-    and not in `allow_networks`; OSError when its host does not resolve now."""
+def check_url(url: str, allow_networks: list[str], resolve: Resolver = _resolve) -> list[str]:
+    """The addresses `url`'s host resolves to now, each one checked; Refused when `url` is not
+    http(s) or any of them is not public and not in `allow_networks`; OSError when its host does
+    not resolve now."""
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -106,7 +110,10 @@ def check_url(url: str, allow_networks: list[str], resolve: Resolver = _resolve)
         raise Refused("a webhook URL may not carry a user name or password (the events are signed instead)")
     host = parts.hostname
     nets = [ipaddress.ip_network(n, strict=False) for n in allow_networks]
-    for addr in resolve(host, port or (443 if parts.scheme == "https" else 80)):
+    addrs = resolve(host, port or (443 if parts.scheme == "https" else 80))
+    if not addrs:
+        raise OSError(f"{host!r} resolves to no address")
+    for addr in addrs:
         ip = ipaddress.ip_address(addr.split("%")[0])
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
@@ -115,6 +122,20 @@ def check_url(url: str, allow_networks: list[str], resolve: Resolver = _resolve)
         if not ip.is_global:
             raise Refused(f"webhook host {host!r} is {ip}, {_kind(ip)}; webhooks go to public addresses unless the "
                           "server's webhooks.allow_networks names the range")
+    return addrs
+
+
+def pinned(url: str, addr: str) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """`url` sent to the checked address `addr` instead of its host name (which could resolve
+    elsewhere by the time a connection resolved it again: DNS rebinding): (the URL with the
+    address as its host, the Host header naming the host as the URL did, httpx's request
+    extensions giving TLS the name for SNI and the certificate check)."""
+    parts = urlsplit(url)
+    ip = ipaddress.ip_address(addr.split("%")[0])
+    host = f"[{ip}]" if ip.version == 6 else str(ip)
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return (urlunsplit(parts._replace(netloc=netloc)), {"host": parts.netloc},
+            {"sni_hostname": parts.hostname})
 
 
 def batch_url(key: dict[str, Any] | None, metadata: dict[str, Any] | None) -> str | None:
@@ -142,23 +163,24 @@ class WebhookSender:
             return f"webhook host of {url[:200]!r} does not resolve: {first_line(err)}"
         return None
 
-    def batch_ended(self, batch_id: str) -> None:
-        """Make the batch's event if it ended and names a URL (a second call makes none)."""
-        b = self.batches.get(batch_id)
-        if b is None:
-            return
-        status = batch_status(b)
+    def end_batch(self, b: dict[str, Any], status: str, **values: Any) -> bool:
+        """End batch `b` as `status` (`values`: its `<status>_at` and the rest of its row) and,
+        when it names a URL, make its event in the same transaction (WebhookStore.end_batch): a
+        server killed between the two cannot lose the event, and a batch finalized again after a
+        restart makes no second one.  Returns whether this call ended the batch."""
+        at = values[f"{status}_at"]
         url = batch_url(self.keys.get(b["owner"]), b.get("metadata"))
-        if status not in ENDED or not url:
-            return
-        kind = event_type(status)
-        evt = event_id(batch_id, kind)
-        now = self.clock()
-        made = self.store.add_event({"id": evt, "batch_id": batch_id, "owner": b["owner"], "type": kind, "url": url,
-                                     "body": event_body(evt, kind, batch_id, b.get(f"{status}_at") or now),
-                                     "created_at": now, "next_at": now, "attempts": 0})
-        if made:
+        event = None
+        if status in ENDED and url:
+            kind = event_type(status)
+            evt = event_id(b["id"], kind)
+            now = self.clock()
+            event = {"id": evt, "batch_id": b["id"], "owner": b["owner"], "type": kind, "url": url,
+                     "body": event_body(evt, kind, b["id"], at), "created_at": now, "next_at": now, "attempts": 0}
+        done = self.store.end_batch(b["id"], ended=f"{status}_at", values=values, event=event)
+        if done and event is not None:
             self._wake.set()
+        return done
 
     # ------------------------------------------------------------------ sending
 
@@ -203,13 +225,14 @@ class WebhookSender:
         t0 = self.clock()
         key = self.keys.get(ev["owner"])
         problem: str | None = None
+        addrs: list[str] = []
         if key is None or key.get("revoked_at") is not None:
             problem = "the batch's key was revoked"
         elif not key.get("webhook_secret"):
             problem = "the batch's key has no webhook secret (tokenmill keys webhook)"
         else:
             try:
-                check_url(ev["url"], self.cfg.allow_networks, self.resolve)
+                addrs = check_url(ev["url"], self.cfg.allow_networks, self.resolve)
             except Refused as err:
                 problem = str(err)
             except OSError as err:
@@ -224,10 +247,18 @@ class WebhookSender:
                    **signed_headers(key["webhook_secret"], ev["id"], ev["body"], t0)}
         if self._http is None:  # no proxies from the environment: the refusal above must hold for the connection
             self._http = httpx.Client(trust_env=False, follow_redirects=False, timeout=self.cfg.timeout_s)
-        try:
-            r = self._http.post(ev["url"], content=ev["body"].encode(), headers=headers)
-        except httpx.HTTPError as err:
-            return self._failed(ev, n, t0, None, first_line(err) or type(err).__name__)
+        # resolved once: the connection goes to an address just checked, never to a second
+        # resolution of the name (the next address where one refuses the connection)
+        for i, addr in enumerate(addrs):
+            url, host, ext = pinned(ev["url"], addr)
+            try:
+                r = self._http.post(url, content=ev["body"].encode(), headers={**headers, **host}, extensions=ext)
+                break
+            except httpx.ConnectError as err:
+                if i + 1 == len(addrs):
+                    return self._failed(ev, n, t0, None, first_line(err) or type(err).__name__)
+            except httpx.HTTPError as err:
+                return self._failed(ev, n, t0, None, first_line(err) or type(err).__name__)
         if 200 <= r.status_code < 300:
             done = self.clock()
             self.store.record(ev, {"attempt": n, "at": t0, "outcome": "delivered", "status_code": r.status_code,

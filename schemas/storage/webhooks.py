@@ -1,6 +1,7 @@
 """What `tokenmill serve` keeps of its webhooks: one event per batch ending (`webhook_events`,
-its body fixed when it is made, so every attempt sends the same bytes under the same id) and
-every delivery attempt (`webhook_attempts`), read back per batch.  The sending is
+written in the transaction that ends the batch, its body fixed then, so every attempt sends
+the same bytes under the same id) and every delivery attempt (`webhook_attempts`), read back
+per batch.  The sending is
 jobs/serve/webhooks.py's."""
 
 from __future__ import annotations
@@ -14,11 +15,19 @@ from tokenmill.schemas.storage.database import SqlStore, insert_ignore
 
 
 class WebhookStore(SqlStore):
-    def add_event(self, row: dict[str, Any]) -> bool:
-        """Insert an event unless one of its id exists (a batch finalized twice makes one);
-        returns whether it was new."""
+    def end_batch(self, batch_id: str, *, ended: str, values: dict[str, Any], event: dict[str, Any] | None) -> bool:
+        """A batch's ending and its event, in one transaction: the batch's `ended` column (its
+        terminal time) and `values` are written only while that column is unset, and the event
+        (None: the batch names no URL) is inserted with them, so a server killed at any point
+        leaves both or neither, and a batch finalized again makes no second event.  Returns
+        whether this call ended the batch."""
+        b = T.api_batches.c
         with self.engine.begin() as conn:
-            return insert_ignore(conn, T.webhook_events, [row]) == 1
+            done = bool(conn.execute(update(T.api_batches).where(b.id == batch_id, b[ended].is_(None))
+                                     .values(**values)).rowcount)
+            if done and event is not None:
+                insert_ignore(conn, T.webhook_events, [event])
+        return done
 
     def due(self, now: float, limit: int = 50) -> list[dict[str, Any]]:
         """Events neither delivered nor given up whose next attempt is due, oldest due first."""
