@@ -32,6 +32,7 @@ from tokenmill.transforms.counting import TokenCounter
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
 from tokenmill.transforms.engines.kinds import engine_of
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
+from tokenmill.transforms.images import image_rules
 from tokenmill.transforms.read import InputPlan, PlanUnits, ReadPrompts, plan_units, plan_work
 from tokenmill.transforms.resume import SkipDone
 from tokenmill.transforms.tokenize import DEFAULT_BLOCK_SIZE, Tokenize
@@ -77,11 +78,11 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     units = plan_units(plan, spec.batching.unit_bytes)
     work = p | "PlanUnits" >> PlanUnits(plan_work(units, spec.runner.resolved_workers()))
     ids = not (plan.format == "parquet" and "id" not in plan.columns)  # else ids come from positions: no duplicates
-    columns = used_columns(plan.columns, spec.reference_column) if plan.format == "parquet" else None
+    columns = used_columns(plan.columns, spec.reference_column, spec.images.column) if plan.format == "parquet" else None
     rows = work | "ReadPrompts" >> ReadPrompts(columns, served, parts.db_url, parts.job_id)
     if ids:
         rows = rows | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id)
-    valid = rows | "Validate" >> Validate(spec.reference_column, spec.engine.lora_adapters)
+    valid = rows | "Validate" >> Validate(spec.reference_column, spec.engine.lora_adapters, image_rules(spec))
     dead = {"Validate": valid[DEAD]}
     unique = valid.ok
     if ids:

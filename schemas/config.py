@@ -207,6 +207,19 @@ class BatchingConfig(_Strict):
     that kills the engine (it is restarted)."""
 
 
+class ImageConfig(_Strict):
+    """Images in chat prompts (docs/REQUESTS.md, "Images"): a message's `image_url` parts, or one
+    image per row in `column`; an image over a limit is its row's `bad_image` dead letter."""
+
+    column: str | None = None
+    """An input column holding one image per row (its bytes, or a data: URI, a path or an s3:// URL),
+    placed first in the row's last user message; null cells: no image."""
+    max_bytes: ByteSize = Field(ByteSize(8 << 20), ge=1)
+    """The largest image file taken (an integer or `8MiB`)."""
+    max_pixels: int = Field(4096 * 4096, ge=1)
+    """The most pixels (width × height) an image may decode to."""
+
+
 class RunnerConfig(_Strict):
     runner: str = "DirectRunner"
     num_workers: int | Literal["auto"] = 1
@@ -258,6 +271,8 @@ class JobSpec(_Strict):
     runner: RunnerConfig = Field(default_factory=RunnerConfig)
     reference_column: str | None = None
     """An input column with reference answers, copied to the outputs for quality checks."""
+    images: ImageConfig = Field(default_factory=ImageConfig)
+    """Images in chat prompts: an image column, and the limits on each image."""
     price_per_hour: float | None = Field(None, ge=0)
     """One flat price (USD per device-hour) for every device of the job, a CPU worker counting
     as one device; `prices` is the per-model form (jobs/metrics/pricing.py)."""

@@ -60,8 +60,9 @@ SERVER_ERROR = "server_error"
 REQUEST_TIMEOUT = "request_timeout"
 CONNECTION_DROPPED = "connection_dropped"
 BAD_RESPONSE = "bad_response"
-UNKNOWN_ADAPTER = "unknown_adapter"
-"""A row names a LoRA adapter the job did not declare (`engine.lora_adapters`)."""
+UNKNOWN_ADAPTER = "unknown_adapter"  # a row names a LoRA adapter the job did not declare (engine.lora_adapters)
+BAD_IMAGE = "bad_image"  # an image that cannot be read or decoded, or over images.max_bytes or max_pixels
+REMOTE_IMAGE = "remote_image"  # an image given as an http(s) URL: nothing is fetched from the web
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -96,11 +97,12 @@ class PromptRecord(_FromInput):
     input_file: int
     input_row: int
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None  # a content is text, or with images a list of parts
     sampling: dict[str, Any] = field(default_factory=dict)
     reference: str | None = None
     adapter: str | None = None
     """The LoRA adapter the row asks for (a name in `engine.lora_adapters`); None: the base model."""
+    images: tuple[bytes, ...] = ()  # the row's images' file bytes, in the prompt's order (transforms/images.py)
 
 
 @dataclass(slots=True)
@@ -110,19 +112,19 @@ class TokenizedPrompt(_FromInput):
     id: str
     input_file: int
     input_row: int
-    token_ids: Sequence[int]
-    """array("i") from Tokenize (4 bytes a token); any int sequence is accepted."""
+    token_ids: Sequence[int]  # array("i") from Tokenize (4 bytes a token); any int sequence is accepted
     prefix_key: str
     max_tokens: int
     sampling: dict[str, Any] = field(default_factory=dict)
     reference: str | None = None
-    source: str | list[dict[str, str]] | None = None
+    source: str | list[dict[str, Any]] | None = None
     """The prompt as the row gave it (its text, or its chat messages), kept only for an
     engine that takes text rather than token ids (the `openai` engine)."""
     samples: int = 1
     """The row's `n`: its requests in the engine (one prompt, shared by prefix caching)."""
     adapter: str | None = None
     """The LoRA adapter the row's requests run with (`PromptRecord.adapter`); None: the base model."""
+    images: tuple[bytes, ...] = ()  # `PromptRecord.images`: sent with the token ids (one placeholder token each)
 
     @property
     def budget_tokens(self) -> int:

@@ -192,6 +192,8 @@ class BatchRunner:
             source: dict[str, Any] = {} if p.source is None else {"source": p.source}
             if p.adapter is not None:  # an engine's session is told only when a row names one
                 source["adapter"] = p.adapter
+            if p.images:  # only an engine that `takes_images` gets a row with images
+                source["images"] = p.images
             for i, sampling in enumerate(sample_requests(request_sampling(self.cfg.sampling, p))):
                 one = rid if i == 0 else f"{rid}~{i}"
                 s.add(one, p.token_ids, sampling, **source)

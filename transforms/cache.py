@@ -33,6 +33,7 @@ from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import EngineConfig, JobSpec, SamplingDefaults
 from tokenmill.schemas.records import CACHED_COLUMNS, Chunk, FailedRecord, OutputRow, TokenizedPrompt
 from tokenmill.schemas.sampling import request_sampling, sample_requests
+from tokenmill.transforms.images import images_digest
 
 #: The recipe of keys and fingerprints: a change to what goes into them bumps it, so no old
 #: entry is served under a new meaning.
@@ -108,16 +109,19 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 def request_key(fingerprint: str, token_ids: Sequence[int], source: Any, sampling: Mapping[str, Any],
-                sample: int, adapter: str | None = None) -> str:
+                sample: int, adapter: str | None = None, images: str | None = None) -> str:
     """The key of one engine request: sha256 of the engine's `fingerprint`, the rendered prompt
     (`token_ids`; `source`, the text or messages an engine that takes text is sent, else None),
     the request's whole sampling (as `sample_requests` gives it: its seed is seed + sample), the
     sample index and, for a row run with a LoRA adapter, the adapter's content hash (`adapter`;
-    a base-model request's key has none, as before adapters)."""
+    a base-model request's key has none, as before adapters) and, for a row with images, their
+    hash (`images`, transforms/images.images_digest: the token ids hold only their placeholders)."""
     head = {"engine": fingerprint, "source": source, "sampling": dict(sampling), "sample": sample,
             "tokens": len(token_ids)}
     if adapter is not None:
         head["adapter"] = adapter
+    if images is not None:
+        head["images"] = images
     return _digest(head, b"\0" + _token_bytes(token_ids))
 
 
@@ -131,7 +135,8 @@ def prompt_keys(fingerprint: str, defaults: SamplingDefaults, p: TokenizedPrompt
     adapter = None if p.adapter is None else (adapters or {}).get(p.adapter)
     if p.adapter is not None and adapter is None:
         return None
-    return [request_key(fingerprint, p.token_ids, p.source, s, i, adapter) for i, s in enumerate(samples)]
+    images = images_digest(p.images) if p.images else None
+    return [request_key(fingerprint, p.token_ids, p.source, s, i, adapter, images) for i, s in enumerate(samples)]
 
 
 def adapter_hashes(cfg: EngineConfig) -> dict[str, str]:

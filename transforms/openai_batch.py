@@ -212,7 +212,10 @@ class LineError(ValueError):
 
 
 def _content_text(content: Any, where: str) -> Any:
-    """OpenAI lets content be a list of parts; text parts are joined, others refused."""
+    """OpenAI lets content be a list of parts; text parts are joined, a list with `image_url`
+    parts is kept whole (Validate reads its images: transforms/images.py), others refused."""
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        return content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):

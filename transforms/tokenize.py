@@ -81,6 +81,7 @@ def prompt_record(
         source=(rec.messages if rec.messages is not None else rec.prompt) if keep_source else None,
         samples=rec.sampling.get("n", default_samples),
         adapter=rec.adapter,
+        images=rec.images,
     )
 
 

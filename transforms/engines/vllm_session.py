@@ -5,6 +5,7 @@ vllm is imported lazily, inside worker-side calls."""
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import threading
@@ -215,15 +216,20 @@ class VllmSession:
         self.loras, self.no_adapter, self._zero_dir = lora.vllm_requests(cfg, on_gpu=on_gpu)
 
     def add(self, request_id: str, token_ids: Sequence[int], sampling: dict[str, Any], *, source: Any = None,
-            adapter: str | None = None) -> None:
+            adapter: str | None = None, images: Sequence[bytes] = ()) -> None:
         """`source` (a prompt's text) is not used: vLLM is sent the token ids; `adapter`: the
-        row's LoRA adapter (its `LoRARequest`)."""
+        row's LoRA adapter (its `LoRARequest`); `images`: the row's images, decoded into vLLM's
+        `multi_modal_data` (its processor puts each image's tokens where its placeholder is)."""
         from vllm.inputs import TokensPrompt
 
         if adapter is not None and adapter not in self.loras:
             raise ValueError(f"adapter {adapter!r} is not declared in engine.lora_adapters")
         adapter_request = self.no_adapter if adapter is None else self.loras[adapter]
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        if images:  # file bytes that Validate decoded and checked (transforms/images.py)
+            from PIL import Image
+
+            prompt["multi_modal_data"] = {"image": [Image.open(io.BytesIO(b)).convert("RGB") for b in images]}
         if self.embed:
             from vllm import PoolingParams
 
