@@ -120,15 +120,15 @@ class TokenizedPrompt(_FromInput):
     source: str | list[dict[str, Any]] | None = None
     """The prompt as the row gave it (its text, or its chat messages), kept only for an
     engine that takes text rather than token ids (the `openai` engine)."""
-    samples: int = 1
-    """The row's `n`: its requests in the engine (one prompt, shared by prefix caching)."""
+    samples: int = 1  # the row's `n`: its requests in the engine (one prompt, shared by prefix caching)
     adapter: str | None = None
     """The LoRA adapter the row's requests run with (`PromptRecord.adapter`); None: the base model."""
     images: tuple[bytes, ...] = ()  # `PromptRecord.images`: sent with the token ids (one placeholder token each)
+    image_tokens: int = 0  # the tokens the engine makes of the images beyond their placeholders
 
     @property
     def budget_tokens(self) -> int:
-        return len(self.token_ids) + self.max_tokens * self.samples
+        return len(self.token_ids) + self.image_tokens + self.max_tokens * self.samples
 
 
 @dataclass(slots=True)

@@ -214,6 +214,22 @@ def test_image_rows_sharing_a_system_prompt_share_a_prefix_key_and_their_images_
     assert list(red.token_ids) == list(green.token_ids) and keys[0] != keys[1]
 
 
+def test_an_images_tokens_count_in_the_budget_and_the_length_check_as_the_engine_makes_them(vlm, model_path):
+    from tokenmill.transforms.counting import LocalEncoder, load_tokenizer
+    from tokenmill.transforms.images import ImageTokens
+    from tokenmill.transforms.tokenize import prompt_record
+
+    rec = validate_row(_row(_data_uri(_png(size=(40, 20)))), images=RULES)
+    ids = LocalEncoder(load_tokenizer(str(vlm))).encode_many([rec])[0]
+    extra = ImageTokens(str(vlm)).extra(rec.images)
+    assert extra == IMAGE_TOKENS - 1  # the engine's 19 in place of the one placeholder
+    assert ImageTokens(model_path).extra(rec.images) == 0  # a text model's folder: no processor that counts
+    fits = prompt_record(rec, ids, max_model_len=len(ids) + extra + 4, default_max_tokens=4, image_tokens=extra)
+    assert fits.budget_tokens == len(ids) + extra + 4
+    over = prompt_record(rec, ids, max_model_len=len(ids) + extra + 3, default_max_tokens=4, image_tokens=extra)
+    assert over.reason == R.PROMPT_TOO_LONG and f"prompt has {len(ids) + extra} tokens" in over.message
+
+
 def test_an_openai_batch_line_keeps_its_image_parts_for_validate():
     from tokenmill.transforms.openai_batch import parse_request
 

@@ -197,6 +197,38 @@ def with_column_image(messages: list[dict[str, Any]], images: list[bytes], image
             [*images[:before], image, *images[before:]])
 
 
+class ImageTokens:
+    """How many tokens the engine makes of a row's images beyond their placeholders, for the
+    token budget and the length check (Tokenize): the model's Hugging Face processor's count
+    (`_get_num_multimodal_tokens`, what vLLM's Transformers backend reads) for each image's
+    size; 0 for a model whose folder has no processor that counts (an image then counts as
+    its one placeholder).  The processor is loaded at the first row with images."""
+
+    def __init__(self, model_path: str):
+        self._path = model_path
+        self._count: Any = False  # not loaded yet
+
+    def extra(self, images: tuple[bytes, ...]) -> int:
+        from PIL import Image
+
+        if self._count is False:
+            from transformers import AutoProcessor
+
+            try:
+                processor = AutoProcessor.from_pretrained(self._path, local_files_only=True)
+            except Exception:  # a text model's folder: no processor to load
+                processor = None
+            self._count = getattr(processor, "_get_num_multimodal_tokens", None)
+        if not self._count:
+            return 0
+        sizes = []
+        for b in images:
+            with Image.open(io.BytesIO(b)) as im:  # the header alone: Validate decoded it already
+                sizes.append([im.height, im.width])
+        counts = self._count(image_sizes=sizes).num_image_tokens
+        return sum(counts) - len(images) if counts else 0
+
+
 def images_digest(images: tuple[bytes, ...] | list[bytes]) -> str:
     """One hash of a row's images in order (the result cache's keys hold it)."""
     h = hashlib.sha256()

@@ -22,6 +22,7 @@ from tokenmill.schemas.records import Chunk, FailedRecord, PromptRecord, Tokeniz
 from tokenmill.transforms.chunks import MapRows, with_dead
 from tokenmill.transforms.counting import CountRefused, Encoder, TokenCounter, encode_each
 from tokenmill.transforms.host_model import model_folder_here
+from tokenmill.transforms.images import ImageTokens
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's KV block size on CUDA; the job passes the engine's real one (128 on CPU)
 
@@ -51,23 +52,25 @@ def prompt_record(
     prefix_blocks: int = 4,
     keep_source: bool = False,
     default_samples: int = 1,
+    image_tokens: int = 0,
 ) -> TokenizedPrompt | FailedRecord:
     """A row with its encoded prompt (`ids`, or the exception encoding it raised) → the record
     the engine gets, or its dead letter (the counter refused it, its template failed, it is
-    longer than the model takes)."""
+    longer than the model takes); `image_tokens`: what its images add beyond their placeholders
+    (`images.ImageTokens`)."""
     max_tokens = rec.sampling.get("max_tokens", default_max_tokens)
     if isinstance(ids, CountRefused):
         return FailedRecord(rec.input_file, rec.input_row, rec.id, R.BAD_REQUEST, first_line(ids))
     if isinstance(ids, Exception):  # a template that rejects the conversation, for example
         return FailedRecord(rec.input_file, rec.input_row, rec.id, R.BAD_MESSAGES, f"chat template failed: {first_line(ids)}")
     limit = max_model_len - max_tokens
-    if len(ids) > limit:
+    if len(ids) + image_tokens > limit:
         return FailedRecord(
             rec.input_file,
             rec.input_row,
             rec.id,
             R.PROMPT_TOO_LONG,
-            f"prompt has {len(ids)} tokens; the limit is max_model_len {max_model_len} - max_tokens {max_tokens} = {limit}",
+            f"prompt has {len(ids) + image_tokens} tokens; the limit is max_model_len {max_model_len} - max_tokens {max_tokens} = {limit}",
         )
     return TokenizedPrompt(
         id=rec.id,
@@ -82,6 +85,7 @@ def prompt_record(
         samples=rec.sampling.get("n", default_samples),
         adapter=rec.adapter,
         images=rec.images,
+        image_tokens=image_tokens,
     )
 
 
@@ -106,13 +110,16 @@ class TokenizeFn(MapRows):
             counter = replace(counter, model_path=model_folder_here(counter.model, counter.model_path,
                                                                     need_weights=False))
         self._encoder = counter.open()
+        self._images = ImageTokens(counter.model_path) if counter.source == "local" and counter.model_path else None
 
     def process(self, chunk: Chunk):
         """The whole chunk's prompts encoded in one call (`Encoder.encode_many`), then each
         row's record or dead letter, as `MapRows` gives them."""
         assert self._encoder is not None
         encoded = self._encoder.encode_many(chunk.items)
-        yield from self.emit(chunk, (prompt_record(rec, ids, **self._kw) for rec, ids in zip(chunk.items, encoded)))
+        extra = self._images.extra if self._images else lambda images: 0
+        yield from self.emit(chunk, (prompt_record(rec, ids, image_tokens=extra(rec.images) if rec.images else 0,
+                                                   **self._kw) for rec, ids in zip(chunk.items, encoded)))
 
 
 class Tokenize(beam.PTransform):
