@@ -42,7 +42,7 @@ def server(tmp_path_factory):
            "models": {"smollm2-135m": {"engine": dict(TEST_ENGINE), "sampling": {"max_tokens": 8},
                                        "price_per_hour": PRICE}},
            "webhooks": {"allow_networks": ["127.0.0.1/32"], "first_retry_s": 0.3, "max_retry_s": 1,
-                        "retry_for_s": 120}}
+                        "retry_for_s": 120, "secret_key_file": str(root / "webhook-secrets.key")}}
     srv = Server(root, cfg).start()
     yield srv
     srv.stop()
@@ -68,6 +68,8 @@ def test_an_ending_sends_one_signed_event_after_two_failed_attempts_recorded_on_
     assert res.returncode == 0, res.stderr
     key = json.loads(res.stdout)
     assert key["webhook_secret"].startswith("whsec_")
+    stored = S.KeyStore(S.connect(server.config["db"])).get(key["id"])["webhook_secret"]
+    assert stored.startswith("tmenc1:") and key["webhook_secret"] not in stored  # sealed at rest
     client = server.client(key["key"])
     f = _upload(client, jsonl(tmp_path / "bad.jsonl", [chat_line("a", "hi", model="no-such-model")]))
     b = wait_for(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",

@@ -205,6 +205,45 @@ def test_a_name_that_resolves_to_loopback_by_delivery_is_refused_and_never_calle
         rx.close()
 
 
+def test_signing_secrets_are_sealed_at_rest_under_a_0600_key_file_and_still_sign(tmp_path):
+    import os
+
+    from openai import OpenAI
+
+    from tokenmill.jobs.serve.webhooks import SEALED, SecretBox, SecretError, key_path
+
+    eng = S.connect(f"sqlite:///{tmp_path / 'w.db'}")
+    rx = Receiver()
+    try:
+        cfg = Webhooks(allow_networks=["127.0.0.1/32"], secret_key_file=str(tmp_path / "serve" / "wh.key"))
+        signing = new_secret()
+        stored = SecretBox(key_path(cfg)).seal(signing)
+        assert stored.startswith(SEALED) and signing not in stored and signing[6:] not in stored
+        assert len(stored) <= T.api_keys.c.webhook_secret.type.length  # the column a plain secret had: no migration
+        assert os.stat(tmp_path / "serve" / "wh.key").st_mode & 0o777 == 0o600
+        S.KeyStore(eng).add("key_a", "a", "tm-a", webhook_url=rx.url, webhook_secret=stored)
+        sender = WebhookSender(eng, cfg)
+        assert _end(eng, sender, "batch_1", "key_a")
+        assert sender.send_due() == 1
+        ((headers, body, code),) = rx.got
+        assert code == 200 and OpenAI(api_key="x", webhook_secret=signing).webhooks.unwrap(body, headers).data.id == "batch_1"
+        assert sender.box.open("whsec_stored-before") == "whsec_stored-before"  # a plain one from before: as it is
+        # the database without the key file (copied elsewhere): nothing it holds signs an event
+        elsewhere = WebhookSender(eng, Webhooks(allow_networks=["127.0.0.1/32"],
+                                                secret_key_file=str(tmp_path / "other.key")))
+        with pytest.raises(SecretError, match="another key file"):
+            elsewhere.box.open(stored)
+        assert _end(eng, elsewhere, "batch_2", "key_a")
+        assert elsewhere.send_due() == 1 and len(rx.got) == 1
+        (ev,) = S.WebhookStore(eng).events("batch_2")
+        assert [a["outcome"] for a in ev["attempt_log"]] == ["refused"]
+        os.chmod(tmp_path / "serve" / "wh.key", 0o644)  # a key file others may read is not used
+        with pytest.raises(SecretError, match="chmod 600"):
+            SecretBox(key_path(cfg)).open(stored)
+    finally:
+        rx.close()
+
+
 #: Run in a process of its own: a real BatchService ends a cancelled batch and is SIGKILLed
 #: at the statement that inserts the batch's webhook event, after the ending's update.
 _KILLED_WHILE_ENDING = """

@@ -153,7 +153,8 @@ def keys_create(name, admin, webhook_url, config_path, db_url, as_json):
         _check_webhook(config_path, db_url, webhook_url)
     secret, signing = "tm-" + secrets.token_urlsafe(32), new_secret()
     row = _store(config_path, db_url).add("key_" + secrets.token_hex(8), name, secret, admin=admin,
-                                          webhook_url=webhook_url or None, webhook_secret=signing)
+                                          webhook_url=webhook_url or None,
+                                          webhook_secret=_seal(config_path, db_url, signing))
     if as_json:
         emit_json({"id": row["id"], "name": name, "admin": admin, "key": secret, "webhook_url": webhook_url or None,
                    "webhook_secret": signing})
@@ -161,6 +162,16 @@ def keys_create(name, admin, webhook_url, config_path, db_url, as_json):
         click.echo(secret)
         click.echo(f"key {row['id']} ({name}{', admin' if admin else ''}): shown once; keep it secret", err=True)
         click.echo(f"webhook signing secret: {signing}", err=True)
+
+
+def _seal(config_path, db_url, signing: str) -> str:
+    """A webhook signing secret as the database keeps it: sealed with the server's key file."""
+    from tokenmill.jobs.serve.webhooks import SecretBox, SecretError, key_path
+
+    try:
+        return SecretBox(key_path(_config(config_path, db=db_url).webhooks)).seal(signing)
+    except (SecretError, OSError) as err:
+        raise Failure(str(err)) from None
 
 
 def _check_webhook(config_path, db_url, url: str) -> None:
@@ -200,18 +211,20 @@ def keys_webhook(key, url, new_secret, config_path, db_url, as_json):
         if url:
             _check_webhook(config_path, db_url, url)
         values["webhook_url"] = url or None
-    if new_secret:
-        values["webhook_secret"] = make_secret()
+    signing = make_secret() if new_secret else None
+    if signing:
+        values["webhook_secret"] = _seal(config_path, db_url, signing)
     key_id = _store(config_path, db_url).update(key, **values)
     if key_id is None:
         raise Failure(f"no unrevoked key with id or prefix {key!r} (or the prefix names more than one)")
+    shown = {**values, **({"webhook_secret": signing} if signing else {})}
     if as_json:
-        emit_json({"id": key_id, **values})
+        emit_json({"id": key_id, **shown})
         return
     if "webhook_url" in values:
         click.echo(f"key {key_id}: webhook {values['webhook_url'] or 'off'}")
-    if new_secret:
-        click.echo(f"key {key_id}: new webhook signing secret {values['webhook_secret']} (shown once)")
+    if signing:
+        click.echo(f"key {key_id}: new webhook signing secret {signing} (shown once)")
 
 
 @keys_group.command(name="quota", context_settings=CONTEXT_SETTINGS)

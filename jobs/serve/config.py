@@ -69,6 +69,10 @@ class Webhooks(_Strict):
     max_retry_s: float = Field(3600.0, gt=0)
     retry_for_s: float = Field(86400.0, gt=0)
     """How long after the batch ended an event is still tried; then it is given up."""
+    secret_key_file: str | None = None
+    """The key that seals the keys' webhook signing secrets in the database (made at first use,
+    mode 0600); default `~/.cache/tokenmill/serve/webhook-secrets.key`.  `tokenmill keys` and
+    the server must read the same file."""
 
     @field_validator("allow_networks")
     @classmethod

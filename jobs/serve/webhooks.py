@@ -3,7 +3,8 @@
 `batch.*` event (`{"id": "evt_…", "object": "event", "created_at", "type", "data": {"id"}}`)
 signed as Standard Webhooks specifies (`webhook-id`, `webhook-timestamp`, `webhook-signature`:
 HMAC-SHA256 with the key's `whsec_` secret, by the `standardwebhooks` package), so the `openai`
-SDK's `client.webhooks.unwrap` verifies it.
+SDK's `client.webhooks.unwrap` verifies it.  The secrets are sealed in the database
+(`SecretBox`: AES-256-GCM under a key file of the server's data folder, 0600).
 
 One event per batch ending (its id derives from the batch and the type), kept in the database
 with every attempt; a background thread sends what is due and retries a failure (no answer, or
@@ -24,11 +25,13 @@ import hashlib
 import ipaddress
 import json
 import logging
+import os
 import secrets
 import socket
 import threading
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -91,6 +94,82 @@ def _kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
     return "not a public address"
 
 
+#: How a sealed secret starts in `api_keys.webhook_secret`; a value without it is a secret stored
+#: before secrets were sealed, used as it is.
+SEALED = "tmenc1:"
+
+
+class SecretError(RuntimeError):
+    """A key file or a sealed secret that cannot be used (one line: which and why)."""
+
+
+def key_path(cfg: Webhooks) -> Path:
+    """Where the key that seals the webhook signing secrets is kept."""
+    from tokenmill.schemas.models import tokenmill_home
+
+    return Path(cfg.secret_key_file) if cfg.secret_key_file else tokenmill_home() / "serve" / "webhook-secrets.key"
+
+
+class SecretBox:
+    """The keys' webhook signing secrets sealed at rest: AES-256-GCM (the `cryptography`
+    package) under a key kept in a file of the server's data folder, mode 0600, made at first
+    use.  A sealed secret fits the column a plain one had (no migration); a plain one, stored
+    before, is opened as it is.  The database alone no longer signs an event."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._aead: Any = None
+
+    def _key(self) -> Any:
+        if self._aead is None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            if not self.path.exists():
+                self._make(AESGCM.generate_key(bit_length=256))
+            mode = self.path.stat().st_mode & 0o777
+            if mode & 0o077:
+                raise SecretError(f"the webhook secrets' key file {self.path} has mode {mode:o}: others may read it; "
+                                  f"chmod 600 {self.path}")
+            try:
+                key = base64.urlsafe_b64decode(self.path.read_bytes().strip())
+            except ValueError:
+                key = b""
+            if len(key) != 32:
+                raise SecretError(f"the webhook secrets' key file {self.path} does not hold a 256-bit key in base64")
+            self._aead = AESGCM(key)
+        return self._aead
+
+    def _make(self, key: bytes) -> None:
+        """Write the key file whole, mode 0600, unless another process made it first."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(base64.urlsafe_b64encode(key) + b"\n")
+        try:
+            os.link(tmp, self.path)  # never a half-written key file under its name
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+
+    def seal(self, secret: str) -> str:
+        nonce = os.urandom(12)
+        return SEALED + base64.urlsafe_b64encode(nonce + self._key().encrypt(nonce, secret.encode(), None)).decode()
+
+    def open(self, stored: str) -> str:
+        """The secret a stored value holds (a value stored unsealed, as it is)."""
+        if not stored.startswith(SEALED):
+            return stored
+        from cryptography.exceptions import InvalidTag
+
+        raw = base64.urlsafe_b64decode(stored[len(SEALED):])
+        try:
+            return self._key().decrypt(raw[:12], raw[12:], None).decode()
+        except (InvalidTag, ValueError):
+            raise SecretError(f"the key's webhook secret was sealed with another key file than {self.path}") from None
+
+
 class Refused(ValueError):
     """A webhook URL the server will not call (one line: what and why)."""
 
@@ -149,6 +228,7 @@ class WebhookSender:
     def __init__(self, eng, cfg: Webhooks, *, resolve: Resolver = _resolve, clock: Callable[[], float] = time.time):
         self.cfg, self.resolve, self.clock = cfg, resolve, clock
         self.store, self.keys, self.batches = S.WebhookStore(eng), S.KeyStore(eng), S.BatchStore(eng)
+        self.box = SecretBox(key_path(cfg))
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._http: Any = None
@@ -226,14 +306,16 @@ class WebhookSender:
         key = self.keys.get(ev["owner"])
         problem: str | None = None
         addrs: list[str] = []
+        secret = ""
         if key is None or key.get("revoked_at") is not None:
             problem = "the batch's key was revoked"
         elif not key.get("webhook_secret"):
             problem = "the batch's key has no webhook secret (tokenmill keys webhook)"
         else:
             try:
+                secret = self.box.open(key["webhook_secret"])
                 addrs = check_url(ev["url"], self.cfg.allow_networks, self.resolve)
-            except Refused as err:
+            except (Refused, SecretError) as err:
                 problem = str(err)
             except OSError as err:
                 return self._failed(ev, n, t0, None, f"the host does not resolve: {first_line(err)}")
@@ -242,9 +324,8 @@ class WebhookSender:
                               next_at=None, gave_up_at=t0)
             log.warning("webhook %s of batch %s refused: %s", ev["id"], ev["batch_id"], problem)
             return "refused"
-        assert key is not None
         headers = {"content-type": "application/json", "user-agent": USER_AGENT,
-                   **signed_headers(key["webhook_secret"], ev["id"], ev["body"], t0)}
+                   **signed_headers(secret, ev["id"], ev["body"], t0)}
         if self._http is None:  # no proxies from the environment: the refusal above must hold for the connection
             self._http = httpx.Client(trust_env=False, follow_redirects=False, timeout=self.cfg.timeout_s)
         # resolved once: the connection goes to an address just checked, never to a second
