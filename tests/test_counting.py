@@ -177,3 +177,30 @@ def test_a_chunk_encoded_in_one_call_gives_each_row_the_ids_of_encoding_it_alone
     (ok,) = [o for o in out if not hasattr(o, "tag")]
     assert [list(p.token_ids) for p in ok.items] == [alone[0], alone[2]]
     assert [(d.id, d.reason) for d in dead] == [(bad.id, R.BAD_MESSAGES)]
+
+
+def test_a_large_chunk_is_tokenized_on_a_thread_per_core_with_the_ids_of_one_call(model_path, monkeypatch):
+    """A chunk of at least two slices of `MIN_THREAD_SLICE` texts is tokenized on one thread
+    per core the process may use, each taking a contiguous slice: the ids, in order, are
+    those of one tokenizer call, for conversations and plain prompts alike."""
+    import threading
+
+    monkeypatch.setattr(C, "MIN_THREAD_SLICE", 8)
+    monkeypatch.setattr(C, "allowed_cores", lambda: [0, 1, 2])
+    enc = C.TokenCounter.local(model_path).open()
+    rows = [rec(messages=[{"role": "system", "content": f"System {i % 3}."}, {"role": "user", "content": f"Q{i} " * (i % 7)}])
+            for i in range(40)] + [rec(f"plain prompt {i} " * (1 + i % 5)) for i in range(30)]
+    calls: list[tuple[str, int]] = []
+    backend = enc.tokenizer.backend_tokenizer
+
+    class Watched:  # the fast tokenizer, noting which thread encodes how many texts
+        def encode_batch(self, texts, **kw):
+            calls.append((threading.current_thread().name, len(texts)))
+            return backend.encode_batch(texts, **kw)
+
+    monkeypatch.setattr(type(enc.tokenizer), "backend_tokenizer", property(lambda self: Watched()), raising=False)
+    got = enc.encode_many(rows)
+    monkeypatch.undo()
+    assert sorted(n for _, n in calls) == [10, 10, 10, 12, 14, 14]  # 30 prompts and 40 conversations, 3 slices each
+    assert all(name.startswith("tokenize") for name, _ in calls)
+    assert got == [enc.encode(r) for r in rows]

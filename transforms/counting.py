@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import httpx
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import PromptRecord
+from tokenmill.transforms.engines.device import allowed_cores
 
 #: UTF-8 bytes counted as one token by the `estimate` counter.
 ESTIMATE_BYTES = 4
@@ -37,6 +39,9 @@ TOKENIZE_RETRIES = 3
 RETRY_WAIT_S = 0.5
 #: What `probe_server` asks the server to tokenize.
 PROBE_TEXT = "Hello"
+#: A chunk's texts are tokenized on several threads (one a core this process may run on) in
+#: slices of at least this many prompts: the fast tokenizer's Rust code runs without the GIL.
+MIN_THREAD_SLICE = 1024
 
 Source = Literal["local", "server", "estimate"]
 Style = Literal["vllm", "llama.cpp"]
@@ -145,6 +150,8 @@ def encode(tokenizer, rec: PromptRecord) -> list[int]:
 class LocalEncoder:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self._pool: ThreadPoolExecutor | None = None
+        self._threads = 0
 
     def encode(self, rec: PromptRecord) -> list[int]:
         return encode(self.tokenizer, rec)
@@ -160,18 +167,34 @@ class LocalEncoder:
             at = [i for i, r in enumerate(recs) if (r.messages is not None) == chat]
             if not at:
                 continue
+            got: list[list[int]] | list[list[int] | Exception]
             try:
                 if chat:  # rendered, then tokenized as apply_chat_template(tokenize=True) does: no special tokens added
                     texts = self.tokenizer.apply_chat_template([recs[i].messages for i in at],
                                                                add_generation_prompt=True, tokenize=False)
-                    got = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+                    got = self.ids(list(texts), special=False)
                 else:
-                    got = self.tokenizer([recs[i].prompt for i in at], add_special_tokens=True)["input_ids"]
+                    got = self.ids([cast(str, recs[i].prompt) for i in at], special=True)
             except Exception:
                 got = encode_each(self, [recs[i] for i in at])
             for i, ids in zip(at, got):
                 out[i] = ids if isinstance(ids, Exception) else list(ids)
         return [x if x is not None else ValueError("not encoded") for x in out]
+
+    def ids(self, texts: list[str], *, special: bool) -> list[list[int]]:
+        """The texts' token ids, as the tokenizer's own call gives them; a fast tokenizer's
+        `encode_batch` (which releases the GIL) runs on one thread per usable core, each on
+        a contiguous slice of at least `MIN_THREAD_SLICE` texts."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        threads = min(len(allowed_cores()), len(texts) // MIN_THREAD_SLICE)
+        if backend is None or threads <= 1:
+            return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+        if self._pool is None or self._threads < threads:
+            self._pool, self._threads = ThreadPoolExecutor(threads, thread_name_prefix="tokenize"), threads
+        step = -(-len(texts) // threads)
+        slices = [texts[i:i + step] for i in range(0, len(texts), step)]
+        encoded = self._pool.map(lambda part: backend.encode_batch(part, add_special_tokens=special), slices)
+        return [e.ids for part in encoded for e in part]
 
 
 class EstimateEncoder:

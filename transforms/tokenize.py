@@ -102,6 +102,7 @@ class TokenizeFn(MapRows):
             default_samples=default_samples,
         )
         self._encoder: Encoder | None = None
+        self._images: ImageTokens | None = None
 
     def setup(self):
         counter = self._counter

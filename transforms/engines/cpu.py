@@ -16,6 +16,7 @@ from typing import Any
 
 from tokenmill.transforms.engines import kv
 from tokenmill.transforms.engines.checks import effective_block_size
+from tokenmill.transforms.engines.device import allowed_cores
 from tokenmill.transforms.engines.vllm_config import VllmConfig
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def claim_cpu_slot(workers: int, group: str, lock_dir: str | None = None) -> tup
     import tempfile
 
     global _SLOT_FD
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = allowed_cores()
     d = Path(lock_dir or tempfile.gettempdir()) / f"tokenmill-cpu-slots-{group}"
     d.mkdir(parents=True, exist_ok=True)
     for slot in range(workers):

@@ -1,5 +1,5 @@
-"""Which NVIDIA GPUs this process may use: the one detector for the engines, the
-launcher and the hardware report.
+"""Which NVIDIA GPUs (and which CPU cores) this process may use: the one detector for the
+engines, the launcher and the hardware report.
 
 Asks NVML (`pynvml`, package nvidia-ml-py) rather than torch, so the launcher
 and the CLI never import torch to find out."""
@@ -92,6 +92,14 @@ def _mig_instances(nvml, h) -> list[tuple[int, Any]] | None:
         except Exception:  # NVML_ERROR_NOT_FOUND: no instance in this slot
             continue
     return found
+
+
+def allowed_cores() -> list[int]:
+    """The CPU cores this process may run on (its affinity: a bound worker's own cores, a
+    container's cpuset), sorted; every core where affinity is unknown."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def cpu_model() -> str:

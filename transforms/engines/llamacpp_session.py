@@ -45,6 +45,7 @@ from tokenmill.schemas.models import (
     quantization_record,
     tokenmill_home,
 )
+from tokenmill.transforms.engines.device import allowed_cores
 from tokenmill.transforms.engines.lora import adapter_paths
 from tokenmill.transforms.engines.openai_config import HttpClientConfig, OpenAIConfig
 from tokenmill.transforms.engines.openai_session import OpenAISession
@@ -205,7 +206,7 @@ def worker_cores(cores: list[int] | None = None) -> list[int]:
     """The cores a server binds: the worker's slot share when it claimed one, else every core it may use."""
     if cores:
         return sorted(cores)
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return allowed_cores()
 
 
 def server_args(cfg: LlamaCppConfig, gguf: Path, port: int, threads: int) -> list[str]:

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 from tokenmill.transforms.engines.device import (
     FORCE_CPU_ENV,
+    allowed_cores,
     cpu_model,
     describe_devices,
     device_handle,
@@ -79,9 +80,7 @@ def bound_cpu_count() -> int:
             lo, _, hi = part.partition("-")
             n += (int(hi) - int(lo) + 1) if hi else 1
         return n
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return len(allowed_cores())
 
 
 def _tree(pid: int):
