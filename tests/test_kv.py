@@ -226,7 +226,7 @@ def test_the_cli_exits_with_the_commands_status_and_its_output_flushed(tmp_path)
 @pytest.mark.engine
 @pytest.mark.cpu_only
 def test_an_engine_sized_for_a_small_first_chunk_runs_a_later_longer_one(model_path, monkeypatch):
-    """The cache holds one 512-token sequence (the floor); eight 420-token sequences
+    """The cache holds one 512-token sequence (the floor); three 400-token sequences
     still finish through it, one or two at a time."""
     monkeypatch.setattr(registry, "_SESSIONS", {})  # the suite's shared engine stays as it is
     monkeypatch.setattr(kinds.engine_of("vllm"), "job_tokens", {})
@@ -239,15 +239,15 @@ def test_an_engine_sized_for_a_small_first_chunk_runs_a_later_longer_one(model_p
         assert info["executor"] == "uni" and info["engine_kwargs"]["kv_cache_memory_bytes"] == 640 * info["kv_bytes_per_token"]
         later = kv.JobTokens(max_seq_tokens=420, total_seq_tokens=8 * 420)
         assert worker.worker_session(cfg, model_path, group="kv-small-first", job_tokens=later) is s
-        for i in range(8):
+        for i in range(3):
             ids = [100 + (i * 7919 + j * 31) % 40000 for j in range(360)]  # no shared prefix
-            s.add(f"long-{i}", ids, {"max_tokens": 60, "ignore_eos": True, "temperature": 0.0})
+            s.add(f"long-{i}", ids, {"max_tokens": 40, "ignore_eos": True, "temperature": 0.0})
         done = {}
         for _ in range(100_000):
             done.update({f.request_id: f for f in s.step()})
             if not s.num_unfinished():
                 break
-        assert sorted(done) == [f"long-{i}" for i in range(8)]
-        assert all(f.output_tokens == 60 and f.prompt_tokens == 360 for f in done.values())
+        assert sorted(done) == [f"long-{i}" for i in range(3)]
+        assert all(f.output_tokens == 40 and f.prompt_tokens == 360 for f in done.values())
     finally:
         registry.shutdown_all()

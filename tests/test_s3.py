@@ -95,11 +95,14 @@ def test_job_reads_and_writes_s3(s3, sqlite_url):
 
 
 def test_a_prefix_of_many_objects_is_planned_in_parallel_and_every_row_read_once(s3, sqlite_url):
-    """An S3 prefix of hundreds of objects (footers read 16 at a time, one unit per object)."""
+    """An S3 prefix of many objects (footers read 16 at a time, one unit per object): three
+    full rounds of the planner's 16 reads and a part round.  (300 objects took 170 s in a
+    whole-suite run on 2 cores, about half a second a unit against the loopback S3, and
+    proved no more.)"""
     from concurrent.futures import ThreadPoolExecutor
 
     b = s3.buckets
-    n = 300
+    n = 53
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda i: put_parquet(s3, b["in"], f"many/part-{i:04d}.parquet",
                                             [{"id": f"o{i}-{j}", "prompt": f"q {i} {j}"} for j in range(2)]), range(n)))

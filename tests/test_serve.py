@@ -153,7 +153,8 @@ def test_limits_are_refused_in_openais_error_shape(server, keys, tmp_path):
     with pytest.raises(openai.RateLimitError):
         carol.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     for b in made:
-        assert carol.batches.cancel(b.id).status in ("cancelling", "cancelled", "completed")
+        # a one-line batch may already be finalizing (its line answered): it ends completed
+        assert carol.batches.cancel(b.id).status in ("cancelling", "cancelled", "finalizing", "completed")
     ended = [wait_for(carol, b.id) for b in made]
     assert {b.status for b in ended} <= {"cancelled", "completed"}
     for b in ended:  # each line in exactly one file
