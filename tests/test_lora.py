@@ -136,6 +136,32 @@ def test_an_adapter_over_max_lora_rank_or_missing_is_refused_in_one_line_each(tm
         NAME: str(adapters / "adapter")}})
 
 
+@pytest.mark.s3
+def test_an_adapter_given_as_an_s3_url_is_synced_checked_there_and_handed_to_the_engine(
+        tmp_path, model_path, adapters, s3, monkeypatch):
+    """`engine.lora_adapters` naming an s3:// URL: the preflight syncs the adapter into this
+    host's models cache and reads its rank from that copy; the engine is handed the copy
+    (`adapter_paths`), file for file what was uploaded."""
+    from tokenmill.schemas.config import JobSpec
+    from tokenmill.schemas.model_sync import MANIFEST
+    from tokenmill.transforms.engines.lora import adapter_paths
+
+    monkeypatch.setenv("TOKENMILL_MODELS", str(tmp_path / "models"))
+    src = adapters / "adapter"
+    files = {f.relative_to(src): f.read_bytes() for f in src.rglob("*") if f.is_file()}
+    for rel in files:
+        s3.upload_file(str(src / rel), s3.buckets["in"], f"adapters/{NAME}/{rel}")
+    engine = {**TEST_ENGINE, "model": model_path, "max_lora_rank": 1,  # the base by its folder: the cache is the test's
+              "lora_adapters": {NAME: f"s3://{s3.buckets['in']}/adapters/{NAME}"}}
+    problems = _problems(tmp_path, engine)
+    assert any(f"lora adapter '{NAME}' has rank {RANK}, over engine.max_lora_rank 1" in p for p in problems), problems
+    assert not _problems(tmp_path, {**engine, "max_lora_rank": RANK})
+    spec = JobSpec.model_validate(job_spec(tmp_path / "in.parquet", tmp_path / "out", engine={**engine, "max_lora_rank": RANK}))
+    copy = Path(adapter_paths(spec.engine)[NAME])
+    assert copy.is_relative_to(tmp_path / "models")
+    assert {f.relative_to(copy): f.read_bytes() for f in copy.rglob("*") if f.is_file() and f.name != MANIFEST} == files
+
+
 def test_an_engine_without_lora_refuses_adapters_and_vllm_ranks_are_its_own(tmp_path):
     from tests import echo_engine
     from tokenmill.schemas.config import SpecError

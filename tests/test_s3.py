@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,36 +29,6 @@ from tokenmill.schemas import storage as S
 
 pytestmark = pytest.mark.s3
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def s3(s3_endpoint, monkeypatch):
-    """A boto3 client on the loopback endpoint, the standard AWS env set, and two fresh buckets."""
-    import boto3
-
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
-    client = boto3.client("s3", endpoint_url=s3_endpoint)
-    tag = uuid.uuid4().hex[:8]
-    buckets = {"in": f"in-{tag}", "out": f"out-{tag}"}
-    for b in buckets.values():
-        client.create_bucket(Bucket=b)
-    client.buckets = buckets
-    client.endpoint = s3_endpoint
-    return client
 
 
 def put_parquet(client, bucket, key, rows):
