@@ -151,7 +151,6 @@ class LocalEncoder:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._pool: ThreadPoolExecutor | None = None
-        self._threads = 0
 
     def encode(self, rec: PromptRecord) -> list[int]:
         return encode(self.tokenizer, rec)
@@ -189,8 +188,8 @@ class LocalEncoder:
         threads = min(len(allowed_cores()), len(texts) // MIN_THREAD_SLICE)
         if backend is None or threads <= 1:
             return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
-        if self._pool is None or self._threads < threads:
-            self._pool, self._threads = ThreadPoolExecutor(threads, thread_name_prefix="tokenize"), threads
+        if self._pool is None:  # one thread a core, made once; a chunk uses as many as it has slices
+            self._pool = ThreadPoolExecutor(len(allowed_cores()), thread_name_prefix="tokenize")
         step = -(-len(texts) // threads)
         slices = [texts[i:i + step] for i in range(0, len(texts), step)]
         encoded = self._pool.map(lambda part: backend.encode_batch(part, add_special_tokens=special), slices)
