@@ -157,6 +157,23 @@ def test_a_new_job_run_whose_work_outgrew_the_engine_starts_it_again_sized_for_t
     assert vllm_engine.ENGINE.outgrown(cfg, {}, large) is False  # no work named: the default share
 
 
+def test_an_engine_sized_for_its_capacity_is_never_started_again_for_a_larger_job(default_is_started):
+    """`kv_cache_sized_for: capacity` (a server's warm engine): sized for max_num_seqs sequences of
+    max_model_len whatever its first job brings, so a larger job later runs on it as it is."""
+    from tokenmill.jobs.serve.config import ServeConfig
+
+    cfg = VllmConfig(max_num_seqs=8, max_model_len=512, kv_cache_sized_for="capacity")
+    s = worker.worker_session(cfg, "/m", group="job-a", job_tokens=kv.JobTokens(40, 80))
+    assert s.job_tokens == kv.JobTokens(512, 8 * 512)
+    assert worker.worker_session(cfg, "/m", group="job-b", job_tokens=kv.JobTokens(512, 100_000)) is s and not s.shut
+    # a served model's engine is sized so unless its config says otherwise
+    served = ServeConfig.model_validate({}).job_spec("smollm2-135m", input="x.jsonl", output="o", job_id="j")
+    assert served.engine.kv_cache_sized_for == "capacity"
+    own = ServeConfig.model_validate({"models": {"m": {"engine": {"kv_cache_sized_for": "job"}}}})
+    assert own.job_spec("m", input="x.jsonl", output="o", job_id="j").engine.kv_cache_sized_for == "job"
+    assert VllmConfig().kv_cache_sized_for == "job"  # a one-shot job: sized for its own work
+
+
 def test_other_factories_get_the_config_alone(default_is_started):
     s = worker.worker_session(VllmConfig(), "/m", FakeSession, workers=2, group="g", job_tokens=kv.JobTokens(1, 1))
     assert type(s) is FakeSession and vllm_engine.ENGINE.job_tokens == {}

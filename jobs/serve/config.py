@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tokenmill.schemas.config import JobSpec, SpecError, format_validation_error, read_spec_file
+from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, JobSpec, SpecError, format_validation_error, read_spec_file
 from tokenmill.schemas.db import default_db_url
 from tokenmill.schemas.models import tokenmill_home
 
@@ -99,7 +99,8 @@ class ServeConfig(_Strict):
     work: str | None = None
     """A local folder for the batches' job outputs before they become output files (default
     ~/.cache/tokenmill/serve/runs)."""
-    models: dict[str, dict[str, Any]] = Field(default_factory=lambda: {DEFAULT_MODEL: dict[str, Any]()})
+    models: dict[str, dict[str, Any]] = Field(default_factory=lambda: {DEFAULT_MODEL: dict[str, Any]()},
+                                              validate_default=True)
     """Model name (what a request's `body.model` names) → its job spec keys (`engine`, `sampling`,
     `batching`, ...).  `engine.model` defaults to the name."""
     limits: Limits = Field(default_factory=Limits)
@@ -123,6 +124,8 @@ class ServeConfig(_Strict):
                 raise ValueError(f"model {name!r}: keys {bad} are not served model keys (allowed: {list(MODEL_KEYS)})")
             engine = dict(keys.get("engine") or {})
             engine.setdefault("model", name)
+            for key, value in _warm_defaults(engine).items():  # a warm engine is sized for any batch
+                engine.setdefault(key, value)
             if engine["model"] != name:
                 raise ValueError(f"model {name!r}: engine.model is {engine['model']!r}; a served model's name is the "
                                  "model the engine answers to, so name it the same")
@@ -161,6 +164,18 @@ class ServeConfig(_Strict):
             if isinstance(err, ValidationError):
                 raise SpecError(format_validation_error(err, f"served model {model!r}")) from None
             raise
+
+
+def _warm_defaults(engine: dict[str, Any]) -> Mapping[str, Any]:
+    """The keys the served engine's kind starts a warm engine with (`EngineKind.warm_defaults`);
+    none for a kind not registered (the job spec's check then names it)."""
+    from tokenmill.schemas.engine_kinds import UnknownEngine
+    from tokenmill.transforms.engines.kinds import engine_of
+
+    try:
+        return engine_of(str(engine.get("kind") or DEFAULT_ENGINE_KIND)).warm_defaults
+    except UnknownEngine:
+        return {}
 
 
 def load_config(path: str | None, **overrides: Any) -> ServeConfig:

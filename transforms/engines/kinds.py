@@ -70,6 +70,9 @@ class EngineKind(Generic[C]):
     """The engine is sent a row's images with its prompt (`add(..., images=)`; the model must be a
     vision model); a row with images for another engine is its `bad_request` dead letter, and a
     job naming `images.column` for it is refused in the preflight (transforms/images.py)."""
+    warm_defaults: ClassVar[Mapping[str, Any]] = {}
+    """Engine keys an engine kept warm between jobs (`tokenmill serve`'s) starts with where its
+    config leaves them unset: sized for whatever job comes next, not the first one."""
     measures_cpu_dtype: ClassVar[bool] = False
     """On a CPU, `dtype: auto` is the faster dtype measured on this machine (vLLM's; `tune`
     screens candidate dtypes by that measurement)."""

@@ -87,6 +87,11 @@ class JobTokens:
         sizes = list(seq_tokens)
         return cls(max_seq_tokens=max(sizes, default=0), total_seq_tokens=sum(sizes))
 
+    @classmethod
+    def capacity(cls, max_num_seqs: int, max_model_len: int) -> JobTokens:
+        """The most an engine can hold at once: `max_num_seqs` sequences of `max_model_len`."""
+        return cls(max_seq_tokens=max_model_len, total_seq_tokens=max_num_seqs * max_model_len)
+
     def held_at_once(self, max_num_seqs: int, max_model_len: int) -> int:
         """The tokens this work can have in an engine at once: every row, or `max_num_seqs`
         rows of the largest size (at most `max_model_len`), whichever is less."""

@@ -36,6 +36,13 @@ class VllmConfig(EngineConfig):
     `GPU_MEMORY_SHARE` on a GPU (the worker's leased devices are its own), `CPU_MEMORY_SHARE`
     of RAM on a CPU (the host's other processes live there too)."""
     kv_cache_memory_bytes: int | None = Field(None, ge=1, json_schema_extra={"flag": False})
+    kv_cache_sized_for: Literal["job", "capacity"] = Field("job", json_schema_extra={"flag": False})
+    """On a CPU, without `kv_cache_memory_bytes`: what the KV cache is sized for (vLLM-CPU
+    allocates it whole at start).  `job`: the work the engine starts for, its rows held at once
+    (a later job run that holds more starts the engine again); `capacity`: the most this config
+    holds at once, `max_num_seqs` sequences of `max_model_len`, so the engine is never started
+    again for a larger job (`tokenmill serve`'s warm engines, unless their config says).
+    Either way at most the engine's default share of memory."""
     tensor_parallel_size: int = Field(1, ge=1, json_schema_extra={"flag": False})
     pipeline_parallel_size: int = Field(1, ge=1, json_schema_extra={"flag": False})
     """Pipeline stages (layers split across devices); an engine takes

@@ -31,6 +31,7 @@ class VllmEngine(EngineKind[VllmConfig]):
     measures_cpu_dtype = True
     serves_lora = True  # a `LoRARequest` per request (peft folders)
     takes_images = True  # vLLM's `multi_modal_data` beside the token ids (a vision model's folder)
+    warm_defaults = {"kv_cache_sized_for": "capacity"}  # a served engine is never restarted for a larger batch
 
     def __init__(self) -> None:
         #: group → whether this process claimed a CPU share for it (False: it runs on a GPU)
@@ -47,8 +48,11 @@ class VllmEngine(EngineKind[VllmConfig]):
         claims this process's CPU slot (its own cores) before any engine starts, and the
         engine gets its share of the KV cache memory (`workers`); GPU workers claim nothing.
         `job_tokens` sizes the KV cache on CPU (`cpu.cpu_kv_cache`); an engine started without
-        (a restart) is sized for the last work named for `group`."""
+        (a restart) is sized for the last work named for `group`.  With `kv_cache_sized_for:
+        capacity` the work is the config's capacity, whatever the job brings."""
         start: dict[str, Any] = {}
+        if cfg.kv_cache_sized_for == "capacity":
+            job_tokens = JobTokens.capacity(cfg.max_num_seqs, cfg.max_model_len)
         if workers > 1:
             if group not in self.shared_cpu:
                 self.shared_cpu[group] = not has_nvidia_gpu()
@@ -66,10 +70,11 @@ class VllmEngine(EngineKind[VllmConfig]):
     def outgrown(self, cfg: VllmConfig, started: dict[str, Any], job_tokens: JobTokens | None) -> bool:
         """On a CPU, where the KV cache is sized for the work an engine starts for
         (`cpu.cpu_kv_cache`): the new work holds more tokens at once than the engine was sized
-        for.  An engine sized by the config or by the default share (no work named) is never
-        outgrown."""
+        for.  An engine sized by the config, for its capacity, or by the default share (no
+        work named) is never outgrown."""
         old = started.get("job_tokens")
-        if old is None or job_tokens is None or cfg.kv_cache_memory_bytes or has_nvidia_gpu():
+        if (old is None or job_tokens is None or cfg.kv_cache_memory_bytes or cfg.kv_cache_sized_for == "capacity"
+                or has_nvidia_gpu()):
             return False
         return (job_tokens.held_at_once(cfg.max_num_seqs, cfg.max_model_len)
                 > old.held_at_once(cfg.max_num_seqs, cfg.max_model_len))
