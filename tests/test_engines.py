@@ -224,6 +224,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3}
     ({"gpu_memory_utilization": 0.3, "enforce_eager": False}, False,
      {**BASE_KWARGS, "dtype": "float32", "gpu_memory_utilization": 0.3, "enforce_eager": False}),
     ({}, False, {**BASE_KWARGS, "dtype": "float32"}),  # CPU: `auto` is the measured dtype
+    ({"kv_cache_sized_for": "capacity"}, False, {**BASE_KWARGS, "dtype": "float32"}),  # tokenmill's, not vLLM's
     ({"dtype": "bfloat16", "model": "other-name"}, False, {**BASE_KWARGS, "dtype": "bfloat16"}),
     ({"tokenizer": "/tok", "quantization": "awq", "max_num_batched_tokens": 4096, "kv_cache_memory_bytes": 1 << 30,
       "speculative_config": SPEC, "block_size": 32, "enable_prefix_caching": False, "seed": 7, "max_num_seqs": 16,

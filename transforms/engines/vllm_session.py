@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 
 #: VllmConfig fields that are not `EngineArgs`: `kind` picks the engine, `model` names the
 #: model (the path is passed instead), `extra` holds further EngineArgs, merged last; `task`
-#: and `pooling` are translated (`embed_kwargs`).
-NOT_ENGINE_ARGS = {"kind", "model", "extra", "task", "pooling", "lora_adapters", "max_loras", "max_lora_rank"}
+#: and `pooling` are translated (`embed_kwargs`); `kv_cache_sized_for` picks the size tokenmill
+#: gives `kv_cache_memory_bytes` on a CPU (`cpu.cpu_kv_cache`).
+NOT_ENGINE_ARGS = {"kind", "model", "extra", "task", "pooling", "lora_adapters", "max_loras", "max_lora_rank",
+                   "kv_cache_sized_for"}
 
 
 def engine_kwargs(cfg: VllmConfig, model_path: str, *, on_gpu: bool, resolve_auto: bool = True) -> dict[str, Any]:
