@@ -7,8 +7,10 @@ none as the base model does, a row naming an undeclared adapter is its dead lett
 figures per adapter add up to the job's.  On vLLM (float32, so the adapter applied at run time
 and the merged weights agree) and on llama.cpp (the adapter converted to GGUF with llama.cpp's
 own script).  Slow tests for a reason: each runs three real jobs (adapter, merged, base), with
-4 prompts × 8 tokens each to keep them to a few engine steps.  The preflight's refusals and
-the pieces (batch lines, ordering, cache keys, figures) are tested without an engine."""
+4 prompts × 8 tokens each to keep them to a few engine steps.  And through `tokenmill serve`
+(a server of its own, started only for that test): a batch whose lines name the adapter as
+their `model` beside lines naming the base model.  The preflight's refusals and the pieces
+(batch lines, ordering, cache keys, figures) are tested without an engine."""
 
 from __future__ import annotations
 
@@ -98,6 +100,52 @@ def test_vllm_rows_with_an_adapter_answer_as_the_merged_model_and_the_rest_as_th
     merged = _run(tmp_path, sqlite_url, "merged", _plain_rows(), {**TEST_ENGINE, "model": str(adapters / "merged")})
     base = _run(tmp_path, sqlite_url, "base", _plain_rows(), TEST_ENGINE)
     _check_mixed_job(tmp_path, sqlite_url, mixed, merged, base, "mixed")
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory, adapters):
+    """A real `tokenmill serve` of the bundled model with the adapter declared (tests/serve_server.py)."""
+    from tests.serve_server import Server
+
+    root = tmp_path_factory.mktemp("serve-lora")
+    engine = {**TEST_ENGINE, "lora_adapters": {NAME: str(adapters / "adapter")}, "max_lora_rank": RANK}
+    cfg = {"db": f"sqlite:///{root / 'serve.db'}", "files": str(root / "files"), "work": str(root / "runs"),
+           "models": {"smollm2-135m": {"engine": engine, "sampling": SAMPLING}}}
+    srv = Server(root, cfg).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.engine
+def test_a_served_batch_naming_the_adapter_as_model_answers_as_the_merged_model_beside_base_lines(
+        tmp_path, sqlite_url, adapters, lora_server):
+    from tests.serve_server import chat_line, jsonl, lines_of, wait_for
+
+    lines = [chat_line(f"{kind}-{i}", q, model=model, max_tokens=SAMPLING["max_tokens"])
+             for i, q in enumerate(QUESTIONS) for kind, model in (("lora", NAME), ("base", "smollm2-135m"))]
+    client = lora_server.client(lora_server.make_key("lora")["key"])
+
+    def batch(name: str, lines: list[dict]):
+        with open(jsonl(tmp_path / name, lines), "rb") as fh:
+            f = client.files.create(file=fh, purpose="batch")
+        return wait_for(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                      completion_window="24h").id)
+
+    typo = batch("typo.jsonl", [chat_line("x", "hi", model=NAME + "-v2")])  # fails in validating, no engine
+    assert (typo.status, typo.errors.data[0].code) == ("failed", "model_not_found"), typo
+    assert f"(served: smollm2-135m (adapters: {NAME}))" in typo.errors.data[0].message
+    b = batch("mixed.jsonl", lines)
+    assert (b.status, b.model, b.request_counts.completed, b.error_file_id) == ("completed", "smollm2-135m",
+                                                                               len(lines), None), b
+    served = {x["custom_id"]: x["response"]["body"] for x in lines_of(client, b.output_file_id)}
+    _, merged = _run(tmp_path, sqlite_url, "merged", _plain_rows(), {**TEST_ENGINE, "model": str(adapters / "merged")})
+    text = {cid: body["choices"][0]["message"]["content"] for cid, body in served.items()}
+    for i in range(len(QUESTIONS)):
+        lora, base = served[f"lora-{i}"], served[f"base-{i}"]
+        assert (lora["model"], base["model"]) == (NAME, "smollm2-135m")  # the name each line asked for
+        assert text[f"lora-{i}"] == merged[f"q-{i}"]["text"], i  # the adapter at run time = the merged weights
+        assert lora["usage"]["completion_tokens"] == merged[f"q-{i}"]["output_tokens"]
+    assert sum(text[f"lora-{i}"] != text[f"base-{i}"] for i in range(len(QUESTIONS))) >= 3  # base lines: no adapter
 
 
 @pytest.mark.llamacpp

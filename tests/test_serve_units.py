@@ -27,7 +27,7 @@ def test_a_clean_file_passes_with_its_one_model_and_request_count():
     got = check_lines([_line("a"), b"\n", _line("b", url="/v1/completions").replace(b'"messages": [{"role": '
                                                                                      b'"user", "content": "hi"}]',
                                                                                      b'"prompt": "x"')],
-                      ["m"], max_lines=10)
+                      {"m": "m"}, max_lines=10)
     assert (got.lines, got.model, got.errors) == (2, "m", [])
 
 
@@ -45,14 +45,67 @@ def test_a_clean_file_passes_with_its_one_model_and_request_count():
     ([_line(f"x{i}") for i in range(4)], "too_many_requests", 4),
 ])
 def test_each_bad_line_is_named_with_its_code_and_line(lines, code, line):
-    got = check_lines(lines, ["m", "n"], max_lines=3)
+    got = check_lines(lines, {"m": "m", "n": "n"}, max_lines=3)
     assert (got.errors[0]["code"], got.errors[0]["line"]) == (code, line), got.errors
     assert got.errors[0]["message"]
 
 
 def test_errors_are_listed_up_to_the_limit_and_all_counted():
-    got = check_lines([b"{"] * 7, ["m"], max_lines=100, max_errors=3)
+    got = check_lines([b"{"] * 7, {"m": "m"}, max_lines=100, max_errors=3)
     assert len(got.errors) == 3 and got.error_count == 7 and [e["line"] for e in got.errors] == [1, 2, 3]
+
+
+SERVED = {"m": "m", "m-sql": "m", "m-poem": "m", "n": "n", "n-sql": "n"}  # ServeConfig.served_names' shape
+
+
+def test_lines_naming_a_served_model_and_its_adapters_mix_and_the_batch_runs_on_the_base_model():
+    got = check_lines([_line("a", model="m-sql"), _line("b"), _line("c", model="m-poem")], SERVED, max_lines=10)
+    assert (got.lines, got.model, got.errors) == (3, "m", [])
+    got = check_lines([_line("a", model="n-sql")], SERVED, max_lines=10)
+    assert (got.model, got.errors) == ("n", [])
+
+
+@pytest.mark.parametrize("models,says", [
+    (["m-sql", "n-sql"], "line 2: model 'n-sql' (an adapter of 'n'), but line 1 names 'm-sql' (an adapter of 'm')"),
+    (["m", "m-sql", "n"], "line 3: model 'n', but line 1 names 'm'"),
+    (["m-poem", "n"], "line 2: model 'n', but line 1 names 'm-poem' (an adapter of 'm')"),
+], ids=["adapters-of-two-models", "a-model-and-another", "an-adapter-and-another-model"])
+def test_lines_of_two_served_models_adapters_or_an_adapter_and_another_model_are_mismatched(models, says):
+    got = check_lines([_line(f"c{i}", model=m) for i, m in enumerate(models)], SERVED, max_lines=10)
+    assert [(e["code"], e["line"], e["param"]) for e in got.errors] == [("mismatched_model", len(models),
+                                                                         "body.model")]
+    assert got.errors[0]["message"].startswith(says), got.errors[0]["message"]
+
+
+def test_an_unknown_model_lists_the_served_names_with_their_adapters_in_bounded_length():
+    got = check_lines([_line("a", model="m-typo")], SERVED, max_lines=10)
+    assert got.errors[0]["code"] == "model_not_found"
+    assert got.errors[0]["message"] == ("line 1: model 'm-typo' is not served here (served: m (adapters: m-sql, "
+                                        "m-poem), n (adapters: n-sql))")
+    many = {"m": "m", **{f"adapter-{i:03d}": "m" for i in range(200)}}
+    msg = check_lines([_line("a", model="x")], many, max_lines=10).errors[0]["message"]
+    assert len(msg) < 420 and msg.endswith("… (201 names in all))") and "m (adapters: adapter-000" in msg
+
+
+def test_a_served_model_answers_to_its_name_and_its_adapters_and_no_name_may_mean_two_things(tmp_path):
+    cfg = ServeConfig(models={"a": {"engine": {"lora_adapters": {"a-sql": "/x/sql", "a-poem": "/x/poem"}}},
+                              "b": {}})
+    assert cfg.names("a") == ("a", "a-sql", "a-poem") and cfg.names("b") == ("b",)
+    assert cfg.served_names() == {"a": "a", "a-sql": "a", "a-poem": "a", "b": "b"}
+    for models, says in (
+            ({"a": {"engine": {"lora_adapters": {"b": "/x"}}}, "b": {}},
+             "the name 'b' is both an adapter of served model 'a' and served model 'b'"),
+            ({"b": {}, "a": {"engine": {"lora_adapters": {"b": "/x"}}}},
+             "the name 'b' is both served model 'b' and an adapter of served model 'a'"),
+            ({"a": {"engine": {"lora_adapters": {"s": "/x"}}}, "b": {"engine": {"lora_adapters": {"s": "/y"}}}},
+             "the name 's' is both an adapter of served model 'a' and an adapter of served model 'b'"),
+            ({"a": {"engine": {"lora_adapters": {"a": "/x"}}}},
+             "the name 'a' is both served model 'a' and an adapter of served model 'a'")):
+        p = tmp_path / "c.yaml"
+        p.write_text(json.dumps({"models": models}))
+        with pytest.raises(SpecError) as err:
+            load_config(str(p))
+        assert says in str(err.value) and "\n" not in str(err.value).strip(), str(err.value)
 
 
 def _batch(**kw):

@@ -131,6 +131,14 @@ class ServeConfig(_Strict):
                                  "model the engine answers to, so name it the same")
             keys["engine"] = engine
             out[name] = keys
+        answered: dict[str, str] = {}  # a name a request may give -> what it names; one thing each
+        for name, keys in out.items():
+            for i, n in enumerate(_names(name, keys)):
+                what = f"served model {name!r}" if i == 0 else f"an adapter of served model {name!r}"
+                if n in answered:
+                    raise ValueError(f"the name {n!r} is both {answered[n]} and {what}; a request's body.model "
+                                     "must name one of them, so rename one")
+                answered[n] = what
         return out
 
     @model_validator(mode="after")
@@ -150,6 +158,15 @@ class ServeConfig(_Strict):
 
     def work_root(self) -> Path:
         return Path(self.work) if self.work else self.home() / "runs"
+
+    def names(self, model: str) -> tuple[str, ...]:
+        """The names a request's `body.model` may give to run on served `model`: its own, then
+        its LoRA adapters' (`engine.lora_adapters`), as vLLM's OpenAI server answers to them."""
+        return _names(model, self.models[model])
+
+    def served_names(self) -> dict[str, str]:
+        """Every name a request may give → the served model whose engine answers it."""
+        return {n: model for model in self.models for n in self.names(model)}
 
     def job_spec(self, model: str, *, input: str, output: str, job_id: str) -> JobSpec:
         """The job a batch for `model` runs: the model's keys, the batch's input file, its own
@@ -176,6 +193,11 @@ def _warm_defaults(engine: dict[str, Any]) -> Mapping[str, Any]:
         return engine_of(str(engine.get("kind") or DEFAULT_ENGINE_KIND)).warm_defaults
     except UnknownEngine:
         return {}
+
+
+def _names(model: str, keys: dict[str, Any]) -> tuple[str, ...]:
+    adapters = (keys.get("engine") or {}).get("lora_adapters") or {}
+    return (model, *(adapters if isinstance(adapters, dict) else ()))  # not a mapping: the job spec refuses it
 
 
 def load_config(path: str | None, **overrides: Any) -> ServeConfig:

@@ -279,7 +279,7 @@ class BatchService:
         lim = self.cfg.limits
         path, temp = self.blobs.local_copy(b["input_file_id"])
         try:
-            found = check_file(open(path, "rb"), self.cfg.models, max_lines=lim.max_file_lines,
+            found = check_file(open(path, "rb"), self.cfg.served_names(), max_lines=lim.max_file_lines,
                                max_errors=lim.max_line_errors)
         except OSError as err:
             found = None

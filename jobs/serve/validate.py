@@ -1,21 +1,22 @@
 """A batch's input file checked before anything runs, as OpenAI's `validating` step does: every
-line a request tokenmill serves, each `custom_id` once, one served model.  A batch with any
-bad line fails whole, its errors naming the line (1-based, blank lines counted), and no
-engine works on it."""
+line a request tokenmill serves, each `custom_id` once, one served model (a line may name it or
+one of its LoRA adapters).  A batch with any bad line fails whole, its errors naming the line
+(1-based, blank lines counted), and no engine works on it."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import IO, Any, Iterable
+from typing import IO, Any, Iterable, Mapping
 
 from tokenmill.transforms.openai_batch import ENDPOINTS, LineError, parse_request
 
 
 @dataclass
 class Checked:
-    """What validation found: the requests, the one model they name, and the errors (each
-    OpenAI's `BatchError`: code, message, param, line)."""
+    """What validation found: the requests, the one served model they run on (the base model,
+    whether the lines name it or its adapters), and the errors (each OpenAI's `BatchError`:
+    code, message, param, line)."""
 
     lines: int = 0
     model: str | None = None
@@ -27,12 +28,30 @@ def line_error(code: str, message: str, line: int | None, param: str | None = No
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def check_lines(lines: Iterable[bytes], models: Iterable[str], *, max_lines: int, max_errors: int = 100) -> Checked:
-    """Check a batch file's lines; stops listing errors after `max_errors` (all are counted)."""
-    served = tuple(models)
+#: How long a `model_not_found` message's list of the served names may grow.
+SERVED_LIST_CHARS = 300
+
+
+def served_list(served: Mapping[str, str], limit: int = SERVED_LIST_CHARS) -> str:
+    """The names a line may give, each served model with its adapters (`m (adapters: a, b), n`),
+    cut at about `limit` characters with how many names there are in all."""
+    adapters: dict[str, list[str]] = {}
+    for name, model in served.items():
+        adapters.setdefault(model, [])
+        if name != model:
+            adapters[model].append(name)
+    text = ", ".join(m + (f" (adapters: {', '.join(a)})" if a else "") for m, a in adapters.items())
+    return text if len(text) <= limit else f"{text[:limit].rstrip(', ')}… ({len(served)} names in all)"
+
+
+def check_lines(lines: Iterable[bytes], served: Mapping[str, str], *, max_lines: int,
+                max_errors: int = 100) -> Checked:
+    """Check a batch file's lines; stops listing errors after `max_errors` (all are counted).
+    `served`: each name a line may give → the served model that answers it
+    (`ServeConfig.served_names`)."""
     out = Checked()
     seen: set[str] = set()
-    named: dict[str, int] = {}
+    named: dict[str, tuple[int, str]] = {}  # served model -> its first line and the name that line gave
 
     def fail(code: str, message: str, line: int | None, param: str | None = None) -> None:
         out.error_count += 1
@@ -73,21 +92,25 @@ def check_lines(lines: Iterable[bytes], models: Iterable[str], *, max_lines: int
             continue
         seen.add(cid)
         model = req.get("model")
-        if model not in served:
+        if not isinstance(model, str) or model not in served:
             fail("model_not_found", f"line {n}: model {str(model)[:80]!r} is not served here (served: "
-                                    f"{', '.join(served)})", n, "body.model")
+                                    f"{served_list(served)})", n, "body.model")
             continue
-        named.setdefault(model, n)
+        named.setdefault(served[model], (n, model))
     if len(named) > 1:
-        (a, _), (b, line_b) = sorted(named.items(), key=lambda kv: kv[1])[:2]
-        fail("mismatched_model", f"line {line_b}: model {b!r}, but line {named[a]} names {a!r}; a batch runs on one "
-                                 "model", line_b, "body.model")
+        (line_a, a), (line_b, b) = sorted(named.values())[:2]
+        fail("mismatched_model", f"line {line_b}: model {_named(b, served)}, but line {line_a} names "
+                                 f"{_named(a, served)}; a batch runs on one model", line_b, "body.model")
     if out.lines == 0 and not out.errors:
         fail("empty_file", "the input file has no requests", None)
     out.model = next(iter(named), None)
     return out
 
 
-def check_file(fh: IO[bytes], models: Iterable[str], *, max_lines: int, max_errors: int = 100) -> Checked:
+def _named(name: str, served: Mapping[str, str]) -> str:
+    return repr(name) if served[name] == name else f"{name!r} (an adapter of {served[name]!r})"
+
+
+def check_file(fh: IO[bytes], served: Mapping[str, str], *, max_lines: int, max_errors: int = 100) -> Checked:
     with fh:
-        return check_lines(fh, models, max_lines=max_lines, max_errors=max_errors)
+        return check_lines(fh, served, max_lines=max_lines, max_errors=max_errors)
