@@ -436,15 +436,24 @@ def embedding_values(blob: bytes) -> list[float]:
     return embedding_array(blob).tolist()
 
 
-def exported(record: type[StoredRow], row: dict[str, Any]) -> dict[str, Any]:
-    """A stored row (a dict of the table's columns) as the exported files show it: a json
-    column without an Arrow type as its JSON text, an embedding as its floats."""
-    out = {k: row.get(k) for k in _export_names(record) if k != "input_ref"}  # type: ignore[arg-type]  # a record class is hashable
-    for k in _json_text_columns(record):  # type: ignore[arg-type]  # a record class is hashable
-        if out.get(k) is not None:
-            out[k] = json.dumps(out[k], ensure_ascii=False)
-    blob = out.get("embedding")
-    if blob is not None:
-        out["embedding"] = embedding_values(blob)
-    out["input_ref"] = format_ref(row["input_file"], row["input_row"])
+def stored_names(record: type[StoredRow]) -> tuple[str, ...]:
+    """The table columns `exported_columns` reads: the exported fields, `input_ref` as
+    `input_file` and `input_row`."""
+    return tuple(n for k in _export_names(record) for n in (("input_file", "input_row") if k == "input_ref" else (k,)))  # type: ignore[arg-type]  # a record class is hashable
+
+
+def exported_columns(record: type[StoredRow], columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """Stored rows as columns (name → values, `stored_names`) → the exported files' columns:
+    a json column without an Arrow type as its JSON text, an embedding as its floats, the
+    input position as `input_ref`."""
+    out: dict[str, list[Any]] = {}
+    for k in _export_names(record):  # type: ignore[arg-type]  # a record class is hashable
+        if k == "input_ref":
+            out[k] = [format_ref(f, r) for f, r in zip(columns["input_file"], columns["input_row"])]
+        elif k in _json_text_columns(record):  # type: ignore[arg-type]  # a record class is hashable
+            out[k] = [None if v is None else json.dumps(v, ensure_ascii=False) for v in columns[k]]
+        elif k == "embedding":
+            out[k] = [None if v is None else embedding_values(v) for v in columns[k]]
+        else:
+            out[k] = columns[k]
     return out

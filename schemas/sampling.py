@@ -245,11 +245,12 @@ def validate_row_sampling(values: dict[str, Any], model: type[RowSampling] = Row
     return out
 
 
-def request_sampling(defaults: RowSampling, p: Any) -> dict[str, Any]:
+def request_sampling(defaults: RowSampling | dict[str, Any], p: Any) -> dict[str, Any]:
     """The engine's sampling parameters for one request: the job's defaults (every field of
-    `defaults`, job-only keys such as `ignore_eos` too), the row's overrides (`p.sampling`)
-    over them, and the row's resolved `p.max_tokens`."""
-    s = defaults.model_dump()
+    `defaults`, job-only keys such as `ignore_eos` too; or their `model_dump()`, which a
+    caller asking for every row's makes once), the row's overrides (`p.sampling`) over them,
+    and the row's resolved `p.max_tokens`."""
+    s = dict(defaults) if isinstance(defaults, dict) else defaults.model_dump()
     if structured_kind(p.sampling) is not None:  # the row's constraint replaces the job's
         s.update(dict.fromkeys(STRUCTURED_KEYS))
     s.update({k: v for k, v in p.sampling.items() if k != "max_tokens"})

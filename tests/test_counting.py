@@ -172,9 +172,12 @@ def test_a_chunk_encoded_in_one_call_gives_each_row_the_ids_of_encoding_it_alone
 
     fn = TokenizeFn(C.TokenCounter.local(model_path), 2048, 8, 16, 4)
     fn._encoder = C.LocalEncoder(Rejecting(enc.tokenizer))
-    out = list(fn.process(R.Chunk(unit="u", items=[r for r in (rows[0], bad, rows[2])])))
-    dead = [o.value for o in out if hasattr(o, "tag")]
-    (ok,) = [o for o in out if not hasattr(o, "tag")]
+    fn.start_bundle()
+    assert not list(fn.process(R.Chunk(unit="u", items=[r for r in (rows[0], bad, rows[2])])))  # out with the next
+    out = list(fn.finish_bundle())  # or at the bundle's end, in the global window
+    fn.teardown()
+    dead = [o.value.value for o in out if hasattr(o, "tag")]
+    (ok,) = [o.value for o in out if not hasattr(o, "tag")]
     assert [list(p.token_ids) for p in ok.items] == [alone[0], alone[2]]
     assert [(d.id, d.reason) for d in dead] == [(bad.id, R.BAD_MESSAGES)]
 

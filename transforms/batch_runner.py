@@ -126,6 +126,8 @@ class BatchRunner:
         before_admit: Callable[[int], None] | None = None,
     ):
         self.cfg = cfg
+        self._defaults = cfg.sampling.model_dump()
+        """The job's sampling defaults, dumped once: every request's sampling starts from them."""
         self._before_admit = before_admit
         """Told how many requests are about to be handed to the engine, before they are
         (a write-ahead count: a worker that dies mid-batch has already said what it took on)."""
@@ -155,7 +157,7 @@ class BatchRunner:
         self.generated_tokens += f.output_tokens or 0
         figures = f.figures()
         if f.embedding is None:  # an embedding has no text to check
-            sampling = request_sampling(self.cfg.sampling, p)
+            sampling = request_sampling(self._defaults, p)
             figures.update(answers.answered(sampling, f.text or "", f.finish_reason, f.logprobs))
         return OutputRow(
             job_id=self.cfg.job_id, id=p.id, sample=sample, input_file=p.input_file, input_row=p.input_row,
@@ -194,7 +196,7 @@ class BatchRunner:
                 source["adapter"] = p.adapter
             if p.images:  # only an engine that `takes_images` gets a row with images
                 source["images"] = p.images
-            for i, sampling in enumerate(sample_requests(request_sampling(self.cfg.sampling, p))):
+            for i, sampling in enumerate(sample_requests(request_sampling(self._defaults, p))):
                 one = rid if i == 0 else f"{rid}~{i}"
                 s.add(one, p.token_ids, sampling, **source)
                 added.append(one)

@@ -8,6 +8,7 @@ import pickle
 from typing import Any, Iterable
 
 import apache_beam as beam
+from apache_beam.transforms.window import GlobalWindows
 
 from tokenmill.schemas.records import Chunk, FailedRecord
 
@@ -66,6 +67,16 @@ class MapRows(beam.DoFn):
                 ok.append(out)
         if ok:
             yield chunk.with_items(ok)
+
+
+def windowed(outputs: Iterable[Any]):
+    """A DoFn's outputs as `finish_bundle` must give them: each value, tagged or not, in
+    the global window (the pipeline's only one)."""
+    for o in outputs:
+        if isinstance(o, beam.pvalue.TaggedOutput):
+            yield beam.pvalue.TaggedOutput(o.tag, GlobalWindows.windowed_value(o.value))
+        else:
+            yield GlobalWindows.windowed_value(o)
 
 
 def over_chunks(fn: beam.DoFn, label: str, *tags: str):

@@ -177,7 +177,7 @@ class LocalEncoder:
             except Exception:
                 got = encode_each(self, [recs[i] for i in at])
             for i, ids in zip(at, got):
-                out[i] = ids if isinstance(ids, Exception) else list(ids)
+                out[i] = ids if isinstance(ids, (list, Exception)) else list(ids)
         return [x if x is not None else ValueError("not encoded") for x in out]
 
     def ids(self, texts: list[str], *, special: bool) -> list[list[int]]:

@@ -17,13 +17,12 @@ import time
 import uuid
 
 import apache_beam as beam
-from apache_beam.transforms.window import GlobalWindows
 
 from tokenmill.schemas.records import Chunk
 from tokenmill.transforms.batch_runner import BatchRunner, GenerateConfig
 from tokenmill.transforms.batching import plan_batches
 from tokenmill.transforms.cache import CacheKeys
-from tokenmill.transforms.chunks import DEAD
+from tokenmill.transforms.chunks import DEAD, windowed
 from tokenmill.transforms.engines.kv import JobTokens
 from tokenmill.transforms.engines.protocol import EngineSession
 from tokenmill.transforms.engines.worker import worker_session
@@ -133,11 +132,7 @@ class GenerateFn(beam.DoFn):
             return
         try:
             for out in runner.drain():
-                for o in self._finished(out):  # finish_bundle emits windowed values
-                    if isinstance(o, beam.pvalue.TaggedOutput):
-                        yield beam.pvalue.TaggedOutput(o.tag, GlobalWindows.windowed_value(o.value))
-                    else:
-                        yield GlobalWindows.windowed_value(o)
+                yield from windowed(self._finished(out))
         finally:
             runner.close()
         done = _DONE.get((self.cfg.job_id, self._worker), (0, 0, 0))

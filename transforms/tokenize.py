@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +20,7 @@ import apache_beam as beam
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Chunk, FailedRecord, PromptRecord, TokenizedPrompt
-from tokenmill.transforms.chunks import MapRows, with_dead
+from tokenmill.transforms.chunks import MapRows, windowed, with_dead
 from tokenmill.transforms.counting import CountRefused, Encoder, TokenCounter, encode_each
 from tokenmill.transforms.host_model import model_folder_here
 from tokenmill.transforms.images import ImageTokens
@@ -34,7 +35,7 @@ def prefix_key(token_ids, block_size: int = DEFAULT_BLOCK_SIZE, blocks: int = 4)
     blocks only; a prompt shorter than one block gets a key of its own tokens."""
     n = min(len(token_ids) // block_size, blocks) * block_size
     head = token_ids[:n] if n else token_ids
-    return hashlib.blake2b(array("i", head).tobytes(), digest_size=8).hexdigest()
+    return hashlib.blake2b(head if isinstance(head, array) else array("i", head), digest_size=8).hexdigest()
 
 
 def tokenize_record(encoder: Encoder, rec: PromptRecord, **kw: Any) -> TokenizedPrompt | FailedRecord:
@@ -72,12 +73,13 @@ def prompt_record(
             R.PROMPT_TOO_LONG,
             f"prompt has {len(ids) + image_tokens} tokens; the limit is max_model_len {max_model_len} - max_tokens {max_tokens} = {limit}",
         )
+    token_ids = array("i", ids)  # 4 bytes a token, not a Python int's 36: a unit's prompts stay small
     return TokenizedPrompt(
         id=rec.id,
         input_file=rec.input_file,
         input_row=rec.input_row,
-        token_ids=array("i", ids),  # 4 bytes a token, not a Python int's 36: a unit's prompts stay small
-        prefix_key=prefix_key(ids, block_size, prefix_blocks),
+        token_ids=token_ids,
+        prefix_key=prefix_key(token_ids, block_size, prefix_blocks),
         max_tokens=max_tokens,
         sampling=rec.sampling,
         reference=rec.reference,
@@ -90,6 +92,13 @@ def prompt_record(
 
 
 class TokenizeFn(MapRows):
+    """Each chunk's prompts are encoded on a thread of the step's own (`_ahead`) while the
+    step hands on the chunk before it: the steps after Tokenize (Generate and its commits)
+    run on the bundle's thread while the tokenizer works (a fast tokenizer's Rust code
+    runs without the GIL), instead of the worker waiting for each unit's encoding.  So a
+    chunk is emitted when the next one arrives, the last by `finish_bundle`, and a worker
+    holds at most two units' prompts."""
+
     def __init__(self, counter: TokenCounter, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
                  keep_source: bool = False, default_samples: int = 1):
         self._counter = counter
@@ -103,6 +112,9 @@ class TokenizeFn(MapRows):
         )
         self._encoder: Encoder | None = None
         self._images: ImageTokens | None = None
+        self._ahead: ThreadPoolExecutor | None = None
+        self._encoding: tuple[Chunk, Future] | None = None
+        """The chunk being encoded on `_ahead`, and its encoding."""
 
     def setup(self):
         counter = self._counter
@@ -113,14 +125,35 @@ class TokenizeFn(MapRows):
         self._encoder = counter.open()
         self._images = ImageTokens(counter.model_path) if counter.source == "local" and counter.model_path else None
 
+    def start_bundle(self):
+        self._encoding = None  # a failed bundle's chunk: it is retried with its bundle
+
     def process(self, chunk: Chunk):
-        """The whole chunk's prompts encoded in one call (`Encoder.encode_many`), then each
-        row's record or dead letter, as `MapRows` gives them."""
+        """The chunk's prompts start encoding (`Encoder.encode_many`, the whole chunk in one
+        call); the chunk before it comes out: each row's record or dead letter, as
+        `MapRows` gives them."""
         assert self._encoder is not None
-        encoded = self._encoder.encode_many(chunk.items)
+        if self._ahead is None:  # one thread: chunks are encoded one at a time, in order
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
+        before, self._encoding = self._encoding, (chunk, self._ahead.submit(self._encoder.encode_many, chunk.items))
+        if before is not None:
+            yield from self._records(*before)
+
+    def finish_bundle(self):
+        last, self._encoding = self._encoding, None
+        if last is not None:
+            yield from windowed(self._records(*last))
+
+    def teardown(self):
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=False, cancel_futures=True)
+            self._ahead = None
+
+    def _records(self, chunk: Chunk, encoding: Future):
+        encoded = encoding.result()  # a counter that fails (a server that does not answer) fails the step here
         extra = self._images.extra if self._images else lambda images: 0
-        yield from self.emit(chunk, (prompt_record(rec, ids, image_tokens=extra(rec.images) if rec.images else 0,
-                                                   **self._kw) for rec, ids in zip(chunk.items, encoded)))
+        return self.emit(chunk, (prompt_record(rec, ids, image_tokens=extra(rec.images) if rec.images else 0,
+                                               **self._kw) for rec, ids in zip(chunk.items, encoded)))
 
 
 class Tokenize(beam.PTransform):

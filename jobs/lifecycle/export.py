@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy.engine import Engine
 
-from tokenmill.schemas.records import DeadLetterRow, OutputRow, StoredRow, export_schema, exported
+from tokenmill.schemas.records import DeadLetterRow, OutputRow, StoredRow, export_schema, exported_columns, stored_names
 from tokenmill.schemas.storage import JobStore, MetricsReader
 
 MANIFEST = "_SUCCESS.json"
@@ -81,13 +81,15 @@ def _atomic_write(dest: str, write: Callable[[Any], int]) -> int:
     return n
 
 
-def write_parquet(dest: str, schema: pa.Schema, chunks: Iterator[list[dict[str, Any]]]) -> int:
+def write_parquet(dest: str, schema: pa.Schema, chunks: Iterator[dict[str, list[Any]]]) -> int:
+    """Chunks of columns (name → values, as `schema` names them) as one Parquet file."""
     def write(fh) -> int:
         n = 0
         with pq.ParquetWriter(fh, schema, compression="zstd") as w:
-            for rows in chunks:
-                w.write_table(pa.Table.from_pylist(rows, schema=schema))
-                n += len(rows)
+            for columns in chunks:
+                table = pa.Table.from_pydict(columns, schema=schema)
+                w.write_table(table)
+                n += table.num_rows
         return n
 
     return _atomic_write(dest, write)
@@ -127,7 +129,8 @@ def _write_rows(dest: str, eng: Engine, record: type[StoredRow], job_id: str) ->
     if dim:
         i = schema.get_field_index("embedding")
         schema = schema.set(i, pa.field("embedding", pa.list_(pa.float32(), dim)))
-    chunks = ([exported(record, r) for r in rows] for rows in MetricsReader(eng).stream_rows(record, job_id))
+    chunks = (exported_columns(record, columns)
+              for columns in MetricsReader(eng).stream_columns(record, job_id, stored_names(record)))
     return write_parquet(dest, schema, chunks)
 
 

@@ -3,7 +3,7 @@ reasons, per-request figures, batches, workers, and its rows streamed in input o
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from sqlalchemy import case, func, literal, select, union_all
 
@@ -57,14 +57,26 @@ class MetricsReader(SqlStore):
     def stream_rows(self, record: type[StoredRow], job_id: str) -> Iterator[list[dict[str, Any]]]:
         """A job's rows of one table in input order (file, then row, then a row's samples), in
         chunks of CHUNK_ROWS."""
+        with self.engine.connect() as conn:
+            for part in self._in_order(conn, record, job_id).mappings().partitions(CHUNK_ROWS):
+                yield [dict(r) for r in part]
+
+    def stream_columns(self, record: type[StoredRow], job_id: str,
+                       names: Sequence[str]) -> Iterator[dict[str, list[Any]]]:
+        """The columns `names` of a job's rows of one table, in the order of `stream_rows`, in
+        chunks of CHUNK_ROWS rows, each chunk as name → its values (no dict per row: the
+        exports build their files a column at a time)."""
+        with self.engine.connect() as conn:
+            for part in self._in_order(conn, record, job_id, names).partitions(CHUNK_ROWS):
+                yield dict(zip(names, map(list, zip(*part))))
+
+    @staticmethod
+    def _in_order(conn, record: type[StoredRow], job_id: str, names: Sequence[str] | None = None):
         tbl = table(record)
         order = [tbl.c.input_file, tbl.c.input_row, *([tbl.c.sample] if "sample" in tbl.c else [])]
-        with self.engine.connect() as conn:
-            res = conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(
-                select(tbl).where(tbl.c.job_id == job_id).order_by(*order)
-            )
-            for part in res.mappings().partitions(CHUNK_ROWS):
-                yield [dict(r) for r in part]
+        q = select(*(tbl.c[n] for n in names)) if names is not None else select(tbl)
+        return conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(
+            q.where(tbl.c.job_id == job_id).order_by(*order))
 
     def placed_rows(self, job_id: str) -> Iterator[tuple[int, int, str]]:
         """Where each input row of a job ended, in input order: (input_file, input_row, "output" or
