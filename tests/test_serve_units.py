@@ -264,6 +264,39 @@ def test_one_models_queued_batches_run_one_at_a_time_by_priority_then_age(tmp_pa
     assert engine.submitted[0][1:] == (made[1], "openai-jsonl")  # the batch's job has its id
 
 
+def test_a_batch_whose_validation_raises_is_tried_again_then_failed_never_left_validating(tmp_path, caplog):
+    from tokenmill.jobs.serve.service import MAX_ATTEMPTS
+
+    svc, engine, fid = _service(tmp_path)
+    real, calls = svc.blobs.local_copy, []
+
+    def flaky(file_id):  # the store fails once: the next tick checks the file and the batch runs
+        calls.append(file_id)
+        if len(calls) == 1:
+            raise RuntimeError("store did not answer")
+        return real(file_id)
+
+    svc.blobs.local_copy = flaky  # type: ignore[method-assign]
+    a = svc.create_batch("k", fid, "/v1/chat/completions", "24h", None)["id"]
+    svc.tick()
+    assert batch_status(svc.batches.get(a)) == "validating" and engine.running is None
+    svc.tick()
+    assert batch_status(svc.batches.get(a)) == "in_progress" and engine.running == a
+
+    def broken(file_id):
+        raise RuntimeError("unhashable type: 'dict'")
+
+    svc.blobs.local_copy = broken  # type: ignore[method-assign]
+    b = svc.create_batch("k", fid, "/v1/chat/completions", "24h", None)["id"]
+    for _ in range(MAX_ATTEMPTS):
+        svc.tick()
+    row = svc.batches.get(b)
+    assert batch_status(row) == "failed" and row["output_file_id"] is None
+    assert [(e["code"], e["line"]) for e in row["errors"]] == [("validation_failed", None)]
+    assert "unhashable type" in row["errors"][0]["message"] and f"({MAX_ATTEMPTS} tries)" in row["errors"][0]["message"]
+    assert [s[0] for s in engine.submitted] == [a]  # the failed one never ran
+
+
 def test_a_queued_batch_cancelled_or_expired_ends_with_every_line_an_error_and_never_runs(tmp_path):
     svc, engine, fid = _service(tmp_path)
     engine.running = "busy-elsewhere"

@@ -224,7 +224,10 @@ class BatchService:
             if status == "validating":
                 if self.quotas.holds(b):
                     continue
-                valid = self._validate(b)
+                try:
+                    valid = self._validate(b)
+                except Exception as err:  # the server's fault or its store's, not the file's: tried again
+                    valid = self._validation_fault(b, err)
                 if valid is not None:
                     queued.append(valid)
             elif status == "finalizing" or b["id"] in self.finished:
@@ -290,14 +293,28 @@ class BatchService:
         now = time.time()
         if found is None or found.errors:
             errors = found.errors if found is not None else [line_error("file_unreadable", problem, None)]
-            if self.webhooks.end_batch(b, "failed", failed_at=now, errors=errors, lines=found.lines if found else 0,
-                                       model=found.model if found else None,
-                                       request_counts={"total": found.lines if found else 0, "completed": 0,
-                                                       "failed": 0}):
-                self._count("batches", (found.model if found else None) or "", "failed", 1)
+            self._fail_validating(b, errors, lines=found.lines if found else 0, model=found.model if found else None)
             return None
         self.batches.set(b["id"], unless="in_progress_at", in_progress_at=now, lines=found.lines, model=found.model)
         return {**b, "in_progress_at": now, "lines": found.lines, "model": found.model}
+
+    def _fail_validating(self, b: dict[str, Any], errors: list[dict[str, Any]], *, lines: int,
+                         model: str | None) -> None:
+        """End a batch `failed` in validation, with its errors; nothing of it ran."""
+        if self.webhooks.end_batch(b, "failed", failed_at=time.time(), errors=errors, lines=lines, model=model,
+                                   request_counts={"total": lines, "completed": 0, "failed": 0}):
+            self._count("batches", model or "", "failed", 1)
+
+    def _validation_fault(self, b: dict[str, Any], err: Exception) -> None:
+        """Validation raised (a store that did not answer, a fault in the server): checked again at
+        the next ticks, and after `MAX_ATTEMPTS` the batch fails with the reason, so it never waits
+        in `validating` for good."""
+        log.exception("batch %s: validation", b["id"])
+        n = self.attempts[b["id"]] = self.attempts.get(b["id"], 0) + 1
+        if n >= MAX_ATTEMPTS:
+            self._fail_validating(b, [line_error("validation_failed", f"the server could not check the file "
+                                                 f"({n} tries); last: {first_line(err, 500)}", None)],
+                                  lines=0, model=None)
 
     def _finalize(self, b: dict[str, Any]) -> None:
         now = time.time()
