@@ -220,14 +220,18 @@ class _Engine:
     """A stand-in for a model's engine process: records what it was handed."""
 
     def __init__(self):
-        self.running, self.submitted = None, []
+        self.running, self.submitted, self.gone = None, [], 0
 
     def alive(self):
         return True
 
     def submit(self, batch_id, spec, db_url):
+        if self.gone:  # died since alive() said otherwise
+            self.gone -= 1
+            return False
         self.running = batch_id
         self.submitted.append((batch_id, spec["job_id"], spec["output_format"]))
+        return True
 
 
 def _service(tmp_path):
@@ -295,6 +299,24 @@ def test_a_batch_whose_validation_raises_is_tried_again_then_failed_never_left_v
     assert [(e["code"], e["line"]) for e in row["errors"]] == [("validation_failed", None)]
     assert "unhashable type" in row["errors"][0]["message"] and f"({MAX_ATTEMPTS} tries)" in row["errors"][0]["message"]
     assert [s[0] for s in engine.submitted] == [a]  # the failed one never ran
+
+
+def test_a_batch_handed_to_an_engine_process_that_just_died_stays_queued_for_the_next_one(tmp_path):
+    import multiprocessing as mp
+
+    from tokenmill.jobs.serve.engines import EngineProcess
+
+    parent, child = mp.Pipe()
+    child.close()  # the process is gone: its end of the pipe with it
+    dead = EngineProcess("m", 60.0, str(tmp_path / "e.log"), lambda model, msg: None, conn=parent)
+    assert dead.submit("batch_x", {}, "sqlite://") is False and dead.running is None
+    svc, engine, fid = _service(tmp_path)
+    engine.gone = 1
+    a = svc.create_batch("k", fid, "/v1/chat/completions", "24h", None)["id"]
+    svc.tick()
+    assert engine.running is None and engine.submitted == [] and batch_status(svc.batches.get(a)) == "in_progress"
+    svc.tick()  # the next process takes it
+    assert engine.running == a and [s[0] for s in engine.submitted] == [a]
 
 
 def test_a_queued_batch_cancelled_or_expired_ends_with_every_line_an_error_and_never_runs(tmp_path):

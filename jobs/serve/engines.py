@@ -104,10 +104,19 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
 
-    def submit(self, batch_id: str, spec: dict[str, Any], db_url: str) -> None:
+    def submit(self, batch_id: str, spec: dict[str, Any], db_url: str) -> bool:
+        """Hand the process a batch; False when it is gone (it died since `alive()` said
+        otherwise, and its reader has already reported it): then it is stopped, and the batch
+        stays queued for the process the next tick starts."""
         assert self.conn is not None
-        self.running = batch_id
-        self.conn.send((batch_id, spec, db_url))
+        self.running = batch_id  # before the send: the answer may come back before it returns
+        try:
+            self.conn.send((batch_id, spec, db_url))
+        except OSError:
+            self.running = None
+            self.stop(timeout=1)
+            return False
+        return True
 
     def _read(self, conn: Connection) -> None:
         while True:

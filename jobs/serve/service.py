@@ -258,8 +258,8 @@ class BatchService:
                 e = self._engine(b["model"])
             spec = self.cfg.job_spec(b["model"], input=self.blobs.url(b["input_file_id"]),
                                      output=str(self.cfg.work_root() / b["id"]), job_id=b["id"])
-            e.submit(b["id"], spec.model_dump(mode="json", exclude_none=True), self.db_url)
-            busy += 1
+            if e.submit(b["id"], spec.model_dump(mode="json", exclude_none=True), self.db_url):
+                busy += 1
 
     def _engine(self, model: str) -> EngineProcess:
         old = self.engines.get(model)
