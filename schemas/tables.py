@@ -63,6 +63,8 @@ _SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "bigint": Big
 
 def _sql_type(sql: str) -> TypeEngine:
     kind, _, length = sql.partition(":")
+    if kind == "json":  # a record's None is SQL NULL, not the JSON text 'null': no encoding or decoding per row
+        return JSON(none_as_null=True)
     return String(int(length)) if kind == "str" else _SQL[kind]()
 
 
