@@ -227,7 +227,8 @@ class BatchService:
                 try:
                     valid = self._validate(b)
                 except Exception as err:  # the server's fault or its store's, not the file's: tried again
-                    valid = self._validation_fault(b, err)
+                    self._validation_fault(b, err)
+                    valid = None
                 if valid is not None:
                     queued.append(valid)
             elif status == "finalizing" or b["id"] in self.finished:
