@@ -23,7 +23,8 @@ from tests.conftest import TEST_ENGINE, write_parquet
 from tests.helpers import job_spec
 from tests.vision_model import IMAGE_TOKENS, vision_model
 from tokenmill.schemas import records as R
-from tokenmill.schemas.records import DeadLetterRow, OutputRow, export_schema
+from tokenmill.schemas.exported import export_schema
+from tokenmill.schemas.records import DeadLetterRow, OutputRow
 from tokenmill.transforms.images import ImageRules
 from tokenmill.transforms.validate import validate_row
 

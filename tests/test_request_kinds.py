@@ -16,7 +16,8 @@ from tests.conftest import TEST_ENGINE, write_parquet
 from tests.helpers import job_spec
 from tokenmill.schemas import records as R
 from tokenmill.schemas import storage as S
-from tokenmill.schemas.records import OutputRow, export_schema, exported_columns
+from tokenmill.schemas.exported import export_schema, exported_columns, stored_names
+from tokenmill.schemas.records import OutputRow
 from tokenmill.schemas.sampling import request_sampling
 from tokenmill.transforms import answers
 from tokenmill.transforms.engines import requests
@@ -144,7 +145,7 @@ def test_the_exported_columns_have_their_arrow_types_and_json_as_text():
     assert schema.field("logprobs").type == R.LOGPROBS_TYPE and schema.field("valid").type.id == 1  # bool
     assert schema.field("choice_probs").type == R.CHOICE_PROBS_TYPE and str(schema.field("parsed").type) == "string"
     row = {"job_id": "j", "id": "a", "input_file": 0, "input_row": 3, "parsed": {"k": [1, "é"]}, "valid": True}
-    got = exported_columns(OutputRow, {k: [row.get(k)] for k in R.stored_names(OutputRow)})
+    got = exported_columns(OutputRow, {k: [row.get(k)] for k in stored_names(OutputRow)})
     assert got["parsed"] == ['{"k": [1, "é"]}'] and got["input_ref"] == ["0:3"] and got["valid"] == [True]
 
 

@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy.engine import Engine
 
-from tokenmill.schemas.records import DeadLetterRow, OutputRow, StoredRow, export_schema, exported_columns, stored_names
+from tokenmill.schemas.exported import export_schema, exported_columns, stored_names
+from tokenmill.schemas.records import DeadLetterRow, OutputRow, StoredRow
 from tokenmill.schemas.storage import JobStore, MetricsReader
 
 MANIFEST = "_SUCCESS.json"
