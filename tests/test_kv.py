@@ -29,16 +29,28 @@ def smol_folder(tmp_path):
 
 
 def test_job_tokens_of_each_rows_prompt_plus_max_tokens():
-    assert kv.JobTokens.of([10, 300, 40]) == kv.JobTokens(max_seq_tokens=300, total_seq_tokens=350)
+    assert kv.JobTokens.of([10, 300, 40]) == kv.JobTokens(max_seq_tokens=300, total_seq_tokens=350, rows=3)
     assert kv.JobTokens.of([]) == kv.JobTokens(0, 0)
 
 
 def test_the_job_is_held_with_headroom_in_whole_blocks_plus_the_null_block():
-    job = kv.JobTokens(max_seq_tokens=491, total_seq_tokens=46169)  # the demo's 240 rows
+    job = kv.JobTokens(max_seq_tokens=491, total_seq_tokens=46169, rows=240)  # the demo's 240 rows
     s = kv.size_for_job(job, per_token=BF16_TOKEN, block_size=128, max_num_seqs=256, max_model_len=2048)
-    blocks = -(-46169 * 5 // 4 // 128) + 1  # ⌈46169 × 1.25 / 128⌉ = 451, and the null block
-    assert (s.source, s.wanted_tokens, s.tokens) == ("job", 46169, blocks * 128) == ("job", 46169, 57856)
-    assert s.bytes == 57856 * BF16_TOKEN
+    # every row at once: its 361 blocks of tokens plus a partial block each (240 × 4 blocks is more)
+    assert job.held_blocks(256, 2048, 128) == min(240 * 4, 361 + 240) == 601
+    blocks = -(-601 * 5 // 4) + 1  # ⌈601 × 1.25⌉ = 752, and the null block
+    assert (s.source, s.wanted_tokens, s.tokens) == ("job", 46169, blocks * 128) == ("job", 46169, 96384)
+    assert s.bytes == 96384 * BF16_TOKEN
+
+
+def test_short_rows_get_a_whole_block_each_so_max_num_seqs_of_them_fit():
+    """73-token rows on 128-token CPU blocks: counted in tokens (32 × 73 × 1.25) the cache had 23
+    usable blocks, so 23 of the 32 sequences ran at once; in blocks every one fits."""
+    job = kv.JobTokens(max_seq_tokens=73, total_seq_tokens=144890, rows=2000)
+    s = kv.size_for_job(job, per_token=46080, block_size=128, max_num_seqs=32, max_model_len=1024)
+    assert job.held_blocks(32, 1024, 128) == 32 and s.tokens // 128 - 1 >= 32
+    assert kv.JobTokens(73, 146).held_blocks(32, 1024, 128) == 32  # rows not known: taken as many
+    assert kv.JobTokens(73, 146, rows=2).held_blocks(32, 1024, 128) == 2
 
 
 def test_at_most_max_num_seqs_of_the_longest_row_are_held_at_once():
@@ -49,7 +61,8 @@ def test_at_most_max_num_seqs_of_the_longest_row_are_held_at_once():
 
 
 def test_never_below_one_max_model_len_sequence():
-    s = kv.size_for_job(kv.JobTokens(40, 80), per_token=100, block_size=128, max_num_seqs=16, max_model_len=512)
+    s = kv.size_for_job(kv.JobTokens(40, 80, rows=2), per_token=100, block_size=128, max_num_seqs=16,
+                        max_model_len=512)
     assert s.source == "floor" and s.tokens == s.floor_tokens == 5 * 128 and s.bytes == 640 * 100
 
 
@@ -85,17 +98,18 @@ def test_without_the_work_the_default_stays(smol_folder):
 
 
 def test_the_work_sizes_the_cache_in_the_engines_dtype_and_blocks(smol_folder):
-    job = kv.JobTokens(max_seq_tokens=491, total_seq_tokens=46169)
+    job = kv.JobTokens(max_seq_tokens=491, total_seq_tokens=46169, rows=240)
     n, why = cpu.cpu_kv_cache(VllmConfig(), smol_folder, "bfloat16", job_tokens=job, total_memory_bytes=24 << 30)
-    assert n == 57856 * BF16_TOKEN and why["source"] == "job" and why["kv_bytes_per_token"] == BF16_TOKEN
-    assert why["job_tokens"] == {"max_seq_tokens": 491, "total_seq_tokens": 46169}
+    assert n == 96384 * BF16_TOKEN and why["source"] == "job" and why["kv_bytes_per_token"] == BF16_TOKEN
+    assert why["job_tokens"] == {"max_seq_tokens": 491, "total_seq_tokens": 46169, "rows": 240}
     n32, _ = cpu.cpu_kv_cache(VllmConfig(), smol_folder, "float32", job_tokens=job, total_memory_bytes=24 << 30)
     n8, _ = cpu.cpu_kv_cache(VllmConfig(kv_cache_dtype="fp8"), smol_folder, "float32", job_tokens=job,
                              total_memory_bytes=24 << 30)
     assert n32 == 2 * n and n8 == n // 2
     n512, _ = cpu.cpu_kv_cache(VllmConfig(block_size=16), smol_folder, "bfloat16", job_tokens=job,
                                total_memory_bytes=24 << 30)
-    assert n512 == (-(-57711 // 16) + 1) * 16 * BF16_TOKEN  # the job's own block size
+    # the job's own block size: min(240 × 31, 2886 + 240) = 3126 blocks of 16 × 1.25, and the null block
+    assert n512 == (-(-3126 * 5 // 4) + 1) * 16 * BF16_TOKEN
 
 
 def test_a_job_wanting_more_than_the_share_keeps_the_default(smol_folder):
@@ -164,7 +178,7 @@ def test_an_engine_sized_for_its_capacity_is_never_started_again_for_a_larger_jo
 
     cfg = VllmConfig(max_num_seqs=8, max_model_len=512, kv_cache_sized_for="capacity")
     s = worker.worker_session(cfg, "/m", group="job-a", job_tokens=kv.JobTokens(40, 80))
-    assert s.job_tokens == kv.JobTokens(512, 8 * 512)
+    assert s.job_tokens == kv.JobTokens(512, 8 * 512, rows=8)
     assert worker.worker_session(cfg, "/m", group="job-b", job_tokens=kv.JobTokens(512, 100_000)) is s and not s.shut
     # a served model's engine is sized so unless its config says otherwise
     served = ServeConfig.model_validate({}).job_spec("smollm2-135m", input="x.jsonl", output="o", job_id="j")

@@ -25,8 +25,8 @@ DTYPE_BYTES = {
     "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
 }
 
-#: Sizing from the job asks for this much more than the job's tokens: room for the
-#: last block of each sequence and for the engine's own bookkeeping.
+#: Sizing from the job asks for this much more than the blocks the job holds at once:
+#: room for the prefix cache to keep shared blocks and for the engine's own bookkeeping.
 HEADROOM = 1.25
 
 
@@ -80,17 +80,27 @@ class JobTokens:
     """The largest prompt + max_tokens among the rows."""
     total_seq_tokens: int
     """The sum of prompt + max_tokens over the rows."""
+    rows: int = 0
+    """How many rows (0: not known, taken as many)."""
 
     @classmethod
     def of(cls, seq_tokens: Iterable[int]) -> JobTokens:
         """From each row's prompt + max_tokens."""
         sizes = list(seq_tokens)
-        return cls(max_seq_tokens=max(sizes, default=0), total_seq_tokens=sum(sizes))
+        return cls(max_seq_tokens=max(sizes, default=0), total_seq_tokens=sum(sizes), rows=len(sizes))
 
     @classmethod
     def capacity(cls, max_num_seqs: int, max_model_len: int) -> JobTokens:
         """The most an engine can hold at once: `max_num_seqs` sequences of `max_model_len`."""
-        return cls(max_seq_tokens=max_model_len, total_seq_tokens=max_num_seqs * max_model_len)
+        return cls(max_seq_tokens=max_model_len, total_seq_tokens=max_num_seqs * max_model_len, rows=max_num_seqs)
+
+    def held_blocks(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+        """The KV blocks this work can hold at once: a sequence takes whole blocks, so at most
+        its sequences at once (`max_num_seqs`, or fewer rows) of the longest row's blocks, and
+        at most its tokens at once in blocks plus one partly filled block a sequence."""
+        seqs = min(self.rows, max_num_seqs) if self.rows > 0 else max_num_seqs
+        per_seq = math.ceil(min(max(self.max_seq_tokens, 0), max_model_len) / block_size)
+        return min(seqs * per_seq, math.ceil(self.held_at_once(max_num_seqs, max_model_len) / block_size) + seqs)
 
     def held_at_once(self, max_num_seqs: int, max_model_len: int) -> int:
         """The tokens this work can have in an engine at once: every row, or `max_num_seqs`
@@ -121,18 +131,22 @@ class KvSizing:
 
 def size_for_job(job: JobTokens, *, per_token: int, block_size: int, max_num_seqs: int, max_model_len: int,
                  ceiling_bytes: int | None = None, headroom: float = HEADROOM) -> KvSizing:
-    """The KV cache for `job`: its tokens at once (every row, or `max_num_seqs` rows of
-    the largest size, whichever is less) × `headroom`, in whole blocks; never less than
+    """The KV cache for `job`: the blocks it holds at once × `headroom`; never less than
     one `max_model_len` sequence plus vLLM's null block (vLLM refuses to start
-    otherwise); never more than `ceiling_bytes` (then exactly the ceiling)."""
+    otherwise); never more than `ceiling_bytes` (then exactly the ceiling).
+
+    What the job holds is counted in whole blocks (`JobTokens.held_blocks`).  Counted in
+    tokens, a job of short rows on 128-token CPU blocks got room for fewer sequences than
+    `max_num_seqs` (23 of 32 for 73-token rows), and generated that much slower."""
     if per_token < 1 or block_size < 1:
         raise KvError(f"per_token and block_size must be positive, got {per_token} and {block_size}")
     longest = min(max(job.max_seq_tokens, 0), max_model_len)
     wanted = job.held_at_once(max_num_seqs, max_model_len)
-    blocks = math.ceil(wanted * headroom / block_size)
+    held = job.held_blocks(max_num_seqs, max_model_len, block_size)
+    blocks = math.ceil(held * headroom)
     floor_blocks = math.ceil(max_model_len / block_size)
-    source, reason = "job", (f"min({job.total_seq_tokens} total, {max_num_seqs} seqs × {longest}) = {wanted} tokens "
-              f"× {headroom:g} headroom")
+    source, reason = "job", (f"{held} blocks of {block_size} at once (sequences of at most {longest} tokens in whole "
+                             f"blocks, {wanted} tokens at once) × {headroom:g} headroom")
     if blocks < floor_blocks:
         blocks = floor_blocks
         source, reason = "floor", f"one max_model_len ({max_model_len}) sequence; the job needs less ({wanted} tokens)"
