@@ -14,6 +14,8 @@ four sections, each with its arms interleaved A B B A:
 - **polling**: the same 400-line batch with no one polling and with 20 clients each polling
   `GET /v1/batches/{id}` every 1 s and every 0.1 s (`--pollers`, `--poll-every`); target: slowed
   by ≤ 5%.  The server's and the clients' CPU per poll are measured too (process CPU times).
+  Here the clients share the engine's cores; `--poller-nice 19` lowers their threads' priority,
+  standing in for clients on another host (the server's own work for each poll is unchanged).
 
 The server's walls are what it recorded, to the millisecond: a batch's `created_at` to its
 `completed_at` (validation and finalization included), read from its database; the bench's own
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -90,8 +93,9 @@ class Served:
         self.key = self.server.make_key("bench")["key"]
         self.client = self.server.client(self.key, timeout=600)
 
-    def batch(self, inp: Path, *, pollers: int = 0, poll_every_s: float = 0.1) -> dict[str, Any]:
-        """Upload, create, poll until completed, download the output: its walls."""
+    def batch(self, inp: Path, *, pollers: int = 0, poll_every_s: float = 0.1, poller_nice: int = 0) -> dict[str, Any]:
+        """Upload, create, poll until completed, download the output: its walls.  `poller_nice`:
+        each polling thread's niceness (Linux sets it per thread); the server keeps its own."""
         import psutil
 
         server = psutil.Process(self.server.proc.pid)
@@ -105,6 +109,8 @@ class Served:
 
         def poll() -> None:
             c = self.server.client(self.key)
+            if poller_nice:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), poller_nice)
             while not stop.is_set():
                 c.batches.retrieve(b.id)
                 polls[0] += 1
@@ -173,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pollers", type=int, default=20)
     ap.add_argument("--poll-every", type=float, nargs="+", default=[1.0, 0.1],
                     help="seconds between one poller's requests; one A B B A round set per value")
+    ap.add_argument("--poller-nice", type=int, default=0,
+                    help="the polling clients' niceness (19: they stand in for clients on another host, whose CPU "
+                         "is not the engine's; the server's requests still are)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=1, help="A B B A rounds per section")
     ap.add_argument("--dtype", default="float32")
@@ -227,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
             for every in args.poll_every:
                 log(f"polling every {every} s: A = nobody polls, B = {args.pollers} clients poll every {every} s")
                 rounds = abba(lambda: srv.batch(files["poll"]),
-                              lambda every=every: srv.batch(files["poll"], pollers=args.pollers, poll_every_s=every),
+                              lambda every=every: srv.batch(files["poll"], pollers=args.pollers, poll_every_s=every,
+                                                            poller_nice=args.poller_nice),
                               args.rounds)
                 a = [g for arm, g in rounds if arm == "A"]
                 b = [g for arm, g in rounds if arm == "B"]
                 secs["polling"].append({
-                    "rounds": rounds, "pollers": args.pollers, "poll_every_s": every,
+                    "rounds": rounds, "pollers": args.pollers, "poll_every_s": every, "poller_nice": args.poller_nice,
                     "slowdown": [round(y["recorded_created_to_completed_s"] / x["recorded_created_to_completed_s"] - 1, 4)
                                  for x, y in zip(a, b)],
                     # the server's and the clients' CPU for each poll: B's less A's, over B's polls
