@@ -262,7 +262,7 @@ def test_an_engine_sized_for_a_small_first_chunk_runs_a_later_longer_one(model_p
     monkeypatch.setattr(registry, "_SESSIONS", {})  # the suite's shared engine stays as it is
     monkeypatch.setattr(kinds.engine_of("vllm"), "job_tokens", {})
     cfg = VllmConfig(max_num_seqs=8, max_model_len=512)
-    s = worker.worker_session(cfg, model_path, group="kv-small-first", job_tokens=kv.JobTokens(40, 80))
+    s = worker.worker_session(cfg, model_path, group="kv-small-first", job_tokens=kv.JobTokens(40, 80, rows=2))
     try:
         info = s.info()
         assert info["kv_sizing"]["source"] == "floor"
