@@ -70,11 +70,10 @@ class VllmEngine(EngineKind[VllmConfig]):
     def outgrown(self, cfg: VllmConfig, started: dict[str, Any], job_tokens: JobTokens | None) -> bool:
         """On a CPU, where the KV cache is sized for the work an engine starts for
         (`cpu.cpu_kv_cache`): the new work holds more tokens at once than the engine was sized
-        for.  An engine sized by the config, for its capacity, or by the default share (no
-        work named) is never outgrown."""
+        for.  An engine sized by the config or by the default share (no work named) is never
+        outgrown, nor is one sized for its capacity (no work holds more than that)."""
         old = started.get("job_tokens")
-        if (old is None or job_tokens is None or cfg.kv_cache_memory_bytes or cfg.kv_cache_sized_for == "capacity"
-                or has_nvidia_gpu()):
+        if old is None or job_tokens is None or cfg.kv_cache_memory_bytes or has_nvidia_gpu():
             return False
         return (job_tokens.held_at_once(cfg.max_num_seqs, cfg.max_model_len)
                 > old.held_at_once(cfg.max_num_seqs, cfg.max_model_len))
