@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llamacpp-convert llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-lora bench-quant bench-tune bench-scale bench-rerun bench-cache bench-ceiling bench-estimate bench-serve bench-layout bench-report bench-db bench-page gpu-check clean help
+.PHONY: install lint airflow llamacpp llamacpp-convert llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-lora bench-quant bench-tune bench-scale bench-rerun bench-cache bench-ceiling bench-10m bench-estimate bench-serve bench-layout bench-report bench-db bench-page gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -33,6 +33,7 @@ help:
 	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
 	@echo "make bench-cache - a warm rerun from the result cache against a cold run, wall and cost (bench/cache.py)"
 	@echo "make bench-ceiling - tokenmill with a stand-in engine against a plain loop on the same 100,000 rows, A B B A (bench/ceiling.py)"
+	@echo "make bench-10m - 1M and 10M rows with the stand-in engine, peak RSS per process, a finished and a 90%-done rerun (bench/tenmillion.py)"
 	@echo "make bench-serve - tokenmill serve against tokenmill run: a 20-line and a 2,000-line batch, 20 pollers, 50 batches' memory (bench/serve.py)"
 	@echo "make bench-estimate - tokenmill estimate against the job it predicts, 3 inputs x vLLM and llama.cpp (bench/estimate.py)"
 	@echo "make bench-layout - one row group against 8,192-row groups, the same rows side by side (bench/layout.py)"
@@ -233,6 +234,12 @@ bench-cache: prepare
 # Shorter: make bench-ceiling BENCH_ARGS="--n 2000 --rounds 1".
 bench-ceiling: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.ceiling $(BENCH_ARGS)
+
+# Ten million rows end to end with the same stand-in engine (bench/tenmillion.py, issue 39): 1M then 10M rows in
+# fresh databases, then the 10M job rerun finished and 90% done; about an hour on 2 cores, 10 GB free under bench/work.
+# On Dask: make bench-10m BENCH_ARGS="--sizes 100000,1000000 --runner dask --no-reruns".
+bench-10m: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.tenmillion $(BENCH_ARGS)
 
 # `tokenmill estimate` (a sample of at most 10% of the rows) against the whole job it predicts, each a process of
 # its own, on the bundled sample and two generated length mixes, with vLLM and llama.cpp (bench/estimate.py,

@@ -108,14 +108,15 @@ def child_env(phases: Path | None = None) -> dict[str, str]:
     return env
 
 
-def run_process(cmd: list[str], folder: Path, env: dict[str, str]) -> dict[str, Any]:
-    """Run `cmd` in `folder` with its process tree's RSS sampled and each stderr line
-    stamped as it comes; the wall from start to exit."""
+def run_process(cmd: list[str], folder: Path, env: dict[str, str], also: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Run `cmd` with its process tree's RSS sampled (and the trees of `also`: a cluster's
+    processes) and each stderr line stamped as it comes, its logs in `folder`; the wall from
+    start to exit."""
     folder.mkdir(parents=True, exist_ok=True)
     lines: list[tuple[float, str]] = []
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    sampler = ProcessSampler(proc.pid)
+    sampler = ProcessSampler(proc.pid, also=also)
     sampler.start()
 
     def read_stderr() -> None:
@@ -148,14 +149,17 @@ def _count(items) -> dict[str, int]:
 
 
 def tokenmill_run(name: str, inp: Path, n: int, workers: int, folder: Path, model: str, *,
-                  phases: Path | None = None) -> dict[str, Any]:
-    """One `tokenmill run` with the stand-in engine in a fresh database; its figures."""
+                  phases: Path | None = None, extra: tuple[str, ...] = (), also: tuple[int, ...] = (),
+                  logs: str | None = None) -> dict[str, Any]:
+    """One `tokenmill run` of job `name` with the stand-in engine, its database and outputs in
+    `folder/name` (fresh, or the job's own again for a rerun; `logs` names the subfolder its
+    logs go to then); `extra` flags, `also` more processes to sample; its figures."""
     folder = folder / name
     db_url = f"sqlite:///{folder / 'jobs.db'}"
     cmd = [sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(inp), "--output", str(folder / "out"),
            "--db", db_url, "--job-id", name, "--engine", "standin", "--model", model,
-           "--max-tokens", str(MAX_TOKENS), "--workers", str(workers)]
-    got = run_process(cmd, folder, child_env(phases))
+           "--max-tokens", str(MAX_TOKENS), "--workers", str(workers), *extra]
+    got = run_process(cmd, folder / logs if logs else folder, child_env(phases), also)
     rep = _report(name, f"tokenmill-{workers}", n, got)
     rep["command"] = " ".join(["tokenmill", *cmd[3:]]).replace(str(ROOT) + "/", "")
     rep.update(job_figures(db_url, name, got))

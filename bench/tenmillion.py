@@ -1,0 +1,177 @@
+"""`make bench-10m` (issue 39): ten million rows end to end with the stand-in engine, and
+what its memory and its reruns do.
+
+The job is bench/ceiling.py's tokenmill-1 arm: `tokenmill run --engine standin --max-tokens 4`
+on the ceiling's chat rows (ids `r0000000`..., one Parquet file of 8,192-row groups, about
+157 prompt tokens a row), a SQLite database and a Parquet export, each size in a fresh
+folder.  Legs, each a whole process, in this order:
+
+  rows-<n>          one job per size of `--sizes` (default 1M, then 10M), a fresh database
+  rerun-finished    the largest job's id again: nothing to generate
+  rerun-90          after deleting the outputs of every tenth input row of that job, its id
+                    again: the missing tenth is generated
+
+Reported per leg: wall, rows/s, the job's timeline (bench/ceiling.job_figures), peak RSS
+per process kind (bench/procs.py), and whether every id was answered exactly once (the
+export and the database); then the targets of issue 39, each a PASS or MISS printed, never
+asserted: the largest job's wall (≤ 45 min, at 10M rows), peak RSS largest ÷ smallest per
+process kind (≤ 1.1 on the DirectRunner, ≤ 1.05 on Dask), every id once, the finished
+rerun's wall ÷ the job's (≤ 0.05).  The 90%-done rerun has no number to meet; it is reported.
+
+`--runner dask`: the same on a loopback Dask cluster of 2 one-thread workers (bench/
+dask_cluster.py), started before each job and stopped after it, its scheduler and workers
+sampled beside the launcher.
+
+    python -m bench.tenmillion                                   # 1M and 10M rows, reruns; ~1 h on 2 cores
+    python -m bench.tenmillion --sizes 100000,1000000 --runner dask --no-reruns
+    python -m bench.tenmillion --sizes 2000,20000                # a smoke run, a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, ContextManager, Iterator
+
+from bench.ceiling import MAX_TOKENS, ROW_GROUP, SEED, child_env, make_input, tokenmill_run
+from bench.common import ROOT, WORK, code_label, log, machine, utc_now, utc_stamp, write_report
+
+WALL_MAX_S = 45 * 60  # the 10M-row job, end to end
+WALL_AT_ROWS = 10_000_000
+RSS_GROWTH_MAX = {"direct": 1.1, "dask": 1.05}
+RERUN_FINISHED_MAX = 0.05
+#: the process kinds whose peaks are compared (bench/procs.py's names); others are listed only
+KINDS = {"direct": ("launcher",), "dask": ("dask_scheduler", "dask_worker")}
+
+
+@contextmanager
+def dask_cluster(folder: Path) -> Iterator[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """A loopback cluster whose workers see the stand-in engine (its entry point on their
+    PYTHONPATH, the CPU runtime environment already applied): its `tokenmill run` flags and
+    the pids to sample."""
+    from bench.dask_cluster import start_cluster
+
+    saved = dict(os.environ)
+    os.environ.update(child_env())
+    try:
+        cluster = start_cluster(folder / "dask-logs", n_workers=2)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        yield (("--runner", "DaskRunner", *(f"--pipeline-option={o}" for o in cluster.options())),
+               (cluster.scheduler.pid, *(w.pid for w in cluster.workers)))
+    finally:
+        cluster.stop()
+
+
+def _drop_every_tenth(db: Path, job_id: str) -> int:
+    """Delete the outputs of every tenth input row of the job; how many."""
+    import sqlite3
+
+    with sqlite3.connect(db) as c:
+        return c.execute("DELETE FROM outputs WHERE job_id = ? AND input_row % 10 = 0", (job_id,)).rowcount
+
+
+def _stored(db: Path, job_id: str) -> list[int]:
+    """The job's output rows in its database and their distinct ids."""
+    import sqlite3
+
+    with sqlite3.connect(db) as c:
+        return list(c.execute("SELECT count(*), count(DISTINCT id) FROM outputs WHERE job_id = ?", (job_id,)).fetchone())
+
+
+def leg(name: str, job: str, inp: Path, n: int, folder: Path, model: str, runner: str, *,
+        logs: str | None = None) -> dict[str, Any]:
+    cluster: ContextManager[Any] = dask_cluster(folder / (logs or job)) if runner == "dask" else nullcontext(((), ()))
+    with cluster as (extra, also):
+        workers = 2 if runner == "dask" else 1
+        rep = tokenmill_run(job, inp, n, workers, folder, model, extra=extra, also=also, logs=logs)
+    rep["leg"] = name
+    rep["every_id_once"]["database"] = _stored(folder / job / "jobs.db", job)
+    rep["every_id_once"]["ok"] = bool(rep["every_id_once"].get("ok")) and rep["every_id_once"]["database"] == [n, n]
+    rep.pop("stderr_tail", None) if rep["exit_code"] == 0 else None
+    log(f"{name}: exit {rep['exit_code']}, {rep['wall_s']} s, {rep['rows_per_s']} rows/s, status {rep.get('status')}, "
+        f"peak RSS {rep['peak_rss_mib_by_kind']} MiB, every id once {rep['every_id_once'].get('ok')}")
+    return rep
+
+
+def verdicts(legs: list[dict[str, Any]], runner: str) -> list[dict[str, Any]]:
+    sized = [x for x in legs if x["leg"].startswith("rows-")]
+    out: list[dict[str, Any]] = []
+    if not sized:
+        return out
+    small, large = sized[0], sized[-1]
+    if large["rows"] == WALL_AT_ROWS:
+        out.append({"target": f"the {WALL_AT_ROWS:,}-row job ≤ {WALL_MAX_S // 60} min", "measured_s": large["wall_s"],
+                    "verdict": "PASS" if large["exit_code"] == 0 and large["wall_s"] <= WALL_MAX_S else "MISS"})
+    if large is not small:
+        cap = RSS_GROWTH_MAX[runner]
+        for kind in KINDS[runner]:
+            a, b = small["peak_rss_mib_by_kind"].get(kind), large["peak_rss_mib_by_kind"].get(kind)
+            if a and b:
+                out.append({"target": f"peak RSS of the {kind}, {large['rows']:,} ÷ {small['rows']:,} rows ≤ {cap}",
+                            "measured": round(b / a, 3), "verdict": "PASS" if b / a <= cap else "MISS"})
+    for x in legs:
+        out.append({"target": f"{x['leg']}: every id answered once", "measured": x["every_id_once"],
+                    "verdict": "PASS" if x["every_id_once"].get("ok") else "MISS"})
+    rerun = next((x for x in legs if x["leg"] == "rerun-finished"), None)
+    if rerun:
+        share = rerun["wall_s"] / large["wall_s"]
+        out.append({"target": f"a finished job's rerun ≤ {RERUN_FINISHED_MAX:.0%} of its wall", "measured": round(share, 4),
+                    "verdict": "PASS" if share <= RERUN_FINISHED_MAX else "MISS"})
+    ninety = next((x for x in legs if x["leg"] == "rerun-90"), None)
+    if ninety:
+        out.append({"target": "a 90%-done rerun (reported, no number set)",
+                    "measured": round(ninety["wall_s"] / large["wall_s"], 4), "verdict": "reported"})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1000000,10000000", help="rows of each job, smallest first (default 1M,10M)")
+    ap.add_argument("--runner", choices=("direct", "dask"), default="direct",
+                    help="direct: one DirectRunner worker; dask: a loopback cluster of two workers")
+    ap.add_argument("--no-reruns", action="store_true", help="no finished or 90%%-done rerun of the largest job")
+    ap.add_argument("--model", default="smollm2-135m", help="the prepared model whose tokenizer and chat template count")
+    ap.add_argument("--json", default=None, help="results file (default bench/results/tenmillion-<stamp>.json)")
+    ap.add_argument("--code", default=None, help="what code ran, when PYTHONPATH points at another tree's tokenmill")
+    args = ap.parse_args(argv)
+    sizes = sorted(int(s) for s in args.sizes.split(",") if s)
+    stamp = utc_stamp()
+    folder = WORK / "tenmillion" / stamp
+    rep: dict[str, Any] = {
+        "command": " ".join(["python -m bench.tenmillion", *(argv if argv is not None else sys.argv[1:])]),
+        "started_at": utc_now(), "code": code_label(args.code), **machine(),
+        "settings": {"sizes": sizes, "runner": args.runner, "max_tokens": MAX_TOKENS, "seed": SEED,
+                     "row_group_rows": ROW_GROUP, "model": args.model, "folder": os.path.relpath(folder, ROOT)},
+        "legs": [],
+    }
+    inputs = {}
+    for n in sizes:
+        log(f"input: {n:,} rows")
+        inputs[n] = make_input(n)
+    for n in sizes:
+        rep["legs"].append(leg(f"rows-{n}", f"rows-{n}", inputs[n], n, folder, args.model, args.runner))
+        write_report(rep, args.json, f"tenmillion-{stamp}.json")  # what has run so far, if a later leg dies
+    if not args.no_reruns:
+        n = sizes[-1]
+        job = f"rows-{n}"
+        rep["legs"].append(leg("rerun-finished", job, inputs[n], n, folder, args.model, args.runner,
+                               logs="rerun-finished"))
+        rep["deleted_outputs"] = _drop_every_tenth(folder / job / "jobs.db", job)
+        log(f"deleted {rep['deleted_outputs']:,} outputs (every tenth input row)")
+        rep["legs"].append(leg("rerun-90", job, inputs[n], n, folder, args.model, args.runner, logs="rerun-90"))
+    rep["verdicts"] = verdicts(rep["legs"], args.runner)
+    rep["finished_at"] = utc_now()
+    for v in rep["verdicts"]:
+        print(f"{v['verdict']:>8}  {v['target']}: {v.get('measured', v.get('measured_s'))}")
+    write_report(rep, args.json, f"tenmillion-{stamp}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
