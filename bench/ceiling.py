@@ -42,6 +42,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -114,6 +115,7 @@ def run_process(cmd: list[str], folder: Path, env: dict[str, str], also: tuple[i
     start to exit."""
     folder.mkdir(parents=True, exist_ok=True)
     lines: list[tuple[float, str]] = []
+    used0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     sampler = ProcessSampler(proc.pid, also=also)
@@ -129,6 +131,9 @@ def run_process(cmd: list[str], folder: Path, env: dict[str, str], also: tuple[i
     out = proc.stdout.read() if proc.stdout else ""
     proc.wait()
     t1 = time.time()
+    used1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds of the process and every descendant it waited for (SDK workers, not a cluster's)
+    cpu_s = (used1.ru_utime - used0.ru_utime) + (used1.ru_stime - used0.ru_stime)
     reader.join(timeout=10)
     sampler.stop()
     (folder / "stdout.txt").write_text(out)
@@ -137,6 +142,7 @@ def run_process(cmd: list[str], folder: Path, env: dict[str, str], also: tuple[i
     for p in sampler.processes():
         peaks[p["kind"]] = max(peaks.get(p["kind"], 0.0), p["peak_rss_mib"])
     return {"exit_code": proc.returncode, "started_at": t0, "ended_at": t1, "wall_s": round(t1 - t0, 2),
+            "cpu_s": round(cpu_s, 2), "cores_busy": round(cpu_s / (t1 - t0), 3),
             "stdout": out, "stderr_lines": lines, "peak_rss_mib_by_kind": peaks,
             "processes_by_kind": _count(p["kind"] for p in sampler.processes())}
 
@@ -203,6 +209,7 @@ def _report(name: str, arm: str, n: int, got: dict[str, Any]) -> dict[str, Any]:
     if arm == "plain" and "launcher" in kinds:  # the root of the tree is the loop itself
         kinds["plain_loop"] = kinds.pop("launcher")
     return {"name": name, "arm": arm, "rows": n, "exit_code": got["exit_code"], "wall_s": got["wall_s"],
+            "cpu_s": got["cpu_s"], "cores_busy": got["cores_busy"],
             "rows_per_s": round(n / got["wall_s"], 1) if got["wall_s"] else None,
             "peak_rss_mib_by_kind": kinds, "processes_by_kind": got["processes_by_kind"]}
 
@@ -325,7 +332,7 @@ def run_arm(arm: str, name: str, inp: Path, n: int, folder: Path, model: str, to
         rep = plain_run(name, inp, n, folder, tokenizer)
     else:
         rep = tokenmill_run(name, inp, n, WORKERS[arm], folder, model, phases=phases)
-    log(f"{name}: exit {rep['exit_code']}, {rep['wall_s']} s, {rep['rows_per_s']} rows/s, "
+    log(f"{name}: exit {rep['exit_code']}, {rep['wall_s']} s, {rep['rows_per_s']} rows/s, {rep['cores_busy']} cores busy, "
         f"peak RSS {rep['peak_rss_mib_by_kind']} MiB, every id once {rep.get('every_id_once', {}).get('ok')}")
     return rep
 

@@ -94,7 +94,7 @@ def leg(name: str, job: str, inp: Path, n: int, folder: Path, model: str, runner
     rep["every_id_once"]["database"] = _stored(folder / job / "jobs.db", job)
     rep["every_id_once"]["ok"] = bool(rep["every_id_once"].get("ok")) and rep["every_id_once"]["database"] == [n, n]
     rep.pop("stderr_tail", None) if rep["exit_code"] == 0 else None
-    log(f"{name}: exit {rep['exit_code']}, {rep['wall_s']} s, {rep['rows_per_s']} rows/s, status {rep.get('status')}, "
+    log(f"{name}: exit {rep['exit_code']}, {rep['wall_s']} s, {rep['rows_per_s']} rows/s, {rep['cores_busy']} cores busy, status {rep.get('status')}, "
         f"peak RSS {rep['peak_rss_mib_by_kind']} MiB, every id once {rep['every_id_once'].get('ok')}")
     return rep
 
