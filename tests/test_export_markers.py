@@ -9,6 +9,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
+from sqlalchemy import func, select
 
 from tests.conftest import write_parquet
 from tests.fakes import FakeSession
@@ -16,6 +17,7 @@ from tests.helpers import job_spec, stale_output_job
 from tokenmill.jobs.lifecycle import export as X
 from tokenmill.jobs.lifecycle.runner import JobError, run_job
 from tokenmill.schemas import storage as S
+from tokenmill.schemas import tables as T
 
 ROWS = 200
 
@@ -115,9 +117,9 @@ def test_a_rerun_whose_pipeline_fails_removes_the_earlier_success(tmp_path, sqli
 
 def test_a_crash_mid_export_leaves_no_success_beside_half_written_files(tmp_path, sqlite_url, monkeypatch):
     out = tmp_path / "out"
-    spec = job_spec(prompts(tmp_path, 3), out, job_id="crash")
-    run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    run_job(job_spec(prompts(tmp_path, 3), out, job_id="crash"), db_url=sqlite_url, session_factory=FakeSession)
     assert markers(out) == {"_SUCCESS.json"}
+    spec = job_spec(prompts(tmp_path, 4, "more.parquet"), out, job_id="crash")  # one more row: this run exports
     written = []
 
     def crash(dest, schema, chunks):
@@ -151,3 +153,31 @@ def test_the_reconcile_names_the_rows_in_no_place_and_in_two():
     assert str(extra) == "0:2 is in 2 places (output, dead letter), 1:5 (output) is not an input row"
     missing, extra = misplaced([(0, range(0, 1000))], iter([(0, 500, "output")]))
     assert missing.count == 999 and str(missing).endswith(f"0:{NAMED - 1} and {999 - NAMED} more") and extra.count == 0
+
+
+def test_a_finished_job_rerun_starts_nothing_and_keeps_its_export_until_something_is_missing(tmp_path, sqlite_url):
+    # A finished job run again on the same input: no engine, no export, no new run; its stored result.
+    out = tmp_path / "out"
+    spec = job_spec(prompts(tmp_path, 5), out, job_id="done-once")
+    first = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    stamp = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    FakeSession.instances.clear()
+    again = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    assert FakeSession.instances == []  # no engine was started
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamp  # nothing rewritten
+    assert (again.status, again.succeeded, again.failed, again.resumed) == ("succeeded", 5, 0, True)
+    assert again.metrics == first.metrics and again.files == first.files and again.note
+    with S.connect(sqlite_url).connect() as c:  # no run was recorded for it
+        assert c.execute(select(func.count()).select_from(T.runs).where(T.runs.c.job_id == "done-once")).scalar() == 1
+    # The export's data file gone: the rerun exports again (and still generates nothing).
+    (out / "outputs.parquet").unlink()
+    run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    assert pq.read_table(out / "outputs.parquet").num_rows == 5 and markers(out) == {"_SUCCESS.json"}
+    assert not any(s.added for s in FakeSession.instances)
+    # A marker that disagrees with the database (another export's): exported again.
+    m = read(out, "_SUCCESS.json")
+    (out / "_SUCCESS.json").write_text(json.dumps({**m, "succeeded": 4}))
+    before = (out / "outputs.parquet").stat().st_mtime_ns
+    time.sleep(0.01)
+    run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
+    assert (out / "outputs.parquet").stat().st_mtime_ns != before and read(out, "_SUCCESS.json")["succeeded"] == 5

@@ -134,7 +134,7 @@ def estimate_job(spec, *, db_url: str | None = None, sample: int | None = None,
                             f"measure; see tokenmill report {sid}")
     say("predicting the whole job from the sample's measurements")
     reader = S.MetricsReader(eng)
-    from tokenmill.jobs.lifecycle.runner import hardware
+    from tokenmill.jobs.lifecycle.jobrow import hardware
 
     history = fixed_history(S.JobStore(eng).recent(HISTORY_JOBS), spec.engine.kind, spec.engine.model, hardware())
     est = assemble(spec, prof, band, picks, rows, reader.batches(sid), reader.workers(sid), job["metrics"],
@@ -231,7 +231,7 @@ def assemble(spec, prof: InputProfile, band, picks, rows, batches, workers, metr
              first_unit_rows: int, sample_id: str, seed: int = 0, history: list[float] | None = None
              ) -> dict[str, Any]:
     """The estimate's JSON from the profile and the sample job's rows and metrics."""
-    from tokenmill.jobs.lifecycle.runner import hardware
+    from tokenmill.jobs.lifecycle.jobrow import hardware
     from tokenmill.transforms.engines.kinds import engine_of
     from tokenmill.transforms.engines.kv import JobTokens
 

@@ -182,6 +182,27 @@ def export(exporter: Exporter, eng: Engine, job_id: str, output_root: str) -> di
     return {"job_id": job_id, "format": exporter.format, "outputs": n_out, "dead_letters": n_dead, "files": files}
 
 
+def finished_export(output_root: str, expected: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The manifest of the finished export under `output_root` when its `_SUCCESS.json` holds every
+    value in `expected` (job id, status, counts, format) and every file it lists exists; else None."""
+    from apache_beam.io.filesystems import FileSystems
+
+    try:
+        path = join(output_root, MANIFEST)
+        if not FileSystems.exists(path):
+            return None
+        with FileSystems.open(path) as fh:
+            manifest = json.loads(fh.read())
+    except (OSError, ValueError, OutputPathError):
+        return None
+    if not isinstance(manifest, dict) or any(manifest.get(k) != v for k, v in expected.items()):
+        return None
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(f, str) and FileSystems.exists(f) for f in files.values()):
+        return None
+    return manifest
+
+
 def write_marker(output_root: str, status: str, manifest: dict[str, Any], reason: str | None = None) -> str:
     """Write the marker for the job's final `status` (`MARKERS`), holding `manifest` with the
     status and, for a failed or cancelled job, the reason; remove the other markers.  Returns its path."""

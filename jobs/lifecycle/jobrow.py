@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import platform
 from typing import Any
 
-from tokenmill.schemas.config import JobSpec
+from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, JobSpec
 from tokenmill.schemas.secrets import mask_url
+from tokenmill.transforms.engines.kinds import engine_of
 
 
 def stored_spec(spec: JobSpec) -> dict[str, Any]:
@@ -32,3 +34,22 @@ def job_values(spec: JobSpec) -> dict[str, Any]:
         "engine_config": engine,
         "runner": spec.runner.runner,
     }
+
+
+def versions(kind: str = DEFAULT_ENGINE_KIND) -> dict[str, str]:
+    """What ran: Python, tokenmill and the libraries every job uses, and the engine's own (`EngineKind.versions`)."""
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("tokenmill", "apache-beam", "transformers", "sqlalchemy", "pyarrow"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return {**out, **engine_of(kind).versions()}
+
+
+def hardware() -> dict[str, Any]:
+    from tokenmill.jobs.metrics.hardware import describe
+
+    return describe()

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tokenmill.jobs.lifecycle.caps import CapError, CapWatch, before_start, capped
-from tokenmill.jobs.lifecycle.export import write_marker
-from tokenmill.jobs.lifecycle.jobrow import job_values
+from tokenmill.jobs.lifecycle.export import finished_export, write_marker
+from tokenmill.jobs.lifecycle.jobrow import hardware, job_values, versions
 from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight
 from tokenmill.jobs.lifecycle.reconcile import mismatch_note
 from tokenmill.jobs.lifecycle.sinks import export_job
 from tokenmill.jobs.metrics.catalog import values
 from tokenmill.schemas import storage as S
-from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, JobSpec
+from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.db import default_db_url
 from tokenmill.schemas.errors import first_line
 from tokenmill.transforms.engines.kinds import engine_of
@@ -64,25 +64,6 @@ class JobResult:
             "outputs": self.files.get("outputs"),
             "note": self.note,
         }
-
-
-def versions(kind: str = DEFAULT_ENGINE_KIND) -> dict[str, str]:
-    """What ran: Python, tokenmill and the libraries every job uses, and the engine's own (`EngineKind.versions`)."""
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for pkg in ("tokenmill", "apache-beam", "transformers", "sqlalchemy", "pyarrow"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    return {**out, **engine_of(kind).versions()}
-
-
-def hardware() -> dict[str, Any]:
-    from tokenmill.jobs.metrics.hardware import describe
-
-    return describe()
 
 
 class _Heartbeat(threading.Thread):
@@ -127,6 +108,9 @@ def run_job(
         raise JobError(pf.problems[0])
     plan, model_path, on_gpu = pf.plan, pf.model_path, pf.on_gpu
     say(f"checked: {plan.total_rows:,} input rows, model {spec.engine.model}, output {spec.output}")
+    if (done := _already_finished(eng, job_id, spec, plan.total_rows, t0)) is not None:
+        say(f"already finished ({done.status}): every row is answered and {spec.output} holds its export; nothing to do")
+        return done
     held_before_s, estimate = 0.0, None
     if capped(spec):  # a job whose estimate crosses its cap does not start (jobs/lifecycle/caps.py)
         try:
@@ -300,6 +284,22 @@ def resolve_workers(spec: JobSpec, *, fake_engine: bool = False, here: bool = Tr
     if asked != "auto":
         return spec
     return spec.model_copy(update={"runner": spec.runner.model_copy(update={"num_workers": max(1, groups)})})
+
+
+def _already_finished(eng, job_id: str, spec: JobSpec, total: int, t0: float) -> JobResult | None:
+    """A rerun of a job that ended succeeded or partial on this same input, its rows all still stored
+    and its export under `spec.output` complete (`finished_export`): its stored result, nothing run,
+    exported or counted again (a 10M-row job's export and accounting take minutes)."""
+    job = S.JobStore(eng).get(job_id) or {}
+    if job.get("status") not in ("succeeded", "partial") or job.get("total") != total:
+        return None
+    c = S.MetricsReader(eng).counts(job_id)
+    manifest = finished_export(spec.output, {"job_id": job_id, "status": job["status"], "rows_in": total,
+                                             "format": spec.output_format or "parquet", **c})
+    if manifest is None or c["succeeded"] + c["failed"] != total or [job["succeeded"], job["failed"]] != [*c.values()]:
+        return None
+    return JobResult(job_id, job["status"], total, c["succeeded"], c["failed"], resumed=True, wall_s=time.time() - t0,
+                     metrics=job.get("metrics") or {}, files=manifest["files"], note="already finished: nothing ran again")
 
 
 def _mark_failed(output: str, manifest: dict[str, Any], reason: str) -> None:
