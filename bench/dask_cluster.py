@@ -40,9 +40,14 @@ def free_port() -> int:
 #: to have children".
 #: Spilling stays on (a memory limit), but dask never pauses or restarts a worker over its
 #: memory: the engine's KV cache is allocated up front and is no leak to act on.
+#: Dask's statistical profiler is off: sampling every thread's stack every 10 ms, a worker keeps a
+#: profile per task and one per second for its last 1,000 seconds (`distributed.admin.low-level-log-length`),
+#: so its memory grew with the job's wall (tracemalloc: `distributed/profile.py` the largest growth;
+#: docs/BENCHMARKS.md, "Ten million rows").
 WORKER_ENV = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False",
               "DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE": "False",
-              "DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE": "False"}
+              "DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE": "False",
+              "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False"}
 
 
 def _spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
