@@ -287,19 +287,19 @@ def resolve_workers(spec: JobSpec, *, fake_engine: bool = False, here: bool = Tr
 
 
 def _already_finished(eng, job_id: str, spec: JobSpec, total: int, t0: float) -> JobResult | None:
-    """A rerun of a job that ended succeeded or partial on this same input, its rows all still stored
-    and its export under `spec.output` complete (`finished_export`): its stored result, nothing run,
-    exported or counted again (a 10M-row job's export and accounting take minutes)."""
+    """A rerun of a job that ended succeeded or partial on this input, its export (`finished_export`) and its
+    stored rows agreeing: its stored result, nothing run, exported or counted again (minutes at 10M rows)."""
     job = S.JobStore(eng).get(job_id) or {}
     if job.get("status") not in ("succeeded", "partial") or job.get("total") != total:
         return None
-    c = S.MetricsReader(eng).counts(job_id)
+    stored = {"succeeded": job["succeeded"], "failed": job["failed"]}  # a finished job's counts reconciled with `total`
     manifest = finished_export(spec.output, {"job_id": job_id, "status": job["status"], "rows_in": total,
-                                             "format": spec.output_format or "parquet", **c})
-    if manifest is None or c["succeeded"] + c["failed"] != total or [job["succeeded"], job["failed"]] != [*c.values()]:
+                                             "format": spec.output_format or "parquet", **stored})
+    if manifest is None or S.MetricsReader(eng).counts(job_id) != stored:  # the export agrees; then the database
         return None
-    return JobResult(job_id, job["status"], total, c["succeeded"], c["failed"], resumed=True, wall_s=time.time() - t0,
-                     metrics=job.get("metrics") or {}, files=manifest["files"], note="already finished: nothing ran again")
+    return JobResult(job_id, job["status"], total, stored["succeeded"], stored["failed"], resumed=True,
+                     wall_s=time.time() - t0, metrics=job.get("metrics") or {}, files=manifest["files"],
+                     note="already finished: nothing ran again")
 
 
 def _mark_failed(output: str, manifest: dict[str, Any], reason: str) -> None:
