@@ -106,8 +106,9 @@ class DaskCluster:
         stop_process(self.scheduler)
 
 
-def start_cluster(logs: Path, n_workers: int = 2, nanny: bool = True) -> DaskCluster:
-    """A scheduler on 127.0.0.1 and `n_workers` worker processes of one thread each.
+def start_cluster(logs: Path, n_workers: int = 2, nanny: bool = True, env: dict[str, str] | None = None) -> DaskCluster:
+    """A scheduler on 127.0.0.1 and `n_workers` worker processes of one thread each, with `env`
+    over this process's environment (a benchmark's plugins on PYTHONPATH).
 
     Each worker's memory limit is the machine's memory over the workers (a fraction), so
     dask spills held results to disk past its `spill` share, but never pauses or restarts a
@@ -118,7 +119,7 @@ def start_cluster(logs: Path, n_workers: int = 2, nanny: bool = True) -> DaskClu
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     sched = _spawn(["-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
-                    "--no-dashboard"], logs / "scheduler.log")
+                    "--no-dashboard"], logs / "scheduler.log", env)
     cluster = DaskCluster(address=address, scheduler=sched, logs=logs)
     try:
         deadline = time.time() + START_TIMEOUT_S
@@ -135,7 +136,7 @@ def start_cluster(logs: Path, n_workers: int = 2, nanny: bool = True) -> DaskClu
                 ["-m", "distributed.cli.dask_worker", address, "--name", f"w{i}", "--host", "127.0.0.1",
                  "--nworkers", "1", "--nthreads", "1", "--memory-limit", f"{1 / n_workers:.3f}", "--no-dashboard",
                  "--nanny" if nanny else "--no-nanny"],
-                logs / f"worker-{i}.log", WORKER_ENV))
+                logs / f"worker-{i}.log", {**(env or {}), **WORKER_ENV}))
         if n_workers:
             from distributed import Client
 

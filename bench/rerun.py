@@ -21,7 +21,7 @@ from bench.common import code_label, write_report
 from bench.scale import ONE_WORKER, WORK, Leg, done_rows, make_input, peaks_by_kind, tokenmill_run
 
 
-def _drop_every_tenth(db_url: str, job_id: str) -> int:
+def drop_every_tenth(db_url: str, job_id: str) -> int:
     from sqlalchemy import delete
 
     from tokenmill.schemas import storage as S
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     legs, rows = [], {}
     for name in ("first", "rerun-finished", "rerun-90"):
         if name == "rerun-90":
-            rows["deleted"] = _drop_every_tenth(f"sqlite:///{folder / 'jobs.db'}", job)
+            rows["deleted"] = drop_every_tenth(f"sqlite:///{folder / 'jobs.db'}", job)
         leg = tokenmill_run(Leg(name, args.n, ONE_WORKER, job, folder, model), inp)
         rows[name] = done_rows(leg.db_url, job)
         legs.append({"leg": name, "wall_s": round(leg.wall_s, 1), "exit_code": leg.exit_code,

@@ -38,6 +38,7 @@ from typing import Any, ContextManager, Iterator
 
 from bench.ceiling import MAX_TOKENS, ROW_GROUP, SEED, child_env, make_input, tokenmill_run
 from bench.common import ROOT, WORK, code_label, log, machine, utc_now, utc_stamp, write_report
+from bench.rerun import drop_every_tenth
 
 WALL_MAX_S = 45 * 60  # the 10M-row job, end to end
 WALL_AT_ROWS = 10_000_000
@@ -54,26 +55,12 @@ def dask_cluster(folder: Path) -> Iterator[tuple[tuple[str, ...], tuple[int, ...
     the pids to sample."""
     from bench.dask_cluster import start_cluster
 
-    saved = dict(os.environ)
-    os.environ.update(child_env())
-    try:
-        cluster = start_cluster(folder / "dask-logs", n_workers=2)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    cluster = start_cluster(folder / "dask-logs", n_workers=2, env=child_env())
     try:
         yield (("--runner", "DaskRunner", *(f"--pipeline-option={o}" for o in cluster.options())),
                (cluster.scheduler.pid, *(w.pid for w in cluster.workers)))
     finally:
         cluster.stop()
-
-
-def _drop_every_tenth(db: Path, job_id: str) -> int:
-    """Delete the outputs of every tenth input row of the job; how many."""
-    import sqlite3
-
-    with sqlite3.connect(db) as c:
-        return c.execute("DELETE FROM outputs WHERE job_id = ? AND input_row % 10 = 0", (job_id,)).rowcount
 
 
 def _stored(db: Path, job_id: str) -> list[int]:
@@ -93,7 +80,6 @@ def leg(name: str, job: str, inp: Path, n: int, folder: Path, model: str, runner
     rep["leg"] = name
     rep["every_id_once"]["database"] = _stored(folder / job / "jobs.db", job)
     rep["every_id_once"]["ok"] = bool(rep["every_id_once"].get("ok")) and rep["every_id_once"]["database"] == [n, n]
-    rep.pop("stderr_tail", None) if rep["exit_code"] == 0 else None
     log(f"{name}: exit {rep['exit_code']}, {rep['wall_s']} s, {rep['rows_per_s']} rows/s, {rep['cores_busy']} cores busy, status {rep.get('status')}, "
         f"peak RSS {rep['peak_rss_mib_by_kind']} MiB, every id once {rep['every_id_once'].get('ok')}")
     return rep
@@ -162,7 +148,7 @@ def main(argv=None) -> int:
         job = f"rows-{n}"
         rep["legs"].append(leg("rerun-finished", job, inputs[n], n, folder, args.model, args.runner,
                                logs="rerun-finished"))
-        rep["deleted_outputs"] = _drop_every_tenth(folder / job / "jobs.db", job)
+        rep["deleted_outputs"] = drop_every_tenth(f"sqlite:///{folder / job / 'jobs.db'}", job)
         log(f"deleted {rep['deleted_outputs']:,} outputs (every tenth input row)")
         rep["legs"].append(leg("rerun-90", job, inputs[n], n, folder, args.model, args.runner, logs="rerun-90"))
     rep["verdicts"] = verdicts(rep["legs"], args.runner)
