@@ -17,7 +17,9 @@ Each output row without the server's own counts says which (records.TOKEN_COUNT_
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -118,7 +120,7 @@ class TokenCounter:
 
     def open(self) -> Encoder:
         if self.source == "local":
-            return LocalEncoder(load_tokenizer(str(self.model_path)))
+            return local_encoder(str(self.model_path))
         if self.source == "server":
             key = os.environ.get(self.api_key_env) if self.api_key_env else None
             return ServerEncoder(_client(str(self.root), key), str(self.model), self.style or "vllm")
@@ -126,6 +128,14 @@ class TokenCounter:
 
 
 _TOKENIZERS: dict[str, Any] = {}
+
+
+@functools.cache
+def local_encoder(model_path: str) -> "LocalEncoder":
+    """The process's one encoder of a tokenizer, with its one thread pool.  A Dask worker runs
+    a step's setup for every task: an encoder (and pool) made per task grew the worker's peak
+    memory with the job's length (docs/BENCHMARKS.md, "On Dask")."""
+    return LocalEncoder(load_tokenizer(model_path))
 
 
 def load_tokenizer(model_path: str):
@@ -151,6 +161,7 @@ class LocalEncoder:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_made = threading.Lock()  # one encoder serves every step of its process
 
     def encode(self, rec: PromptRecord) -> list[int]:
         return encode(self.tokenizer, rec)
@@ -188,8 +199,9 @@ class LocalEncoder:
         threads = min(len(allowed_cores()), len(texts) // MIN_THREAD_SLICE)
         if backend is None or threads <= 1:
             return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
-        if self._pool is None:  # one thread a core, made once; a chunk uses as many as it has slices
-            self._pool = ThreadPoolExecutor(len(allowed_cores()), thread_name_prefix="tokenize")
+        with self._pool_made:  # one thread a core, made once; a chunk uses as many as it has slices
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(len(allowed_cores()), thread_name_prefix="tokenize")
         step = -(-len(texts) // threads)
         slices = [texts[i:i + step] for i in range(0, len(texts), step)]
         encoded = self._pool.map(lambda part: backend.encode_batch(part, add_special_tokens=special), slices)

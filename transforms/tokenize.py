@@ -9,6 +9,7 @@ estimate).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -92,7 +93,7 @@ def prompt_record(
 
 
 class TokenizeFn(MapRows):
-    """Each chunk's prompts are encoded on a thread of the step's own (`_ahead`) while the
+    """Each chunk's prompts are encoded on the process's tokenize-ahead thread while the
     step hands on the chunk before it: the steps after Tokenize (Generate and its commits)
     run on the bundle's thread while the tokenizer works (a fast tokenizer's Rust code
     runs without the GIL), instead of the worker waiting for each unit's encoding.  So a
@@ -112,9 +113,8 @@ class TokenizeFn(MapRows):
         )
         self._encoder: Encoder | None = None
         self._images: ImageTokens | None = None
-        self._ahead: ThreadPoolExecutor | None = None
         self._encoding: tuple[Chunk, Future] | None = None
-        """The chunk being encoded on `_ahead`, and its encoding."""
+        """The chunk being encoded on the tokenize-ahead thread, and its encoding."""
 
     def setup(self):
         counter = self._counter
@@ -133,9 +133,7 @@ class TokenizeFn(MapRows):
         call); the chunk before it comes out: each row's record or dead letter, as
         `MapRows` gives them."""
         assert self._encoder is not None
-        if self._ahead is None:  # one thread: chunks are encoded one at a time, in order
-            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
-        before, self._encoding = self._encoding, (chunk, self._ahead.submit(self._encoder.encode_many, chunk.items))
+        before, self._encoding = self._encoding, (chunk, ahead_thread().submit(self._encoder.encode_many, chunk.items))
         if before is not None:
             yield from self._records(*before)
 
@@ -144,16 +142,20 @@ class TokenizeFn(MapRows):
         if last is not None:
             yield from windowed(self._records(*last))
 
-    def teardown(self):
-        if self._ahead is not None:
-            self._ahead.shutdown(wait=False, cancel_futures=True)
-            self._ahead = None
-
     def _records(self, chunk: Chunk, encoding: Future):
         encoded = encoding.result()  # a counter that fails (a server that does not answer) fails the step here
         extra = self._images.extra if self._images else lambda images: 0
         return self.emit(chunk, (prompt_record(rec, ids, image_tokens=extra(rec.images) if rec.images else 0,
                                                **self._kw) for rec, ids in zip(chunk.items, encoded)))
+
+
+@functools.cache
+def ahead_thread() -> ThreadPoolExecutor:
+    """The process's one tokenize-ahead thread: chunks are encoded one at a time, in order.
+    One per process, not per step instance: a Dask worker runs a step's setup and teardown
+    for every task (jobs/lifecycle/dask_runner.py), and a thread made and ended per task
+    grew the worker's peak memory with the job's length (docs/BENCHMARKS.md, "On Dask")."""
+    return ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
 
 
 class Tokenize(beam.PTransform):
