@@ -14,8 +14,15 @@ four sections, each with its arms interleaved A B B A:
 - **polling**: the same 400-line batch with no one polling and with 20 clients each polling
   `GET /v1/batches/{id}` every 1 s and every 0.1 s (`--pollers`, `--poll-every`); target: slowed
   by ≤ 5%.  The server's and the clients' CPU per poll are measured too (process CPU times).
-  Here the clients share the engine's cores; `--poller-nice 19` lowers their threads' priority,
-  standing in for clients on another host (the server's own work for each poll is unchanged).
+  Here the clients share the engine's cores.  `--poller` picks the clients: `sdk`, the `openai`
+  SDK's `batches.retrieve`, or `http`, one kept-alive `http.client` connection each, a client
+  whose own CPU per poll is a small share of the SDK's: it stands in for clients on another host,
+  where the server's work for each poll is all the engine's host pays.  Several kinds run as
+  arms of one interleaved round (A, then each kind, then back: A B C C B A; the next round starts
+  from B).  Each round gives
+  each kind one slowdown, its two batches' mean over the two quiet batches' mean, so a drift
+  that is linear over the round cancels; the verdict is decided only when every round agrees.
+  `--poller-nice 19` lowers the clients' threads' priority.
 
 The server's walls are what it recorded, to the millisecond: a batch's `created_at` to its
 `completed_at` (validation and finalization included), read from its database; the bench's own
@@ -93,9 +100,11 @@ class Served:
         self.key = self.server.make_key("bench")["key"]
         self.client = self.server.client(self.key, timeout=600)
 
-    def batch(self, inp: Path, *, pollers: int = 0, poll_every_s: float = 0.1, poller_nice: int = 0) -> dict[str, Any]:
-        """Upload, create, poll until completed, download the output: its walls.  `poller_nice`:
-        each polling thread's niceness (Linux sets it per thread); the server keeps its own."""
+    def batch(self, inp: Path, *, pollers: int = 0, poll_every_s: float = 0.1, poller_nice: int = 0,
+              poller: str = "sdk") -> dict[str, Any]:
+        """Upload, create, poll until completed, download the output: its walls.  `poller`: the
+        polling clients' kind (`sdk` or `http`, module docstring).  `poller_nice`: each polling
+        thread's niceness (Linux sets it per thread); the server keeps its own."""
         import psutil
 
         server = psutil.Process(self.server.proc.pid)
@@ -108,11 +117,11 @@ class Served:
         stop, polls = threading.Event(), [0]
 
         def poll() -> None:
-            c = self.server.client(self.key)
             if poller_nice:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), poller_nice)
+            retrieve = self._retriever(poller, b.id)
             while not stop.is_set():
-                c.batches.retrieve(b.id)
+                retrieve()
                 polls[0] += 1
                 stop.wait(poll_every_s)
 
@@ -135,6 +144,26 @@ class Served:
                 "created_to_completed_s": round(t_done - t_created, 2), **self.recorded(b.id), "polls": polls[0],
                 # CPU the server process (not its engine) and this process (the SDK clients) used
                 "server_cpu_s": round(server_cpu_s, 2), "bench_cpu_s": round(bench_cpu_s, 2)}
+
+    def _retriever(self, poller: str, batch_id: str):
+        """One polling client: a call that gets the batch once (and fails on anything but 200)."""
+        if poller == "sdk":
+            c = self.server.client(self.key)
+            return lambda: c.batches.retrieve(batch_id)
+        import http.client
+        from urllib.parse import urlsplit
+
+        url = urlsplit(self.server.base_url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        headers = {"Authorization": f"Bearer {self.key}"}
+
+        def get() -> None:
+            conn.request("GET", f"/v1/batches/{batch_id}", headers=headers)
+            r = conn.getresponse()
+            body = r.read()
+            if r.status != 200:
+                raise RuntimeError(f"GET /v1/batches/{batch_id}: {r.status} {body[:200]!r}")
+        return get
 
     def recorded(self, batch_id: str) -> dict[str, Any]:
         """What the server recorded of the batch, to the millisecond (the SDK's timestamps are whole
@@ -159,14 +188,39 @@ class Served:
         return {"server_mib": mb([server]), "engine_tree_mib": mb(kids)}
 
 
-def abba(a, b, rounds: int) -> list[tuple[str, dict[str, Any]]]:
+def interleave(arms: dict[str, Any], rounds: int) -> list[tuple[str, dict[str, Any]]]:
+    """Each round runs every arm twice, in order then back (A B C C B A), each round starting
+    from the next arm (bench.throughput.abba), so a drift linear over a round cancels."""
+    from bench.throughput import abba as order
+
     out = []
-    for r in range(rounds):
-        for arm in ("A", "B", "B", "A") if r % 2 == 0 else ("B", "A", "A", "B"):
-            got = a() if arm == "A" else b()
-            log(f"  {arm}: {got}")
-            out.append((arm, got))
+    for i, arm in enumerate(order(list(arms), 2 * rounds)):
+        got = arms[arm]()
+        log(f"  round {i // (2 * len(arms)) + 1} {arm}: {got}")
+        out.append((arm, got))
     return out
+
+
+def abba(a, b, rounds: int) -> list[tuple[str, dict[str, Any]]]:
+    return interleave({"A": a, "B": b}, rounds)
+
+
+def round_slowdowns(rounds: list[tuple[str, dict[str, Any]]], arm: str, per_round: int) -> list[float]:
+    """Each round's slowdown of `arm`: its batches' mean recorded wall over the quiet batches' (A) mean, less 1."""
+    out = []
+    for i in range(0, len(rounds), per_round):
+        walls: dict[str, list[float]] = {}
+        for name, got in rounds[i:i + per_round]:
+            walls.setdefault(name, []).append(got["recorded_created_to_completed_s"])
+        out.append(round(statistics.mean(walls[arm]) / statistics.mean(walls["A"]) - 1, 4))
+    return out
+
+
+def verdict(values: list[float], limit: float) -> str:
+    """PASS when every round is within the limit, MISS when none is, else not resolved."""
+    if all(v <= limit for v in values):
+        return "PASS"
+    return "MISS" if all(v > limit for v in values) else "not resolved"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pollers", type=int, default=20)
     ap.add_argument("--poll-every", type=float, nargs="+", default=[1.0, 0.1],
                     help="seconds between one poller's requests; one A B B A round set per value")
+    ap.add_argument("--poller", nargs="+", choices=("sdk", "http"), default=["sdk", "http"],
+                    help="the polling clients: the openai SDK (B), kept-alive http.client connections (C)")
     ap.add_argument("--poller-nice", type=int, default=0,
                     help="the polling clients' niceness (19: they stand in for clients on another host, whose CPU "
                          "is not the engine's; the server's requests still are)")
@@ -233,24 +289,38 @@ def main(argv: list[str] | None = None) -> int:
         if "polling" in args.sections:
             log(f"polling: warm-up {srv.batch(files['poll'])} (the page cache and the engine warm for this batch)")
             secs["polling"] = []
+            kinds = {"sdk": "B", "http": "C"}
             for every in args.poll_every:
-                log(f"polling every {every} s: A = nobody polls, B = {args.pollers} clients poll every {every} s")
-                rounds = abba(lambda: srv.batch(files["poll"]),
-                              lambda every=every: srv.batch(files["poll"], pollers=args.pollers, poll_every_s=every,
-                                                            poller_nice=args.poller_nice),
-                              args.rounds)
+                arms: dict[str, Any] = {"A": lambda: srv.batch(files["poll"])}
+                for kind in args.poller:
+                    arms[kinds[kind]] = (lambda every=every, kind=kind: srv.batch(
+                        files["poll"], pollers=args.pollers, poll_every_s=every, poller_nice=args.poller_nice,
+                        poller=kind))
+                log(f"polling every {every} s: A = nobody polls, "
+                    + ", ".join(f"{kinds[k]} = {args.pollers} {k} clients" for k in args.poller))
+                rounds = interleave(arms, args.rounds)
                 a = [g for arm, g in rounds if arm == "A"]
-                b = [g for arm, g in rounds if arm == "B"]
-                secs["polling"].append({
-                    "rounds": rounds, "pollers": args.pollers, "poll_every_s": every, "poller_nice": args.poller_nice,
-                    "slowdown": [round(y["recorded_created_to_completed_s"] / x["recorded_created_to_completed_s"] - 1, 4)
-                                 for x, y in zip(a, b)],
-                    # the server's and the clients' CPU for each poll: B's less A's, over B's polls
-                    "server_cpu_ms_per_poll": [round((y["server_cpu_s"] - x["server_cpu_s"]) / y["polls"] * 1e3, 3)
-                                               for x, y in zip(a, b)],
-                    "client_cpu_ms_per_poll": [round((y["bench_cpu_s"] - x["bench_cpu_s"]) / y["polls"] * 1e3, 3)
-                                               for x, y in zip(a, b)],
-                    "target": "polled wall / quiet wall - 1 <= 0.05"})
+                sec: dict[str, Any] = {"rounds": rounds, "pollers": args.pollers, "poll_every_s": every,
+                                       "poller_nice": args.poller_nice, "arms": {}}
+                for kind in args.poller:
+                    b = [g for arm, g in rounds if arm == kinds[kind]]
+                    per_round = round_slowdowns(rounds, kinds[kind], 2 * len(arms))
+                    sec["arms"][kinds[kind]] = {
+                        "poller": kind,
+                        "slowdown_by_round": per_round,
+                        "verdict": verdict(per_round, 0.05),
+                        # each polled batch against the quiet batch at the same place in the order
+                        "slowdown_pairs": [round(y["recorded_created_to_completed_s"] /
+                                                 x["recorded_created_to_completed_s"] - 1, 4) for x, y in zip(a, b)],
+                        # the server's and the clients' CPU for each poll: B's less A's, over B's polls
+                        "server_cpu_ms_per_poll": [round((y["server_cpu_s"] - x["server_cpu_s"]) / y["polls"] * 1e3, 3)
+                                                   for x, y in zip(a, b)],
+                        "client_cpu_ms_per_poll": [round((y["bench_cpu_s"] - x["bench_cpu_s"]) / y["polls"] * 1e3, 3)
+                                                   for x, y in zip(a, b)]}
+                    log(f"  {kind} clients every {every} s: slowdown by round {per_round}: "
+                        f"{sec['arms'][kinds[kind]]['verdict']}")
+                sec["target"] = "polled wall / quiet wall - 1 <= 0.05 (each round: the arms' means)"
+                secs["polling"].append(sec)
         if "memory" in args.sections:
             log(f"memory: {args.memory_batches} batches of 5 lines")
             samples = []

@@ -131,3 +131,22 @@ def test_estimate_bench_inputs_have_their_length_mixes_and_every_run_is_tabled(t
     v = E.verdict(runs)
     assert v["generation_wall_s"] == {"runs": 1, "within_target": 0, "inside_interval": 0}
     assert v["cost_usd"] == {"runs": 1, "within_target": 1, "inside_interval": 1}
+
+
+def test_serve_polling_rounds_cancel_a_linear_drift_and_decide_only_when_every_round_agrees(monkeypatch):
+    from bench import serve as S
+
+    monkeypatch.setattr(S, "log", lambda msg: None)
+    clock = iter(range(100))
+    # every batch is 1 s slower than the one before (a linear drift); the polled arms add 5% and 10%
+    extra = {"A": 1.0, "B": 1.05, "C": 1.10}
+    arms = {k: (lambda k=k: {"recorded_created_to_completed_s": (40 + next(clock)) * extra[k]}) for k in extra}
+    rounds = S.interleave(arms, 3)
+    assert [a for a, _ in rounds][:12] == ["A", "B", "C", "C", "B", "A", "B", "C", "A", "A", "C", "B"]
+    assert len(rounds) == 18
+    b, c = (S.round_slowdowns(rounds, arm, 6) for arm in ("B", "C"))
+    assert all(abs(x - 0.05) < 0.002 for x in b), b  # the drift cancels within each round
+    assert all(abs(x - 0.10) < 0.004 for x in c), c
+    assert S.verdict([0.01, 0.049], 0.05) == "PASS"
+    assert S.verdict([0.051, 0.2], 0.05) == "MISS"
+    assert S.verdict([0.01, 0.06], 0.05) == "not resolved"
