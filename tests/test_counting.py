@@ -207,3 +207,29 @@ def test_a_large_chunk_is_tokenized_on_a_thread_per_core_with_the_ids_of_one_cal
     assert sorted(n for _, n in calls) == [10, 10, 10, 12, 14, 14]  # 30 prompts and 40 conversations, 3 slices each
     assert all(name.startswith("tokenize") for name, _ in calls)
     assert got == [enc.encode(r) for r in rows]
+
+
+def test_one_encoder_and_one_ahead_thread_per_process_and_a_forked_child_makes_its_own(model_path):
+    """A Dask worker runs Tokenize's setup for every task: the encoder (with its thread pool) and
+    the tokenize-ahead thread are made once per process, so tasks do not make new threads.  A
+    forked child inherits the objects but not their threads, and makes its own."""
+    import os
+
+    from tokenmill.transforms.tokenize import ahead_thread
+
+    texts = [f"text {i}" for i in range(2 * C.MIN_THREAD_SLICE)]  # enough for the pool, on 2 cores or more
+    enc = C.TokenCounter.local(model_path).open()
+    assert C.TokenCounter.local(model_path).open() is enc
+    assert ahead_thread() is ahead_thread()
+    want = ahead_thread().submit(enc.ids, texts, special=False).result(timeout=60)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only when both work on threads of its own
+        ok = False
+        try:
+            child_enc = C.TokenCounter.local(model_path).open()
+            got = ahead_thread().submit(child_enc.ids, texts, special=False).result(timeout=30)
+            ok = child_enc is not enc and got == want
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -138,6 +138,9 @@ def local_encoder(model_path: str) -> "LocalEncoder":
     return LocalEncoder(load_tokenizer(model_path))
 
 
+os.register_at_fork(after_in_child=local_encoder.cache_clear)  # a forked child has the pool, not its threads
+
+
 def load_tokenizer(model_path: str):
     tok = _TOKENIZERS.get(model_path)
     if tok is None:

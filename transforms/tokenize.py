@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -156,6 +157,9 @@ def ahead_thread() -> ThreadPoolExecutor:
     for every task (jobs/lifecycle/dask_runner.py), and a thread made and ended per task
     grew the worker's peak memory with the job's length (docs/BENCHMARKS.md, "On Dask")."""
     return ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
+
+
+os.register_at_fork(after_in_child=ahead_thread.cache_clear)  # a forked child has the executor, not its thread
 
 
 class Tokenize(beam.PTransform):
