@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-batches", type=int, default=50)
     ap.add_argument("--pollers", type=int, default=20)
     ap.add_argument("--poll-every", type=float, nargs="+", default=[1.0, 0.1],
-                    help="seconds between one poller's requests; one A B B A round set per value")
+                    help="seconds between one poller's requests; one interleaved set of rounds per value")
     ap.add_argument("--poller", nargs="+", choices=("sdk", "http"), default=["sdk", "http"],
                     help="the polling clients: the openai SDK (B), kept-alive http.client connections (C)")
     ap.add_argument("--poller-nice", type=int, default=0,

@@ -134,7 +134,7 @@ _TOKENIZERS: dict[str, Any] = {}
 def local_encoder(model_path: str) -> "LocalEncoder":
     """The process's one encoder of a tokenizer, with its one thread pool.  A Dask worker runs
     a step's setup for every task: an encoder (and pool) made per task grew the worker's peak
-    memory with the job's length (docs/BENCHMARKS.md, "On Dask")."""
+    memory with the job's length (docs/BENCHMARKS.md, "What grew in the Dask worker")."""
     return LocalEncoder(load_tokenizer(model_path))
 
 

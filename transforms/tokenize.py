@@ -155,7 +155,7 @@ def ahead_thread() -> ThreadPoolExecutor:
     """The process's one tokenize-ahead thread: chunks are encoded one at a time, in order.
     One per process, not per step instance: a Dask worker runs a step's setup and teardown
     for every task (jobs/lifecycle/dask_runner.py), and a thread made and ended per task
-    grew the worker's peak memory with the job's length (docs/BENCHMARKS.md, "On Dask")."""
+    grew the worker's peak memory with the job's length (docs/BENCHMARKS.md, "What grew in the Dask worker")."""
     return ThreadPoolExecutor(1, thread_name_prefix="tokenize-ahead")
 
 
