@@ -21,9 +21,10 @@ import functools
 import os
 import threading
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol, Sequence, cast
 
 import httpx
 
@@ -66,15 +67,15 @@ class Encoder(Protocol):
         row itself cannot be counted (a conversation its template rejects)."""
         ...
 
-    def encode_many(self, recs: list[PromptRecord]) -> list[list[int] | Exception]:
+    def encode_many(self, recs: list[PromptRecord]) -> list[Sequence[int] | Exception]:
         """Each prompt's token ids, or the exception that row's `encode` raises (a
         RuntimeError, the counter itself failing, is raised)."""
         ...
 
 
-def encode_each(encoder: Encoder, recs: list[PromptRecord]) -> list[list[int] | Exception]:
+def encode_each(encoder: Encoder, recs: list[PromptRecord]) -> list[Sequence[int] | Exception]:
     """`encode_many` row by row: every row's ids or its own exception."""
-    out: list[list[int] | Exception] = []
+    out: list[Sequence[int] | Exception] = []
     for rec in recs:
         try:
             out.append(encoder.encode(rec))
@@ -169,18 +170,18 @@ class LocalEncoder:
     def encode(self, rec: PromptRecord) -> list[int]:
         return encode(self.tokenizer, rec)
 
-    def encode_many(self, recs: list[PromptRecord]) -> list[list[int] | Exception]:
+    def encode_many(self, recs: list[PromptRecord]) -> list[Sequence[int] | Exception]:
         """The chunk's conversations rendered in one call and tokenized in one call of the fast
         tokenizer (without special tokens, as `apply_chat_template(tokenize=True)` does; plain
         prompts with them): the ids `encode` gives row by row, at about half its cost per row
         (`apply_chat_template` per row pays its own checks and a tokenizer call each).  When a conversation
         fails, the rows are taken one by one, so only that row gets its exception."""
-        out: list[list[int] | Exception | None] = [None] * len(recs)
+        out: list[Sequence[int] | Exception | None] = [None] * len(recs)
         for chat in (True, False):
             at = [i for i, r in enumerate(recs) if (r.messages is not None) == chat]
             if not at:
                 continue
-            got: list[list[int]] | list[list[int] | Exception]
+            got: list[Sequence[int]] | list[Sequence[int] | Exception]
             try:
                 if chat:  # rendered, then tokenized as apply_chat_template(tokenize=True) does: no special tokens added
                     texts = self.tokenizer.apply_chat_template([recs[i].messages for i in at],
@@ -191,31 +192,42 @@ class LocalEncoder:
             except Exception:
                 got = encode_each(self, [recs[i] for i in at])
             for i, ids in zip(at, got):
-                out[i] = ids if isinstance(ids, (list, Exception)) else list(ids)
+                out[i] = ids
         return [x if x is not None else ValueError("not encoded") for x in out]
 
-    def ids(self, texts: list[str], *, special: bool) -> list[list[int]]:
-        """The texts' token ids, as the tokenizer's own call gives them; a fast tokenizer's
+    def ids(self, texts: list[str], *, special: bool) -> list[Sequence[int]]:
+        """The texts' token ids, as the tokenizer's own call gives them.  A fast tokenizer's
         `encode_batch` (which releases the GIL) runs on one thread per usable core, each on
-        a contiguous slice of at least `MIN_THREAD_SLICE` texts."""
+        a contiguous slice of at least `MIN_THREAD_SLICE` texts, and each thread encodes its
+        slice `MIN_THREAD_SLICE` texts at a time, keeping only their ids as `array("i")`:
+        a whole chunk's `Encoding`s (tokens, offsets, masks: about 100 bytes a token) and
+        Python ints (36 bytes a token) are never held at once, so a worker's peak memory
+        does not depend on which chunks happen to meet (docs/BENCHMARKS.md, "What grew in
+        the Dask worker")."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        threads = min(len(allowed_cores()), len(texts) // MIN_THREAD_SLICE)
-        if backend is None or threads <= 1:
+        if backend is None:
             return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+
+        def encode(part: list[str]) -> list[array[int]]:
+            return [array("i", e.ids) for i in range(0, len(part), MIN_THREAD_SLICE)
+                    for e in backend.encode_batch(part[i:i + MIN_THREAD_SLICE], add_special_tokens=special)]
+
+        threads = min(len(allowed_cores()), len(texts) // MIN_THREAD_SLICE)
+        if threads <= 1:
+            return list(encode(texts))
         with self._pool_made:  # one thread a core, made once; a chunk uses as many as it has slices
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(len(allowed_cores()), thread_name_prefix="tokenize")
         step = -(-len(texts) // threads)
         slices = [texts[i:i + step] for i in range(0, len(texts), step)]
-        encoded = self._pool.map(lambda part: backend.encode_batch(part, add_special_tokens=special), slices)
-        return [e.ids for part in encoded for e in part]
+        return [ids for part in self._pool.map(encode, slices) for ids in part]
 
 
 class EstimateEncoder:
     """One pseudo-token per `ESTIMATE_BYTES` bytes of the prompt's UTF-8 text (messages as
     "role: content" lines): the same text gives the same ids, so shared prefixes still group."""
 
-    def encode_many(self, recs: list[PromptRecord]) -> list[list[int] | Exception]:
+    def encode_many(self, recs: list[PromptRecord]) -> list[Sequence[int] | Exception]:
         return encode_each(self, recs)
 
     def encode(self, rec: PromptRecord) -> list[int]:
@@ -232,7 +244,7 @@ class ServerEncoder:
     def __init__(self, client: httpx.Client, model: str, style: Style):
         self.client, self.model, self.style = client, model, style
 
-    def encode_many(self, recs: list[PromptRecord]) -> list[list[int] | Exception]:
+    def encode_many(self, recs: list[PromptRecord]) -> list[Sequence[int] | Exception]:
         return encode_each(self, recs)
 
     def encode(self, rec: PromptRecord) -> list[int]:

@@ -15,7 +15,7 @@ import os
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import apache_beam as beam
 
@@ -47,7 +47,7 @@ def tokenize_record(encoder: Encoder, rec: PromptRecord, **kw: Any) -> Tokenized
 
 def prompt_record(
     rec: PromptRecord,
-    ids: list[int] | Exception,
+    ids: Sequence[int] | Exception,
     *,
     max_model_len: int,
     default_max_tokens: int,
@@ -75,7 +75,8 @@ def prompt_record(
             R.PROMPT_TOO_LONG,
             f"prompt has {len(ids) + image_tokens} tokens; the limit is max_model_len {max_model_len} - max_tokens {max_tokens} = {limit}",
         )
-    token_ids = array("i", ids)  # 4 bytes a token, not a Python int's 36: a unit's prompts stay small
+    # 4 bytes a token, not a Python int's 36: a unit's prompts stay small (a local encoder's are already)
+    token_ids = ids if isinstance(ids, array) and ids.typecode == "i" else array("i", ids)
     return TokenizedPrompt(
         id=rec.id,
         input_file=rec.input_file,
