@@ -44,7 +44,14 @@ def free_port() -> int:
 #: profile per task and one per second for its last 1,000 seconds (`distributed.admin.low-level-log-length`),
 #: so its memory grew with the job's wall (tracemalloc: `distributed/profile.py` the largest growth;
 #: docs/BENCHMARKS.md, "Ten million rows").
-WORKER_ENV = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False",
+#: The scheduler and the workers keep their last 50 transitions and events, not dask's 1,000
+#: (`distributed.admin.low-level-log-length`): a worker's log filled over the first ~170,000 rows of a
+#: job, and its entries, small objects made between a unit's short-lived ones, kept pymalloc's 1 MiB
+#: arenas from being freed, so the worker's peak memory grew with the job's length until the log was
+#: full (docs/BENCHMARKS.md, "What grew in the Dask worker").
+CLUSTER_ENV = {"DASK_DISTRIBUTED__ADMIN__LOW_LEVEL_LOG_LENGTH": "50"}
+WORKER_ENV = {**CLUSTER_ENV,
+              "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
               "DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE": "False",
               "DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE": "False",
               "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False"}
@@ -119,7 +126,7 @@ def start_cluster(logs: Path, n_workers: int = 2, nanny: bool = True, env: dict[
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     sched = _spawn(["-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
-                    "--no-dashboard"], logs / "scheduler.log", env)
+                    "--no-dashboard"], logs / "scheduler.log", {**(env or {}), **CLUSTER_ENV})
     cluster = DaskCluster(address=address, scheduler=sched, logs=logs)
     try:
         deadline = time.time() + START_TIMEOUT_S
