@@ -47,8 +47,9 @@ def free_port() -> int:
 #: The scheduler and the workers keep their last 50 transitions and events, not dask's 1,000
 #: (`distributed.admin.low-level-log-length`): a worker's log filled over the first ~170,000 rows of a
 #: job, and its entries, small objects made between a unit's short-lived ones, kept pymalloc's 1 MiB
-#: arenas from being freed, so the worker's peak memory grew with the job's length until the log was
-#: full (docs/BENCHMARKS.md, "What grew in the Dask worker").
+#: arenas from being freed, so the arenas a worker held grew with the job's length until the log was
+#: full.  With 50 they stayed flat; the worker's peak RSS still varies from run to run
+#: (docs/BENCHMARKS.md, "The Dask worker again").
 CLUSTER_ENV = {"DASK_DISTRIBUTED__ADMIN__LOW_LEVEL_LOG_LENGTH": "50"}
 WORKER_ENV = {**CLUSTER_ENV,
               "DASK_DISTRIBUTED__WORKER__DAEMON": "False",

@@ -201,20 +201,19 @@ class LocalEncoder:
         a contiguous slice of at least `MIN_THREAD_SLICE` texts, and each thread encodes its
         slice `MIN_THREAD_SLICE` texts at a time, keeping only their ids as `array("i")`:
         a whole chunk's `Encoding`s (tokens, offsets, masks: about 100 bytes a token) and
-        Python ints (36 bytes a token) are never held at once, so a worker's peak memory
-        does not depend on which chunks happen to meet (docs/BENCHMARKS.md, "What grew in
-        the Dask worker")."""
+        Python ints (36 bytes a token) are never held at once (the peaks it lowered:
+        docs/BENCHMARKS.md, "The Dask worker again" and "The piecewise encoding in the ceiling")."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:
             return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
-        def encode(part: list[str]) -> list[array[int]]:
+        def encode(part: list[str]) -> list[Sequence[int]]:
             return [array("i", e.ids) for i in range(0, len(part), MIN_THREAD_SLICE)
                     for e in backend.encode_batch(part[i:i + MIN_THREAD_SLICE], add_special_tokens=special)]
 
         threads = min(len(allowed_cores()), len(texts) // MIN_THREAD_SLICE)
         if threads <= 1:
-            return list(encode(texts))
+            return encode(texts)
         with self._pool_made:  # one thread a core, made once; a chunk uses as many as it has slices
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(len(allowed_cores()), thread_name_prefix="tokenize")
