@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.models import ModelNotFound, models_dir
+from tokenmill.schemas.model_home import ModelNotFound, models_dir
 
 MANIFEST = ".tokenmill-sync.json"
 

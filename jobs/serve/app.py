@@ -10,38 +10,26 @@ from __future__ import annotations
 import os
 import tempfile
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.jobs.serve.auth import Caller, Who
 from tokenmill.jobs.serve.blobs import iter_bytes
 from tokenmill.jobs.serve.config import ServeConfig
+from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.objects import batch_object, error_body, file_deleted, file_object, page
-from tokenmill.jobs.serve.service import ApiError, BatchService
-from tokenmill.schemas import storage as S
+from tokenmill.jobs.serve.service import BatchService
+from tokenmill.jobs.serve.watch import install
 
 #: Bytes a multipart upload may add around the file itself (boundaries, the purpose field).
 FORM_OVERHEAD = 64 * 1024
 #: The largest JSON body a non-upload route reads.
 JSON_BODY_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who is asking: the key's id, and whether it is an admin key (it sees every key's rows)."""
-
-    key_id: str
-    admin: bool
-
-    @property
-    def scope(self) -> str | None:
-        """The owner a query is filtered by (None: an admin sees all)."""
-        return None if self.admin else self.key_id
 
 
 class BodyTooLarge(Exception):
@@ -87,26 +75,6 @@ async def _too_large(send, limit: int) -> None:
 
 async def _no_body():
     return {"type": "http.request", "body": b"", "more_body": False}
-
-
-async def caller(request: Request) -> Caller:
-    """The one authentication every route but /health takes: a bearer key, not revoked.
-
-    It runs on the event loop (one indexed read, no thread hop), as does the polled
-    `GET /v1/batches/{id}`: a poll's CPU is taken from the engine on a host whose engine
-    uses every core (docs/BENCHMARKS.md, "Serving")."""
-    auth = request.headers.get("authorization", "")
-    scheme, _, secret = auth.partition(" ")
-    if scheme.lower() != "bearer" or not secret.strip():
-        raise ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
-                       code="invalid_api_key")
-    row = S.KeyStore(request.app.state.service.eng).by_secret(secret.strip())
-    if row is None:
-        raise ApiError(401, "Incorrect API key provided (unknown or revoked).", code="invalid_api_key")
-    return Caller(row["id"], bool(row["admin"]))
-
-
-Who = Annotated[Caller, Depends(caller)]
 
 
 class CreateBatch(BaseModel):
@@ -233,8 +201,6 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(batch_id: str, who: Who) -> dict[str, Any]:
         return render(svc.cancel_batch(who.scope, batch_id))
-
-    from tokenmill.jobs.serve.watch import install  # it imports `Who` from here
 
     install(app, svc)  # the live page, a batch's webhook attempts, a key's usage
 

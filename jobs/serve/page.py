@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from tokenmill.jobs.metrics.catalog import VIEWS, fmt
-from tokenmill.jobs.serve.app import Caller
+from tokenmill.jobs.serve.auth import Caller
 from tokenmill.jobs.serve.objects import batch_status
 from tokenmill.schemas import storage as S
 
@@ -316,8 +316,6 @@ def job_report(eng, job_id: str) -> dict[str, Any]:
 def ui_app(db_url: str, token: str) -> Any:
     """`tokenmill ui`: the page alone over a database (jobs run from the CLI, cron or Airflow),
     entered with `token` (printed at its start) or an API key of that database."""
-    from fastapi import FastAPI
-
     app = FastAPI(title="tokenmill ui", docs_url=None, redoc_url=None, openapi_url=None)
     eng = S.connect(db_url)
     app.state.page = PageContext(eng, key_resolver(eng, token))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tokenmill.jobs.serve.config import Limits
+from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.storage.usage import DAY_S
 
@@ -69,8 +70,6 @@ class Quotas:
             return
         over = self.over(owner, in_flight=self.batches.in_flight(owner))
         if over is not None:
-            from tokenmill.jobs.serve.service import ApiError  # the service imports this module
-
             raise ApiError(429, over.message, type="rate_limit_error", code="rate_limit_exceeded", param=over.limit)
 
     def holds(self, b: dict[str, Any]) -> bool:

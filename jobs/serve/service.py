@@ -35,6 +35,7 @@ from tokenmill.jobs.lifecycle.sinks import export_job
 from tokenmill.jobs.serve.blobs import blob_store
 from tokenmill.jobs.serve.config import ServeConfig, window_seconds
 from tokenmill.jobs.serve.engines import EngineProcess
+from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.objects import ENDED, batch_status, usage_of
 from tokenmill.jobs.serve.quotas import Quotas
 from tokenmill.jobs.serve.validate import check_file, line_error
@@ -55,15 +56,6 @@ ENDED_BY = {"cancelled": ("batch_cancelled", "This line was not executed because
             "expired": ("batch_expired", "This line was not executed because the batch's completion window ended "
                                          "before it ran."),
             "failed": ("batch_failed", "This line was not executed because the batch failed.")}
-
-
-class ApiError(Exception):
-    """A refusal the routes turn into OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.code, self.param, self.type = status, code, param, type
 
 
 def new_id(prefix: str) -> str:

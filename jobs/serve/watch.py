@@ -11,10 +11,11 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request
 
-from tokenmill.jobs.serve.app import Who
+from tokenmill.jobs.serve.auth import Who
+from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.objects import batch_status
 from tokenmill.jobs.serve.page import PageContext, key_resolver, page_router
-from tokenmill.jobs.serve.service import ApiError, BatchService
+from tokenmill.jobs.serve.service import BatchService
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.storage.usage import DAY_S
 
