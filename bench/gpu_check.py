@@ -50,24 +50,20 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):  # run as a file: python bench/gpu_check.py
     sys.path.insert(0, str(ROOT))
-try:
-    import tokenmill  # noqa: F401  (installed: pip install -e .)
-except ModuleNotFoundError:  # a bare clone on a GPU host: its folders are tokenmill's subpackages
-    _pkg = types.ModuleType("tokenmill")
-    _pkg.__path__ = [str(ROOT)]
-    sys.modules["tokenmill"] = _pkg
-
+# bench.gpu_common before any tokenmill import: on a bare clone it makes the folders importable as tokenmill
 from bench.common import RESULTS, utc_now, utc_stamp  # noqa: E402
+from bench.gpu_common import EXIT_CANNOT_RUN, EXIT_NO_GPU, EXIT_PASS, check, exit_status, no_gpu_reason, table  # noqa: E402
+from bench.gpu_common import EXIT_FAIL as EXIT_FAIL  # noqa: E402  (the exit statuses, all five, named here too)
+from bench.gpu_common import EXIT_USAGE as EXIT_USAGE  # noqa: E402
+from bench.lease_check import lease_checks, run_children  # noqa: E402
 from tokenmill.transforms.engines.meter import max_of, mean_of  # noqa: E402  (the meter's own reductions: None-skipping)
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_NO_GPU, EXIT_CANNOT_RUN = 0, 1, 2, 3, 4
 MIB = 1 << 20
 GIB = 1 << 30
 #: limits of the checks (fractions of the reference; utilization in percent)
@@ -107,12 +103,6 @@ def parse_smi_apps(text: str, pid: int) -> int | None:
             if mem is not None:
                 found = (found or 0) + int(mem * MIB)
     return found
-
-
-def check(name: str, tokenmill: Any, reference: Any, ok: bool | None, limit: str, note: str = "") -> dict[str, Any]:
-    """A row of the result: `status` "pass", "fail" or "n/a" (`ok` None: nothing to judge)."""
-    return {"check": name, "tokenmill": tokenmill, "reference": reference, "limit": limit,
-            "status": "n/a" if ok is None else "pass" if ok else "fail", "note": note}
 
 
 def within(name: str, value: float | None, ref: float | None, tol: float, note: str = "") -> dict[str, Any]:
@@ -232,44 +222,7 @@ def device_checks(one: dict[str, Any], none: dict[str, Any], device: dict[str, A
     return out
 
 
-def exit_status(checks: list[dict[str, Any]]) -> int:
-    return EXIT_FAIL if any(c["status"] == "fail" for c in checks) else EXIT_PASS
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
-    if isinstance(v, int) and not isinstance(v, bool):
-        return f"{v:,}"
-    return "-" if v is None else str(v)
-
-
-def table(checks: list[dict[str, Any]]) -> str:
-    """The checks as an aligned text table."""
-    head = ("check", "tokenmill", "reference", "limit", "status", "note")
-    rows = [head] + [(c["check"], _fmt(c["tokenmill"]), _fmt(c["reference"]), c["limit"], c["status"].upper(),
-                      c["note"]) for c in checks]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
-    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(len(head) - 1)) + "  " + r[-1] for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------ on the GPU
-
-def no_gpu_reason() -> str | None:
-    """Why there is no NVIDIA GPU to check here (None: there is one), found without NVML or torch."""
-    from tokenmill.transforms.engines.meter import nvidia_driver_present
-
-    if nvidia_driver_present():
-        return None
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd is not None and cvd.strip() in ("", "-1"):
-        return f"CUDA_VISIBLE_DEVICES={cvd!r} hides every device"
-    if os.environ.get("TOKENMILL_FORCE_CPU"):
-        return "TOKENMILL_FORCE_CPU is set"
-    return "no NVIDIA driver with a GPU (/proc/driver/nvidia/gpus is absent or empty)"
-
 
 def cannot_run_reason() -> str | None:
     """What this check itself lacks on a GPU host (None: nothing)."""
@@ -461,7 +414,6 @@ def main(argv: list[str] | None = None) -> int:
     dev = m["meter_device"]
     one, none = run_child(str(dev["index"])), run_child("")
     checks += device_checks(one, none, dev, gpu_price(dev["name"], price_table())[0])
-    from bench.lease_check import lease_checks, run_children
     from tokenmill.transforms.engines.device import visible_gpus
 
     leases = run_children()

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_check as G  # first: on a bare clone it makes the folders importable as tokenmill
+from bench import gpu_common as G  # first: on a bare clone it makes the folders importable as tokenmill
 
 ROOT = Path(__file__).resolve().parent.parent
 
