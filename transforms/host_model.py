@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import os
 
+from apache_beam.io.filesystems import FileSystems
+
+from tokenmill.schemas.model_sync import is_model_url, sync_model
 from tokenmill.schemas.models import resolve_model
+from tokenmill.transforms.engines.lora import ADAPTER_CONFIG
+from tokenmill.transforms.inputs import s3_client
 
 _CLIENTS: dict[int, tuple[object, object]] = {}
 
@@ -16,10 +21,6 @@ def s3_client_here():
     hold them (sdk_worker_main sets them; Beam has no public getter), else boto3's default
     chain (AWS_ENDPOINT_URL_S3), which is what Beam's S3 filesystem reads there too.  One
     client per options object per process (a client is thread-safe; making one is not cheap)."""
-    from apache_beam.io.filesystems import FileSystems
-
-    from tokenmill.transforms.read import s3_client
-
     options = getattr(FileSystems, "_pipeline_options", None)
     held = _CLIENTS.get(id(options))
     if held is None or held[0] is not options:
@@ -29,8 +30,6 @@ def s3_client_here():
 
 def model_folder_here(name: str, launcher_path: str | None, *, need_weights: bool = True) -> str:
     """The folder of model `name` on this host (ModelNotFound, one line, when there is none)."""
-    from tokenmill.schemas.model_sync import is_model_url, sync_model
-
     if launcher_path and os.path.isdir(launcher_path):
         return launcher_path
     if is_model_url(name):
@@ -41,9 +40,6 @@ def model_folder_here(name: str, launcher_path: str | None, *, need_weights: boo
 def adapters_here(adapters: dict[str, str]) -> None:
     """This host's copy of each LoRA adapter given as a URL (`engine.lora_adapters`), synced with
     the job's S3 endpoint; the engine then finds it where `engines.lora.local_path` says."""
-    from tokenmill.schemas.model_sync import is_model_url, sync_model
-    from tokenmill.transforms.engines.lora import ADAPTER_CONFIG
-
     for url in adapters.values():
         if is_model_url(url):
             sync_model(url, s3_client_here() if url.startswith("s3://") else None, marker=ADAPTER_CONFIG)

@@ -49,7 +49,7 @@ from tokenmill.schemas import records as R
 from tokenmill.schemas.config import TASKS
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.sampling import STRUCTURED_KEYS, RowSampling, structured_kind
-from tokenmill.transforms.read import InputError, InputPlan, expand_input
+from tokenmill.transforms.inputs import InputError, InputPlan, expand_input, open_input, planning_client
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -141,30 +141,24 @@ class LineRules:
     """LoRA adapter names a body `model` may give (the row's `adapter`)."""
 
 
-def _open(path: str):
-    from apache_beam.io.filesystem import CompressionTypes as C
-    from apache_beam.io.filesystems import FileSystems
-
-    kind = C.GZIP if path.endswith(".gz") else C.UNCOMPRESSED
-    return FileSystems.open(path, compression_type=kind)
-
-
-def scan_lines(path: str) -> Iterator[tuple[int, int, bytes]]:
-    """(line number, byte offset, line bytes) for every line of a file."""
-    with _open(path) as fh:
+def scan_lines(path: str, client: Any = None) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, line bytes) for every line of a file (s3:// on `client`,
+    else `inputs.planning_client()`)."""
+    with open_input(path, client, lines=True) as fh:
         offset = 0
         for i, line in enumerate(fh):
             yield i, offset, line
             offset += len(line)
 
 
-def plan_jsonl(path: str) -> JsonlPlan:
+def plan_jsonl(path: str, options: Any = None) -> JsonlPlan:
     """Plan an OpenAI batch input (a .jsonl file, a folder of them or a glob) at construction.
 
     Counts the request lines (blank lines are not requests), cuts them into shards
     and tallies the endpoints and models; fails with InputError when there is no
     such file or it is not text."""
-    files = expand_input(path, JSONL_PATTERNS)
+    client = planning_client(options) if path.startswith("s3://") else None
+    files = expand_input(path, JSONL_PATTERNS, client)
     shards: list[JsonlShard] = []
     endpoints: dict[str, int] = {}
     models: dict[str, int] = {}
@@ -173,7 +167,7 @@ def plan_jsonl(path: str) -> JsonlPlan:
         compressed = f.endswith(".gz")
         start = start_off = count = 0
         try:
-            for i, off, line in scan_lines(f):
+            for i, off, line in scan_lines(f, client):
                 if count == 0:  # the first line of a new shard
                     start, start_off = i, off
                 if line.strip():
@@ -392,9 +386,10 @@ def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | Non
 
 
 def read_jsonl_shard(shard: JsonlShard, served: LineRules | None = None,
-                     skip: AbstractSet[int] = frozenset()) -> Iterator[dict[str, Any]]:
-    """The rows of a run of lines but those whose line number is in `skip` (a rerun's done rows)."""
-    with _open(shard.path) as fh:
+                     skip: AbstractSet[int] = frozenset(), client: Any = None) -> Iterator[dict[str, Any]]:
+    """The rows of a run of lines but those whose line number is in `skip` (a rerun's done
+    rows); an s3:// file read on `client` (a worker's: host_model.s3_client_here)."""
+    with open_input(shard.path, client, lines=True) as fh:
         first = shard.start_line
         if shard.offset is not None:
             fh.seek(shard.offset)

@@ -1,22 +1,22 @@
-"""ReadPrompts: Parquet (local or s3://) into chunks of row dicts, each row with its stable place in the input (`_file_index`, `_row`).
+"""The Beam steps that read the input: `PlanUnits` (the planned work items, spread over the
+workers) and `ReadPrompts` (one work item → one `Chunk` of row dicts, each row with its
+stable place in the input, `_file_index` and `_row`), and the functions they read a unit
+with (`read_unit`), tested without a pipeline.
 
-The input is planned at pipeline-construction time (files, row groups, columns,
-row counts; the files' footers read in parallel), so a missing path, a file that
-is not Parquet or a schema without a prompt column fails before any worker
-starts.  The plan is then cut into work units (`plan_units`): slices of one row
-group of about `unit_bytes` of uncompressed input, so the number of units grows
-with the input (a 10-million-row file with one row group is still many units).
-A worker reads one unit at a time (`read_unit`) and the rest of the pipeline
-carries it as one `Chunk`: no process holds more than a unit of prompt data.  A row
-group cut into several units is decoded once per machine (transforms/spill.py), not
-from its first row for every unit.
+The input is planned before the pipeline is built, without Beam (transforms/inputs.py;
+transforms/planning.py for either format); the planning names are imported here too, for the
+code that reads and plans alike.  A worker reads one unit at a time (`read_unit`) and the
+rest of the pipeline carries it as one `Chunk`: no process holds more than a unit of prompt
+data.  A row group cut into several units is decoded once per machine (transforms/spill.py),
+not from its first row for every unit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import socket
+from dataclasses import replace
 from functools import lru_cache
-from typing import AbstractSet, Any, Generic, Iterator, TypeVar
+from typing import AbstractSet, Any, Iterator
 
 import apache_beam as beam
 
@@ -24,163 +24,38 @@ from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Chunk
 from tokenmill.transforms.chunks import over_chunks
 from tokenmill.transforms.files import open_file
+from tokenmill.transforms.host_model import s3_client_here
+from tokenmill.transforms.inputs import (
+    MAX_UNIT_ROWS,
+    PLAN_THREADS,
+    PROMPT_COLUMNS,
+    READ_BATCH_ROWS,
+    InputError,
+    InputPlan,
+    Shard,
+    WorkItem,
+    check_bucket,
+    default_unit_bytes,
+    expand_input,
+    plan_parquet,
+    plan_units,
+    plan_work,
+    read_footer,
+    s3_client,
+)
+from tokenmill.transforms.openai_batch import read_jsonl_shard
+from tokenmill.transforms.planning import plan_input
 from tokenmill.transforms.spill import read_spilled
 
-PROMPT_COLUMNS = ("prompt", "messages")
-READ_BATCH_ROWS = 1024
-
-
-class InputError(ValueError):
-    """The input as a whole cannot be read; the message is one line."""
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Rows `start` .. `start + num_rows` of one row group (a whole row group at planning;
-    a work unit after `plan_units`).  `first_row` is the file-level number of the row
-    group's first row."""
-
-    file_index: int
-    path: str
-    row_group: int
-    num_rows: int
-    start: int = 0
-    first_row: int = 0
-    bytes_per_row: float = 0.0
-    """Uncompressed bytes per row of the row group (Parquet metadata), for sizing units."""
-    group_rows: int = 0
-    unit_rows: int = 0
-    """A work unit's row group's rows and the rows of each unit it is cut into (0: not
-    known; a group of several units is split once per machine, transforms/spill.py)."""
-    source: str = ""
-    """The file's size and modification time when planned ("": not known): which version
-    of the file its cached footer and spilled units belong to."""
-
-    @property
-    def spills(self) -> bool:
-        """A unit of a row group cut into several: read through the group's spill."""
-        return 0 < self.unit_rows < self.group_rows
-
-    @property
-    def key(self) -> str:
-        return f"{self.file_index}.{self.first_row + self.start}"
-
-    @property
-    def rows(self) -> range:
-        """The file-level row numbers of this unit."""
-        return range(self.first_row + self.start, self.first_row + self.start + self.num_rows)
-
-
-#: A plan's shard type: `Shard` (row groups of Parquet files) or `openai_batch.JsonlShard`.
-ShardT = TypeVar("ShardT")
-
-
-@dataclass
-class InputPlan(Generic[ShardT]):
-    files: list[str]
-    shards: list[ShardT]
-    columns: list[str]
-    total_rows: int
-    format: str = "parquet"
-    notes: list[str] = field(default_factory=list)
-    bytes: int | None = None
-    """The input files' size (Parquet; None where not measured)."""
-
-
-def _is_remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def s3_client(options=None):
-    """A boto3 S3 client built from the pipeline options Beam's S3 filesystem uses
-    (endpoint, keys, region), so checks see what the job will see."""
-    from apache_beam.io.aws.clients.s3.boto3_client import Client
-    from apache_beam.options.pipeline_options import PipelineOptions
-
-    return Client(options or PipelineOptions([])).client
-
-
-def check_bucket(url: str, what: str = "input", options=None) -> None:
-    """For an s3:// URL: the bucket exists and the credentials are accepted, else InputError.
-    `options`: the job's PipelineOptions (its S3 endpoint and region).
-
-    Beam's S3 listing turns both into "no files", so ask S3 directly first (the job's
-    preflight does, before planning the input)."""
-    if not url.startswith("s3://"):
-        return
-    import botocore.exceptions as BE
-
-    bucket = url[len("s3://"):].split("/", 1)[0]
-    try:
-        s3_client(options).head_bucket(Bucket=bucket)
-    except BE.ClientError as err:
-        code = str(err.response.get("Error", {}).get("Code", ""))
-        if code in ("404", "NoSuchBucket"):
-            raise InputError(f"{what} {url!r}: bucket {bucket!r} does not exist") from None
-        if code in ("400", "401", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"):
-            raise InputError(
-                f"{what} {url!r}: access to bucket {bucket!r} denied (HTTP {code}); check the AWS credentials"
-            ) from None
-        raise InputError(f"{what} {url!r}: cannot use bucket {bucket!r}: {first_line(err)}") from None
-    except BE.NoCredentialsError:
-        raise InputError(f"{what} {url!r}: no AWS credentials found (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)") from None
-    except BE.BotoCoreError as err:  # endpoint unreachable, bad endpoint URL
-        raise InputError(f"{what} {url!r}: cannot reach S3: {first_line(err)}") from None
-
-
-def expand_input(path: str, patterns: tuple[str, ...] = ("*.parquet",)) -> list[str]:
-    """Files for a file, folder or glob, local or on a Beam filesystem (s3://)."""
-    from apache_beam.io.filesystems import FileSystems
-
-    def match(p: str) -> list[str]:
-        try:
-            res = FileSystems.match([p])[0]
-        except Exception as err:  # Beam raises BeamIOError with nested exceptions
-            msg = first_line(err)
-            if "NoSuchBucket" in msg or "does not exist" in msg.lower():
-                raise InputError(f"input {path!r} does not exist ({msg})") from None
-            if "InvalidAccessKeyId" in msg or "SignatureDoesNotMatch" in msg or "AccessDenied" in msg:
-                raise InputError(f"cannot read input {path!r}: access denied ({msg})") from None
-            return []
-        return sorted(m.path for m in res.metadata_list if not m.path.endswith("/"))
-
-    has_glob = any(ch in path for ch in "*?[")
-    if has_glob:
-        files = match(path)
-    else:
-        files = []
-        if _is_remote(path):
-            exact = [f for f in match(path) if f == path]
-            files = exact or [f for pat in patterns for f in match(path.rstrip("/") + "/" + pat)]
-        else:
-            import os
-
-            if os.path.isfile(path):
-                files = [os.path.abspath(path)]
-            elif os.path.isdir(path):
-                files = sorted(f for pat in patterns for f in match(os.path.join(os.path.abspath(path), pat)))
-            else:
-                raise InputError(f"input {path!r} does not exist")
-    if not files:
-        raise InputError(f"input {path!r} matched no {'/'.join(patterns)} files")
-    return files
-
-
-
-
-def _footer(f: str):
-    """(the file's Parquet metadata, its size in bytes, "size:modification time")."""
-    from apache_beam.io.filesystems import FileSystems
-
-    try:
-        with open_file(f) as fh:
-            meta = read_footer(fh)
-        m = FileSystems.match([f])[0].metadata_list[0]
-        return meta, m.size_in_bytes, f"{m.size_in_bytes}:{m.last_updated_in_seconds}"
-    except InputError:
-        raise
-    except Exception as err:
-        raise InputError(f"input file {f!r} is not a readable Parquet file: {first_line(err)}") from None
+#: The planning names (transforms/inputs.py, planning.py) read and planned with here and by
+#: the pipeline, the launcher and the tests.
+__all__ = [
+    "MAX_UNIT_ROWS", "PLAN_THREADS", "PROMPT_COLUMNS", "READ_BATCH_ROWS", "InputError", "InputPlan", "Shard",
+    "WorkItem", "check_bucket", "default_unit_bytes", "expand_input", "plan_input", "plan_parquet", "plan_units",
+    "plan_work", "read_footer", "s3_client",
+    "InputUnreadable", "PlanUnits", "ReadPrompts", "ReadUnitFn", "cached_footer", "done_rows", "group_batches",
+    "read_shard", "read_unit",
+]
 
 
 @lru_cache(maxsize=64)
@@ -190,82 +65,6 @@ def cached_footer(path: str, source: str):
     the file do not read its footer again."""
     with open_file(path) as fh:
         return read_footer(fh)
-
-
-def read_footer(fh):
-    """A Parquet file's metadata, reading only its footer (its last 8 bytes, then the
-    footer itself; pyarrow would read a 64 KiB tail, more than a small file's columns)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    fh.seek(-8, 2)
-    tail = fh.read(8)
-    size = int.from_bytes(tail[:4], "little")
-    if tail[4:] != b"PAR1" or size <= 0:
-        raise ValueError("no Parquet footer at the end of the file")
-    fh.seek(-8 - size, 2)
-    return pq.read_metadata(pa.BufferReader(b"PAR1" + fh.read(size) + tail))
-
-
-#: Footers read at once when planning (an S3 prefix of thousands of objects).
-PLAN_THREADS = 16
-
-
-def plan_parquet(path: str) -> InputPlan:
-    from concurrent.futures import ThreadPoolExecutor
-
-    files = expand_input(path)
-    with ThreadPoolExecutor(min(PLAN_THREADS, len(files))) as pool:
-        metas = list(pool.map(_footer, files))
-    shards: list[Shard] = []
-    columns: list[str] | None = None
-    total = 0
-    for i, (f, (meta, _, source)) in enumerate(zip(files, metas)):
-        names = meta.schema.to_arrow_schema().names
-        if not any(c in names for c in PROMPT_COLUMNS):
-            raise InputError(
-                f"input file {f!r} has no 'prompt' or 'messages' column; columns found: {', '.join(names) or '(none)'}"
-            )
-        columns = columns or names
-        first = 0
-        for rg in range(meta.num_row_groups):
-            g = meta.row_group(rg)
-            n = g.num_rows
-            if n:
-                shards.append(Shard(i, f, rg, n, first_row=first, bytes_per_row=g.total_byte_size / n, source=source))
-            first += n
-        total += meta.num_rows
-    return InputPlan(files=files, shards=shards, columns=columns or [], total_rows=total,
-                     bytes=sum(size for _, size, _ in metas))
-
-
-def default_unit_bytes() -> int:
-    """Prompt data per work unit, sized from the machine: 1/512 of its memory, between
-    4 MiB and 64 MiB (48 MiB on a 24 GiB machine)."""
-    import psutil
-
-    return int(min(64 << 20, max(4 << 20, psutil.virtual_memory().total // 512)))
-
-
-#: Rows per unit at most (bounds per-row overhead for short prompts and the work a
-#: retried unit re-reads).
-MAX_UNIT_ROWS = 8192
-
-
-def plan_units(plan: InputPlan, unit_bytes: int | None = None) -> list:
-    """Cut the planned row groups into work units of about `unit_bytes` of input and at
-    most MAX_UNIT_ROWS rows.  JSONL shards are already units."""
-    if plan.format != "parquet":
-        return list(plan.shards)
-    budget = unit_bytes or default_unit_bytes()
-    units: list[Shard] = []
-    for sh in plan.shards:
-        by_bytes = int(budget // sh.bytes_per_row) if sh.bytes_per_row > 0 else MAX_UNIT_ROWS
-        rows = max(1, min(by_bytes, MAX_UNIT_ROWS))
-        for start in range(sh.start, sh.start + sh.num_rows, rows):
-            n = min(rows, sh.start + sh.num_rows - start)
-            units.append(replace(sh, num_rows=n, start=start, group_rows=sh.num_rows, unit_rows=rows))
-    return units
 
 
 def read_shard(shard: Shard, columns: list[str] | None = None,
@@ -330,25 +129,7 @@ def read_unit(unit, columns: list[str] | None = None, served: Any = None,
     """The rows of one work unit (a Parquet slice or a JSONL run of lines) but those in `skip`."""
     if isinstance(unit, Shard):
         return list(read_shard(unit, columns, skip, spilled))
-    from tokenmill.transforms.openai_batch import read_jsonl_shard
-
-    return list(read_jsonl_shard(unit, served, skip))
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    """One element of work: part `part` of `parts` of a unit (see records.Chunk)."""
-
-    unit: Any
-    part: int = 0
-    parts: int = 1
-
-
-def plan_work(units: list, workers: int = 1) -> list[WorkItem]:
-    """The work items: one per unit, or, when the units are fewer than two per worker,
-    each unit in enough parts that every worker gets at least two items."""
-    parts = max(1, -(-2 * workers // max(1, len(units)))) if workers > 1 else 1
-    return [WorkItem(u, p, parts) for u in units for p in range(parts)]
+    return list(read_jsonl_shard(unit, served, skip, s3_client_here() if unit.path.startswith("s3://") else None))
 
 
 class InputUnreadable(RuntimeError):
@@ -387,8 +168,6 @@ class ReadUnitFn(beam.DoFn):
         try:
             rows = read_unit(item.unit, self._columns, self._served, done, self._spilled(item))
         except Exception as err:  # a path the launcher reached but this host does not, a bucket it may not read
-            import socket
-
             raise InputUnreadable(f"worker on host {socket.gethostname()}: input {item.unit.path!r} cannot be read "
                                   f"here: {type(err).__name__}: {first_line(err)}") from err
         self._read.inc(len(rows))
@@ -407,7 +186,7 @@ class ReadUnitFn(beam.DoFn):
         def wanted(start: int, rows: int) -> bool:  # a unit not all done: the reader will ask for it
             return url is None or len(done_rows(url, job, replace(unit, start=start, num_rows=rows))) < rows
 
-        return read_spilled(job, unit, self._columns, wanted)
+        return read_spilled(job, unit, self._columns, wanted, group_batches)
 
 
 class PlanUnits(beam.PTransform):
@@ -432,11 +211,3 @@ class ReadPrompts(beam.PTransform):
 
     def expand(self, units):
         return units | over_chunks(self._fn, "ReadUnit")
-
-
-def plan_input(path: str, fmt: str = "parquet") -> InputPlan:
-    if fmt == "openai-jsonl":
-        from tokenmill.transforms.openai_batch import plan_jsonl
-
-        return plan_jsonl(path)
-    return plan_parquet(path)

@@ -29,7 +29,9 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
+
+from tokenmill.transforms.inputs import READ_BATCH_ROWS
 
 #: Compression of the spilled unit files (Arrow IPC).
 SPILL_CODEC = "lz4"
@@ -71,13 +73,17 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def split_group(shard, columns: list[str] | None, folder: Path, wanted: Callable[[int, int], bool]) -> int:
-    """Stream `shard`'s row group once and write each unit of it (runs of `shard.unit_rows`
-    rows from the group's start) that `wanted(start, rows)` to `<start>.arrow` in `folder`.
-    Returns the units written."""
-    import pyarrow as pa
+#: A row group's record batches as the reader gives them: (shard, columns) → (position in the
+#: group of the batch's first row, record batch), the group read from its first row.
+GroupBatches = Callable[..., Iterator[tuple[int, Any]]]
 
-    from tokenmill.transforms.read import group_batches
+
+def split_group(shard, columns: list[str] | None, folder: Path, wanted: Callable[[int, int], bool],
+                group_batches: GroupBatches) -> int:
+    """Stream `shard`'s row group once (`group_batches`: read.group_batches) and write each
+    unit of it (runs of `shard.unit_rows` rows from the group's start) that `wanted(start,
+    rows)` to `<start>.arrow` in `folder`.  Returns the units written."""
+    import pyarrow as pa
 
     folder.mkdir(parents=True, exist_ok=True)
     step, total = shard.unit_rows, shard.group_rows
@@ -109,21 +115,19 @@ def split_group(shard, columns: list[str] | None, folder: Path, wanted: Callable
 
 
 def read_spilled(job_id: str, shard, columns: list[str] | None,
-                 wanted: Callable[[int, int], bool]) -> Iterator:
+                 wanted: Callable[[int, int], bool], group_batches: GroupBatches) -> Iterator:
     """The record batches of one unit of a large row group, from its spilled file (the
-    group split first where this machine has no file for the unit)."""
+    group split first, read by `group_batches`, where this machine has no file for the unit)."""
     import pyarrow as pa
 
     folder = group_dir(job_id, shard)
     mine = folder / f"{shard.start}.arrow"
     with _locked(folder):
         if not mine.exists():
-            split_group(shard, columns, folder, lambda s, n: s == shard.start or wanted(s, n))
+            split_group(shard, columns, folder, lambda s, n: s == shard.start or wanted(s, n), group_batches)
         with pa.OSFile(str(mine), "rb") as src:
             table = pa.ipc.open_file(src).read_all()
         mine.unlink()
-    from tokenmill.transforms.read import READ_BATCH_ROWS
-
     yield from table.to_batches(READ_BATCH_ROWS)
 
 

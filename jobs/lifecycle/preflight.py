@@ -363,6 +363,7 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
     from apache_beam.io.filesystems import FileSystems
 
     from tokenmill.jobs.lifecycle.runner import JobError, resolve_workers
+    from tokenmill.transforms.inputs import use_options
     from tokenmill.transforms.read import InputError, check_bucket, plan_input
 
     workers_problem = None
@@ -415,6 +416,7 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
     except ValueError as err:
         pf.problems.append(str(err))
     FileSystems.set_options(pf.options)
+    use_options(pf.options)  # planning's own S3 reads (transforms/inputs.py), apart from Beam's
     try:
         check_bucket(spec.input, "input", pf.options)
         pf.plan = plan_input(spec.input, spec.resolved_input_format())

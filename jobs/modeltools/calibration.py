@@ -69,7 +69,7 @@ class CalibrationSet:
 
 def resolve_source(source: str, db_url: str | None = None) -> tuple[str, str, str, str | None]:
     """(kind, input path, input format, the job's model) for a path or an earlier job's id."""
-    from tokenmill.transforms.read import expand_input
+    from tokenmill.transforms.inputs import expand_input
 
     looks_like_path = "/" in source or source.endswith((".parquet", ".jsonl", ".jsonl.gz")) or Path(source).exists()
     if looks_like_path:

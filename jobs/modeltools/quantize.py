@@ -91,7 +91,8 @@ def llmcompressor_python() -> Path:
 def count_calibration(source: str, db_url: str | None = None) -> int:
     """Rows of a calibration source (a job input or a job id) for a method that needs none
     (RTN): read through the job's own input planning, so a bad input fails the same way."""
-    from tokenmill.transforms.read import InputError, plan_input  # imports Beam: only for this case
+    from tokenmill.transforms.inputs import InputError  # planning (pyarrow behind it, no Beam): only for this case
+    from tokenmill.transforms.planning import plan_input
 
     try:
         _, path, fmt, _ = C.resolve_source(source, db_url)

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokenmill.jobs.modeltools.tune.common import TuneError
+from tokenmill.transforms.inputs import InputError, open_input, plan_parquet
 
 #: The smallest sample a rung runs on (a smaller one measures start-up, not serving).
 MIN_RUNG_ROWS = 4
@@ -34,12 +35,11 @@ def draw_sample(spec, n: int, seed: int, out_dir: Path) -> tuple[Path, int]:
     write them, in drawn order, to `out_dir/sample.parquet`; a rung of m rows reads the
     first m (so every smaller sample is part of every larger one).  Only the row groups
     that hold drawn rows are read.  Returns (the file, its rows)."""
-    from tokenmill.transforms.read import InputError, open_file, plan_input  # Beam: only when a tune samples
 
     if spec.resolved_input_format() != "parquet":
         raise TuneError(f"tune samples Parquet input; {spec.input!r} is {spec.resolved_input_format()}")
     try:
-        plan = plan_input(spec.input, "parquet")
+        plan = plan_parquet(spec.input)
     except InputError as err:
         raise TuneError(str(err)) from None
     if plan.total_rows == 0:
@@ -52,7 +52,7 @@ def draw_sample(spec, n: int, seed: int, out_dir: Path) -> tuple[Path, int]:
     for sh in plan.shards:
         local = [g - start for g in sorted(rank) if start <= g < start + sh.num_rows]
         if local:
-            with open_file(sh.path) as fh:
+            with open_input(sh.path) as fh:
                 t = pq.ParquetFile(fh).read_row_group(sh.row_group)
             tables.append(t.take(pa.array(local)))
             positions += [rank[start + i] for i in local]
