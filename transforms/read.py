@@ -19,7 +19,10 @@ from functools import lru_cache
 from typing import AbstractSet, Any, Iterator
 
 import apache_beam as beam
+import pyarrow as pa
+import pyarrow.parquet as pq
 
+from tokenmill.schemas import storage as S
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Chunk
 from tokenmill.transforms.chunks import over_chunks
@@ -90,8 +93,6 @@ def group_batches(shard: Shard, columns: list[str] | None = None,
                   spilled: Iterator | None = None) -> Iterator[tuple[int, Any]]:
     """(position in the row group of the batch's first row, record batch): the unit's
     `spilled` batches, or its whole row group from the first row."""
-    import pyarrow.parquet as pq
-
     at = shard.start if spilled is not None else 0
     if spilled is not None:
         for rb in spilled:
@@ -109,8 +110,6 @@ def group_batches(shard: Shard, columns: list[str] | None = None,
 
 
 def _records(rb, places: list[int], file_index: int) -> Iterator[dict[str, Any]]:
-    import pyarrow as pa
-
     cols = {}
     for name in rb.schema.names:
         arr = rb.column(name)
@@ -139,8 +138,6 @@ class InputUnreadable(RuntimeError):
 
 def done_rows(db_url: str, job_id: str, unit) -> set[int]:
     """The rows of `unit` a job has already answered or dead-lettered (one range lookup)."""
-    from tokenmill.schemas import storage as S
-
     rows = unit.rows
     return S.ResultWriter(S.connect(db_url)).done_rows(job_id, unit.file_index, rows.start, rows.stop - 1)
 

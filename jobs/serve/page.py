@@ -231,7 +231,7 @@ def page_router() -> APIRouter:
             return html("missing.html", code=404, job_id=job_id[:100], who=who)
         if job["status"] == "running":
             job.update(S.MetricsReader(c.eng).counts(job_id))
-        from tokenmill.jobs.estimate.beside import lines
+        from tokenmill.jobs.estimate.beside import lines  # the estimate package loads the job runner: a job's page only
 
         rep = reports.get(c.eng, job)
         m = rep["metrics"]
@@ -300,7 +300,7 @@ def job_report(eng, job_id: str) -> dict[str, Any]:
     """What a job's page shows of its report: its metrics (stored, or computed now from the
     committed rows while it runs), the estimate beside them and the report's figures as plotly
     JSON (None: plotly, the `report` extra, is not installed)."""
-    from tokenmill.jobs.metrics.report import load_report
+    from tokenmill.jobs.metrics.report import load_report  # the report's libraries (tabulate, numpy): a job's page only
 
     data = load_report(eng, job_id)
     try:

@@ -1,0 +1,75 @@
+"""Input planning without Beam (transforms/inputs.py, planning.py): files matched as Beam's
+filesystems match them, and `quantize` and `tune` planning an input without loading Beam."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tokenmill.transforms.inputs import InputError, expand_input, match
+
+PATTERNS = ["*.parquet", "*", "**", "**.parquet", "a?.parquet", "[ab]*.parquet", "[!a]*.parquet", "sub/",
+            "sub/*.parquet", "*/*.parquet", ".hidden.parquet", "a1.parquet", "nothing*.parquet", "no-such-file",
+            "sub", "[unclosed"]
+
+
+@pytest.fixture
+def tree(tmp_path):
+    for rel in ["a1.parquet", "a2.parquet", "b1.parquet", ".hidden.parquet", "c.txt", "sub/d1.parquet",
+                "sub/deeper/e.parquet", "[unclosed"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x")
+    return tmp_path
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_local_pattern_matches_the_files_beams_filesystems_match(tree, pattern):
+    from apache_beam.io.filesystems import FileSystems
+
+    full = os.path.join(str(tree), pattern)
+    beam = sorted(m.path for m in FileSystems.match([full])[0].metadata_list)
+    assert sorted(match(full)) == beam
+
+
+def test_a_folder_gives_its_own_parquet_files_and_a_path_without_any_one_line(tree):
+    assert expand_input(str(tree)) == sorted(str(tree / f) for f in (".hidden.parquet", "a1.parquet", "a2.parquet",
+                                                                     "b1.parquet"))
+    with pytest.raises(InputError, match="matched no \\*.parquet files"):
+        expand_input(str(tree / "sub" / "deeper" / "*.jsonl"))
+    with pytest.raises(InputError, match="does not exist"):
+        expand_input(str(tree / "nope.parquet"))
+
+
+def _without_beam(code: str, tmp_path) -> subprocess.CompletedProcess:
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(40)], "prompt": [f"p{i}" for i in range(40)]}), path,
+                   row_group_size=16)
+    prog = textwrap.dedent(code).replace("PATH", repr(str(path))).replace("OUT", repr(str(tmp_path / "out")))
+    prog += "\nassert 'apache_beam' not in sys.modules, sorted(m for m in sys.modules if m.startswith('apache_beam'))[:3]\n"
+    return subprocess.run([sys.executable, "-c", "import sys\n" + prog], capture_output=True, text=True, timeout=300)
+
+
+def test_quantize_counts_a_calibration_input_without_loading_beam(tmp_path):
+    res = _without_beam("""
+        from tokenmill.jobs.modeltools.quantize import count_calibration
+        assert count_calibration(PATH) == 40
+        """, tmp_path)
+    assert res.returncode == 0, res.stderr
+
+
+def test_tune_draws_its_sample_without_loading_beam(tmp_path):
+    res = _without_beam("""
+        import types
+        from pathlib import Path
+        from tokenmill.jobs.modeltools.tune.sample import draw_sample
+        spec = types.SimpleNamespace(input=PATH, resolved_input_format=lambda: "parquet")
+        path, n = draw_sample(spec, 10, 7, Path(OUT))
+        assert n == 10 and path.is_file()
+        """, tmp_path)
+    assert res.returncode == 0, res.stderr
