@@ -73,3 +73,38 @@ def test_tune_draws_its_sample_without_loading_beam(tmp_path):
         assert n == 10 and path.is_file()
         """, tmp_path)
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.s3
+def test_an_s3_pattern_matches_the_objects_beams_filesystems_match(s3, monkeypatch):
+    from apache_beam.io.filesystems import FileSystems
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    monkeypatch.setattr(FileSystems, "_pipeline_options", PipelineOptions([]))  # Beam's S3 needs options set
+    b = s3.buckets["in"]
+    for key in ["p/a1.parquet", "p/a2.parquet", "p/b.jsonl", "p/sub/c.parquet", "pq/d.parquet", "p/.h.parquet"]:
+        s3.put_object(Bucket=b, Key=key, Body=b"x")
+    for pattern in ["p/*.parquet", "p/**", "p/a?.parquet", "p/[!a]*", "p/", "p/a1.parquet", "p/none*", "p/sub"]:
+        url = f"s3://{b}/{pattern}"
+        beam = sorted(m.path for m in FileSystems.match([url])[0].metadata_list)
+        assert sorted(match(url)) == beam, pattern
+
+
+@pytest.mark.s3
+def test_an_openai_batch_file_on_s3_is_planned_and_read_plain_and_gzipped(s3):
+    import gzip
+    import json
+
+    from tokenmill.transforms.planning import plan_input
+    from tokenmill.transforms.read import read_unit
+
+    lines = [json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "m", "messages": [{"role": "user", "content": f"hi {i}"}]}})
+             for i in range(5)]
+    text = ("\n".join(lines) + "\n").encode()
+    for key, body in (("b/in.jsonl", text), ("g/in.jsonl.gz", gzip.compress(text))):
+        s3.put_object(Bucket=s3.buckets["in"], Key=key, Body=body)
+        plan = plan_input(f"s3://{s3.buckets['in']}/{key.split('/')[0]}/", "openai-jsonl")
+        assert (plan.total_rows, plan.endpoints) == (5, {"/v1/chat/completions": 5})
+        rows = [r for u in plan.shards for r in read_unit(u)]
+        assert [r["id"] for r in rows] == [f"q{i}" for i in range(5)]
