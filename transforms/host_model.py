@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 
-from apache_beam.io.filesystems import FileSystems
-
 from tokenmill.schemas.model_sync import is_model_url, sync_model
 from tokenmill.schemas.models import resolve_model
 from tokenmill.transforms.engines.lora import ADAPTER_CONFIG
@@ -21,6 +19,8 @@ def s3_client_here():
     hold them (sdk_worker_main sets them; Beam has no public getter), else boto3's default
     chain (AWS_ENDPOINT_URL_S3), which is what Beam's S3 filesystem reads there too.  One
     client per options object per process (a client is thread-safe; making one is not cheap)."""
+    from apache_beam.io.filesystems import FileSystems  # Beam: only where a worker reads s3://
+
     options = getattr(FileSystems, "_pipeline_options", None)
     held = _CLIENTS.get(id(options))
     if held is None or held[0] is not options:
