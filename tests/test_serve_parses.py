@@ -94,3 +94,34 @@ def test_a_served_batchs_input_is_opened_and_parsed_twice_validation_and_the_pip
     assert counting.loads_calls == 2 * n, f"{counting.loads_calls} line parses for {n} lines: want validation's and " \
                                           "the pipeline's only"
     assert len(opens) == 2, opens
+
+
+def test_both_files_stores_keep_an_inputs_index_beside_it_and_take_files_written_straight_in(tmp_path, request):
+    from tokenmill.jobs.serve.blobs import blob_store
+    from tokenmill.jobs.serve.finalize import derived_file_id
+    from tokenmill.schemas.wire.lines import LineIndex
+
+    for root in (str(tmp_path / "files"), None):
+        if root is None:
+            s3 = request.getfixturevalue("s3")
+            root = f"s3://{s3.buckets['out']}/store"
+        blobs = blob_store(root)
+        fid = derived_file_id("batch_x", "input")
+        src = tmp_path / "in.jsonl"
+        src.write_bytes(b'{"a": 1}\n\n')
+        blobs.put_file(fid, str(src))
+        assert blobs.read_index(fid) is None
+        idx = LineIndex()
+        idx.add(0, 9, "a", "/v1/completions", "m")
+        idx.add(9, 1)
+        blobs.put_index(fid, idx.to_bytes())
+        got = LineIndex.from_bytes(blobs.read_index(fid) or b"", size=10)
+        assert got == idx and got.request_ids() == ["a"] and got.requests == 1
+        assert LineIndex.from_bytes(idx.to_bytes(), size=11) is None  # the index of other bytes is refused
+        out = derived_file_id("batch_x", "output")
+        with blobs.writer(out) as fh:
+            fh.write(b"line\n")
+        with blobs.open(out) as fh:
+            assert fh.read() == b"line\n"
+        blobs.delete(fid)
+        assert blobs.read_index(fid) is None, root
