@@ -42,6 +42,8 @@ MAX_ATTEMPTS = 3
 TICK_S = 0.5
 #: How long a running batch's live request counts are reused (they change batch by batch).
 COUNTS_TTL_S = 1.0
+
+
 class ApiError(Exception):
     """A refusal the routes turn into OpenAI's error shape."""
 
