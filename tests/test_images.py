@@ -243,7 +243,7 @@ def test_an_images_tokens_count_in_the_budget_and_the_length_check_as_the_engine
 
 
 def test_an_openai_batch_line_keeps_its_image_parts_for_validate():
-    from tokenmill.transforms.openai_batch import parse_request
+    from tokenmill.schemas.wire.openai.request import parse_request
 
     parts = [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": "s3://b/k.png"}}]
     got = parse_request(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",

@@ -19,7 +19,9 @@ from tests.conftest import TEST_ENGINE
 from tests.fakes import FakeSession
 from tests.helpers import job_spec
 from tokenmill.jobs.lifecycle.runner import run_job
-from tokenmill.transforms.openai_batch import LineError, line_row, parse_request, plan_jsonl, read_jsonl_shard
+from tokenmill.schemas.wire.lines import LineError
+from tokenmill.schemas.wire.openai.request import parse_request
+from tokenmill.transforms.openai_batch import line_row, plan_jsonl, read_jsonl_shard
 from tokenmill.transforms.validate import validate_row
 
 
@@ -229,8 +231,8 @@ def as_line(body):
 def test_chat_body_carries_the_rows_logprobs_in_openai_shape():
     from openai.types.chat import ChatCompletion
 
-    from tokenmill.jobs.lifecycle.openai_export import response_body
-    from tokenmill.transforms.openai_batch import CHAT
+    from tokenmill.schemas.wire.openai.request import CHAT
+    from tokenmill.schemas.wire.openai.response import response_body
 
     body = response_body(output_row(logprobs=TOKENS), CHAT, "m")
     validate_with_vllm(as_line(body))
@@ -249,8 +251,8 @@ def test_chat_body_carries_the_rows_logprobs_in_openai_shape():
 def test_completion_body_carries_the_rows_logprobs_in_the_legacy_shape():
     from openai.types import Completion
 
-    from tokenmill.jobs.lifecycle.openai_export import response_body
-    from tokenmill.transforms.openai_batch import COMPLETIONS
+    from tokenmill.schemas.wire.openai.request import COMPLETIONS
+    from tokenmill.schemas.wire.openai.response import response_body
 
     body = response_body(output_row(logprobs=TOKENS), COMPLETIONS, "m")
     validate_with_vllm(as_line(body))
@@ -268,8 +270,8 @@ def test_completion_body_carries_the_rows_logprobs_in_the_legacy_shape():
 def test_a_structured_rows_body_is_its_text_as_openai_returns_it():
     from openai.types.chat import ChatCompletion
 
-    from tokenmill.jobs.lifecycle.openai_export import response_body
-    from tokenmill.transforms.openai_batch import CHAT
+    from tokenmill.schemas.wire.openai.request import CHAT
+    from tokenmill.schemas.wire.openai.response import response_body
 
     text = '{"name": "Ada"}'
     plain = response_body(output_row(text=text), CHAT, "m")
@@ -456,8 +458,8 @@ def test_greedy_outputs_equal_vllm_run_batch(tmp_path, sqlite_url, model_path):
 
 
 def test_an_exported_body_says_when_its_usage_is_an_estimate():
-    from tokenmill.jobs.lifecycle.openai_export import response_body
-    from tokenmill.transforms.openai_batch import CHAT
+    from tokenmill.schemas.wire.openai.request import CHAT
+    from tokenmill.schemas.wire.openai.response import response_body
 
     row = {"job_id": "j", "id": "r1", "prompt_tokens": 3, "output_tokens": 4, "text": "hi", "finish_reason": "stop"}
     assert "token_count_source" not in response_body({**row, "token_count_source": "engine"}, CHAT, "m")["usage"]
@@ -468,8 +470,8 @@ def test_an_exported_body_says_when_its_usage_is_an_estimate():
 def test_a_requests_samples_are_one_line_with_n_choices_also_across_chunks():
     from openai.types import Completion
 
-    from tokenmill.jobs.lifecycle.openai_export import by_request, response_body
-    from tokenmill.transforms.openai_batch import CHAT, COMPLETIONS
+    from tokenmill.schemas.wire.openai.request import CHAT, COMPLETIONS
+    from tokenmill.schemas.wire.openai.response import by_request, response_body
 
     def row(i, k, text):
         return {"job_id": "j", "id": f"r{i}", "input_file": 0, "input_row": i, "sample": k, "text": text,

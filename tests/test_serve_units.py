@@ -11,8 +11,9 @@ import pytest
 
 from tokenmill.jobs.serve.blobs import BlobError, LocalBlobs
 from tokenmill.jobs.serve.config import ServeConfig, load_config, window_seconds
+from tokenmill.jobs.serve.finalize import derived_file_id
 from tokenmill.jobs.serve.objects import batch_object, batch_status, file_object, page
-from tokenmill.jobs.serve.service import ApiError, derived_file_id, priority_of
+from tokenmill.jobs.serve.service import ApiError, priority_of
 from tokenmill.jobs.serve.validate import check_lines
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import SpecError

@@ -108,7 +108,7 @@ def test_derived_job_id_counts_only_keys_set_away_from_their_defaults():
 
 def test_min_tokens_is_a_row_key_a_job_key_a_flag_and_an_openai_body_key():
     """The key was added in schemas/sampling.py alone; every surface sees it."""
-    from tokenmill.transforms.openai_batch import parse_request
+    from tokenmill.schemas.wire.openai.request import parse_request
 
     ok = validate_row({"_file_index": 0, "_row": 0, "id": "a", "prompt": "hi", "min_tokens": 3.0})
     assert ok.sampling == {"min_tokens": 3}

@@ -1,4 +1,6 @@
-"""The OpenAI Batch API file format: JSONL requests in, JSONL responses and errors out.
+"""An OpenAI Batch API input file read by the pipeline: planned (from the per-line index that
+validation stored beside it, when there is one) and turned into rows.  The wire format itself,
+a line's parsing and the output lines, is schemas/wire/openai/.
 
 Input, one request per line (blank lines are skipped, as OpenAI and vLLM do)::
 
@@ -28,55 +30,30 @@ A file may mix endpoints: the job runs one pass per engine task its lines name
 reading its own task's lines (`LineRules`), into one job and one pair of output files.
 
 `n` (samples per request) is the row key `n`: the request's samples are its output
-rows, written back as one line with n choices.  Refused (`UNSUPPORTED`): `stream`,
+rows, written back as one line with n choices.  Refused (`request.UNSUPPORTED`): `stream`,
 `tools` (tools are not served).  A line
 that is not a usable request (bad JSON, no custom_id, another method or endpoint, a
 refused or misspelt body field) becomes a `bad_request` dead letter carrying the
 line; it never fails the job.
 
 The output files (`outputs.jsonl`, `errors.jsonl`, log-probabilities in OpenAI's
-shape per endpoint) are written by the launcher at export:
-jobs/lifecycle/openai_export.py.
+shape per endpoint) are written at export: jobs/lifecycle/openai_export.py.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Iterator
+from typing import AbstractSet, Any, Iterator
 
 from tokenmill.schemas import records as R
-from tokenmill.schemas.config import TASKS
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.sampling import STRUCTURED_KEYS, RowSampling, structured_kind
-from tokenmill.transforms.inputs import InputError, InputPlan, expand_input, open_input, planning_client
+from tokenmill.schemas.wire.lines import LineError, LineIndex, index_location, scan
+from tokenmill.schemas.wire.openai.request import TASK_ENDPOINTS, parse_request, peek
+from tokenmill.transforms.inputs import InputError, InputPlan, expand_input, open_input, planning_client, stat
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-EMBEDDINGS = "/v1/embeddings"
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
-#: The endpoints each engine task serves: a batch file's lines are answered one pass per task they name.
-TASK_ENDPOINTS = {"generate": (CHAT, COMPLETIONS), "embed": (EMBEDDINGS,)}
-assert tuple(TASK_ENDPOINTS) == TASKS  # every task has its endpoints, in the order the passes run
 JSONL_PATTERNS = ("*.jsonl", "*.jsonl.gz")
 #: Lines per read shard: small enough to spread a big file over workers.
 SHARD_LINES = 2048
-#: Body fields that would change what a response means and that tokenmill does not serve:
-#: when the value is refused, and what the refusal adds.
-UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "stream": (lambda v: bool(v), "the answers are written to the output file"),
-    "tools": (lambda v: bool(v), "tools (function calling) are not served"),
-}
-#: The sampling keys each endpoint spells its own way (read by `_logprob_keys`, not by name).
-LOGPROB_KEYS = ("logprobs", "top_logprobs")
-#: The most alternatives per token the legacy completions endpoint's `logprobs` asks for (OpenAI's limit).
-MAX_COMPLETION_LOGPROBS = 5
-#: vLLM's `structured_outputs` keys named as a row's structured-output key (`json` and
-#: `json_object` become a `response_format`, `_structured_outputs`).
-SO_ROW_KEYS = tuple(k for k in STRUCTURED_KEYS if k != "response_format")
-#: Body names of a sampling key where the API has more than one (the first present wins);
-#: every other RowSampling key is read under its own name.
-BODY_NAMES = {"max_tokens": ("max_completion_tokens", "max_tokens")}
 ERROR_KEY = "_error"  # (reason, message) of a line the reader could not make a row of
 RAW_KEY = "_raw"
 
@@ -145,18 +122,48 @@ def scan_lines(path: str, client: Any = None) -> Iterator[tuple[int, int, bytes]
     """(line number, byte offset, line bytes) for every line of a file (s3:// on `client`,
     else `inputs.planning_client()`)."""
     with open_input(path, client, lines=True) as fh:
-        offset = 0
-        for i, line in enumerate(fh):
-            yield i, offset, line
-            offset += len(line)
+        yield from scan(fh)
+
+
+def stored_index(path: str, client: Any = None) -> LineIndex | None:
+    """The index validation stored beside an uncompressed input file (schemas/wire/lines.py),
+    when there is one and it is that file's; None otherwise."""
+    if path.endswith(".gz"):
+        return None
+    try:
+        loc = index_location(path)
+        found = stat(path, client)
+        if found is None or stat(loc, client) is None:
+            return None
+        with open_input(loc, client) as fh:
+            return LineIndex.from_bytes(fh.read(), found[0])
+    except Exception:  # an index that cannot be read is only a missed shortcut: the file is read instead
+        return None
+
+
+def line_entries(path: str, client: Any = None) -> Iterator[tuple[int, str | None, str | None]]:
+    """(byte offset, endpoint, body model) of every line of an input file, the endpoint None for
+    a blank line and `?` for one that names none: from its stored index when it has one, else
+    read from the file (streamed: a file of millions of lines is never held whole)."""
+    idx = stored_index(path, client)
+    if idx is not None:
+        yield from zip(idx.offsets, idx.endpoints, idx.models)
+        return
+    for _, off, line in scan_lines(path, client):
+        if line.strip():
+            url, model, _ = peek(line)
+            yield off, url, model
+        else:
+            yield off, None, None
 
 
 def plan_jsonl(path: str, options: Any = None) -> JsonlPlan:
     """Plan an OpenAI batch input (a .jsonl file, a folder of them or a glob) at construction.
 
     Counts the request lines (blank lines are not requests), cuts them into shards
-    and tallies the endpoints and models; fails with InputError when there is no
-    such file or it is not text."""
+    and tallies the endpoints and models, from each file's stored index where validation
+    wrote one (`line_entries`); fails with InputError when there is no such file or it is
+    not text."""
     client = planning_client(options) if path.startswith("s3://") else None
     files = expand_input(path, JSONL_PATTERNS, client)
     shards: list[JsonlShard] = []
@@ -167,12 +174,11 @@ def plan_jsonl(path: str, options: Any = None) -> JsonlPlan:
         compressed = f.endswith(".gz")
         start = start_off = count = 0
         try:
-            for i, off, line in scan_lines(f, client):
+            for i, (off, url, model) in enumerate(line_entries(f, client)):
                 if count == 0:  # the first line of a new shard
                     start, start_off = i, off
-                if line.strip():
+                if url is not None:
                     total += 1
-                    url, model = peek_request(line)
                     endpoints[url] = endpoints.get(url, 0) + 1
                     if model is not None:
                         models[model] = models.get(model, 0) + 1
@@ -188,171 +194,7 @@ def plan_jsonl(path: str, options: Any = None) -> JsonlPlan:
                      endpoints=endpoints, models=models)
 
 
-def peek_request(line: bytes) -> tuple[str, str | None]:
-    try:
-        obj = json.loads(line)
-        body = obj.get("body") if isinstance(obj, dict) else None
-        model = body.get("model") if isinstance(body, dict) else None
-        return str(obj.get("url", "?")), (model if isinstance(model, str) else None)
-    except (ValueError, AttributeError):
-        return "?", None
-
-
 # ---------------------------------------------------------------- lines → rows
-
-
-class LineError(ValueError):
-    pass
-
-
-def _content_text(content: Any, where: str) -> Any:
-    """OpenAI lets content be a list of parts; text parts are joined, a list with `image_url`
-    parts is kept whole (Validate reads its images: transforms/images.py), others refused."""
-    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise LineError(f"{where}.content[{j}]: only text parts are supported, got {_short(part)}")
-            texts.append(part["text"])
-        return "".join(texts)
-    return content
-
-
-def parse_request(line: str | bytes) -> dict[str, Any]:
-    """One input line → the request fields tokenmill serves: `custom_id`, `url`, `model`,
-    `messages` or `prompt`, and the sampling keys.  Raises LineError saying what is wrong."""
-    try:
-        obj = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise LineError(f"line is not valid JSON: {first_line(err)}") from None
-    if not isinstance(obj, dict):
-        raise LineError(f"line must be a JSON object, got {type(obj).__name__}")
-    cid = obj.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        raise LineError(f"custom_id must be a non-empty string, got {_short(cid)}")
-    out: dict[str, Any] = {"custom_id": cid}
-    if obj.get("method", "POST") != "POST":
-        raise LineError(f"method must be POST, got {_short(obj.get('method'))}")
-    url = obj.get("url")
-    if url not in ENDPOINTS:
-        raise LineError(f"url must be one of {list(ENDPOINTS)}, got {_short(url)}")
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        raise LineError(f"body must be an object, got {_short(body)}")
-    for key, (bad, why) in UNSUPPORTED.items():
-        if key in body and bad(body[key]):
-            raise LineError(f"body.{key}={_short(body[key])} is not supported in batch jobs: {why}")
-    out["url"] = url
-    out["model"] = body.get("model")
-    if url == EMBEDDINGS:
-        return {**out, **_embedding_input(body)}
-    if url == CHAT:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list):
-            raise LineError(f"body.messages must be a list for {CHAT}, got {_short(msgs)}")
-        out["messages"] = [
-            {**m, "content": _content_text(m.get("content"), f"body.messages[{i}]")} if isinstance(m, dict) else m
-            for i, m in enumerate(msgs)
-        ]
-        out["prompt"] = None
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise LineError(f"body.prompt must be a string for {COMPLETIONS}, got {_short(prompt)}")
-        out["prompt"] = prompt
-        out["messages"] = None
-    for key in RowSampling.model_fields:
-        if key in LOGPROB_KEYS:
-            continue
-        value = next((body[k] for k in BODY_NAMES.get(key, (key,)) if body.get(k) is not None), None)
-        if value is not None:
-            out[key] = value
-    out.update(_logprob_keys(body, url))
-    so = _structured_outputs(body.get("structured_outputs"))
-    if so:
-        named = structured_kind(out)
-        if named is not None:
-            raise LineError(f"body.structured_outputs and body.{'response_format' if named.startswith('json') else named} "
-                            f"both set a structured output; set one")
-        out.update(so)
-    return out
-
-
-def _embedding_input(body: dict[str, Any]) -> dict[str, Any]:
-    """An /v1/embeddings body's one text input as the row's prompt (float vectors, the model's
-    own dimension: other encodings, `dimensions` and several inputs per line are refused)."""
-    text = body.get("input")
-    if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
-        text = text[0]
-    if not isinstance(text, str):
-        raise LineError(f"body.input must be one string for {EMBEDDINGS} (a line per input), got {_short(text)}")
-    if body.get("encoding_format") not in (None, "float"):
-        raise LineError(f"body.encoding_format={_short(body['encoding_format'])} is not served: float vectors only")
-    if body.get("dimensions") is not None:
-        raise LineError("body.dimensions is not served: vectors have the model's own dimension")
-    return {"prompt": text, "messages": None}
-
-
-def _logprob_keys(body: dict[str, Any], url: str) -> dict[str, Any]:
-    """The row's `logprobs` and `top_logprobs` from a body, as its endpoint spells them
-    (OpenAI's rules): chat `logprobs: true|false` and `top_logprobs: k`, which needs
-    `logprobs: true` when k > 0; completions `logprobs: k`, an integer 0-5."""
-    lp, top = body.get("logprobs"), body.get("top_logprobs")
-    if url == CHAT:
-        if lp is not None and not isinstance(lp, bool):
-            raise LineError(f"body.logprobs must be true, false or null for {CHAT}, got {_short(lp)} "
-                            f"(body.top_logprobs asks for the alternatives per token)")
-        if top is not None and top != 0 and lp is not True:
-            raise LineError(f"body.top_logprobs={_short(top)} needs body.logprobs: true")
-        return {k: v for k, v in (("logprobs", lp), ("top_logprobs", top)) if v is not None}
-    if top is not None:
-        raise LineError(f"body.top_logprobs is not a {COMPLETIONS} field: there body.logprobs, an integer "
-                        f"0-{MAX_COMPLETION_LOGPROBS}, asks for the alternatives per token")
-    if lp is None:
-        return {}
-    if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
-        raise LineError(f"body.logprobs must be an integer 0-{MAX_COMPLETION_LOGPROBS} or null for {COMPLETIONS} "
-                        f"(the alternatives per token), got {_short(lp)}")
-    return {"logprobs": True, "top_logprobs": lp}
-
-
-def _structured_outputs(so: Any) -> dict[str, Any]:
-    """vLLM's `structured_outputs` body object → the row's structured-output key (at most one)."""
-    if so is None:
-        return {}
-    if not isinstance(so, dict):
-        raise LineError(f"body.structured_outputs must be an object, got {_short(so)}")
-    out: dict[str, Any] = {}
-    for key, value in so.items():
-        if value is None or (key == "json_object" and value is False):
-            continue
-        if key in SO_ROW_KEYS:
-            out[key] = value
-        elif key == "json":
-            schema = value
-            if isinstance(value, str):
-                try:
-                    schema = json.loads(value)
-                except ValueError as err:
-                    raise LineError(f"body.structured_outputs.json is not valid JSON: {first_line(err)}") from None
-            out[key] = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
-        elif key == "json_object":
-            out[key] = {"type": "json_object"}
-        else:
-            raise LineError(f"body.structured_outputs.{key} is not supported in batch jobs "
-                            f"(served: {', '.join(('json', 'json_object', *SO_ROW_KEYS))})")
-    if len(out) > 1:
-        raise LineError(f"body.structured_outputs sets {' and '.join(out)}; set one")
-    return {("response_format" if k.startswith("json") else k): v for k, v in out.items()}
-
-
-def _short(v: Any) -> str:
-    s = repr(v)
-    return s if len(s) <= 80 else s[:77] + "..."
 
 
 def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | None = None) -> dict[str, Any] | None:
@@ -371,12 +213,9 @@ def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | Non
     except LineError as err:
         row[ERROR_KEY] = (R.BAD_REQUEST, str(err))
         row[RAW_KEY] = line.decode("utf-8", errors="replace").rstrip("\n")[:2000]
-        try:  # keep the custom_id when the line has one, so the error line can be matched
-            cid = json.loads(line).get("custom_id")
-            if isinstance(cid, str) and cid:
-                row["id"] = cid
-        except Exception:
-            pass
+        cid = peek(line)[2]  # keep the custom_id when the line has one, so the error line can be matched
+        if cid is not None:
+            row["id"] = cid
         return row
     row["id"] = req.pop("custom_id")
     req.pop("url")

@@ -1,33 +1,30 @@
 """The OpenAI Batch API output files of a job: `outputs.jsonl` and `errors.jsonl`.
 
 `OpenAIBatchExport`, the exporter of `output_format: openai-jsonl`, runs in the
-launcher at export (jobs/lifecycle/sinks.py): one line per input line, matched by `custom_id`, in the OpenAI batch
-output format that vLLM's `BatchRequestOutput` model describes.  Successful
-requests get a `chat.completion` or `text_completion` body with `usage` (and the
-row's log-probabilities in that endpoint's `logprobs` shape when it asked); failed
-ones `response.status_code` and `error: {code, message}`.  The endpoint and the
-model name of each request are read back from the input file (`RequestIndex`),
-so the database needs no column for them.  The input side is
-transforms/openai_batch.py.
+launcher at export (jobs/lifecycle/sinks.py): one line per input line, matched by
+`custom_id`, in OpenAI's batch output format (the lines themselves are
+schemas/wire/openai/response.py's).  The endpoint and the model name of each request
+are read back from the input's per-line index (`RequestIndex`: the one validation
+stored beside the file, or the file's lines when it has none), so the database needs
+no column for them.  The input side is transforms/openai_batch.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from array import array
 from typing import Any, ClassVar, Iterable, Iterator, Mapping
 
 from sqlalchemy.engine import Engine
 
 from tokenmill.jobs.lifecycle.export import job_input, write_jsonl
-from tokenmill.schemas import records as R
 from tokenmill.schemas.records import DeadLetterRow, OutputRow
 from tokenmill.schemas.storage import MetricsReader
-from tokenmill.transforms.openai_batch import CHAT, COMPLETIONS, EMBEDDINGS, JSONL_PATTERNS, peek_request, scan_lines
+from tokenmill.schemas.wire.lines import LineIndex
+from tokenmill.schemas.wire.openai.request import CHAT, COMPLETIONS, EMBEDDINGS
+from tokenmill.schemas.wire.openai.response import by_request, error_line, output_line
+from tokenmill.transforms.openai_batch import JSONL_PATTERNS, line_entries
 from tokenmill.transforms.read import InputError, expand_input
 
-STATUS_BY_REASON = {R.ENGINE_ERROR: 500, R.ENGINE_TIMEOUT: 500}
 #: The endpoints an input line may name, by their code in `RequestIndex` (0: unknown, read as chat).
 KINDS = ("", CHAT, COMPLETIONS, EMBEDDINGS)
 
@@ -35,16 +32,29 @@ KINDS = ("", CHAT, COMPLETIONS, EMBEDDINGS)
 class RequestIndex:
     """Endpoint and model of every input line, by (file index, line), in a few bytes per line.
 
-    Built from the job's input at export time; rows whose input cannot be read
-    again fall back to a chat completion under the row's own model name."""
+    Rows whose input cannot be read again fall back to a chat completion under the row's own
+    model name."""
 
     def __init__(self) -> None:
         self._kind: dict[int, array] = {}  # file index → per line: an index into KINDS (0: unknown)
         self._model: dict[int, array] = {}  # file index → per line: index into _models
         self._models: list[str | None] = [None]
+        self._names: dict[str | None, int] = {None: 0}
+
+    def _add_file(self, fi: int, entries: Iterable[tuple[str | None, str | None]]) -> None:
+        kinds, models = array("B"), array("I")
+        for url, model in entries:
+            kinds.append(KINDS.index(url) if url in KINDS else 0)
+            if model not in self._names:
+                self._names[model] = len(self._models)
+                self._models.append(model)
+            models.append(self._names[model])
+        self._kind[fi], self._model[fi] = kinds, models
 
     @classmethod
     def from_input(cls, source: str | None) -> "RequestIndex":
+        """The index of a job's input (file, folder or glob), each file's from its stored line
+        index when it has one (`openai_batch.line_entries`)."""
         idx = cls()
         if not source:
             return idx
@@ -52,17 +62,15 @@ class RequestIndex:
             files = expand_input(source, JSONL_PATTERNS)
         except InputError:
             return idx
-        names: dict[str | None, int] = {None: 0}
         for fi, f in enumerate(files):
-            kinds, models = array("B"), array("I")
-            for _, _, line in scan_lines(f):
-                url, model = peek_request(line) if line.strip() else ("?", None)
-                kinds.append(KINDS.index(url) if url in KINDS else 0)
-                if model not in names:
-                    names[model] = len(idx._models)
-                    idx._models.append(model)
-                models.append(names[model])
-            idx._kind[fi], idx._model[fi] = kinds, models
+            idx._add_file(fi, ((url, model) for _, url, model in line_entries(f)))
+        return idx
+
+    @classmethod
+    def of_lines(cls, lines: LineIndex) -> "RequestIndex":
+        """The index of a one-file input from its line index."""
+        idx = cls()
+        idx._add_file(0, zip(lines.endpoints, lines.models))
         return idx
 
     def lookup(self, f: int, line: int) -> tuple[str, str | None]:
@@ -73,146 +81,26 @@ class RequestIndex:
             return CHAT, None
 
 
-def _ids(job_id: str, custom_id: str) -> tuple[str, str]:
-    """Stable ids, so exporting the same job twice writes the same file."""
-    h = hashlib.sha256(f"{job_id}\0{custom_id}".encode()).hexdigest()[:24]
-    return f"batch_req_{h}", f"tokenmill-{h}"
-
-
-def _token(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-
-def chat_logprobs(tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-    """A row's log-probabilities (records.LOGPROBS_TYPE) as a chat choice's `logprobs`."""
-    if tokens is None:
-        return None
-    return {"content": [{**_token(t["token"], t["logprob"]),
-                         "top_logprobs": [_token(a["token"], a["logprob"]) for a in t.get("top_logprobs") or ()]}
-                        for t in tokens],
-            "refusal": None}
-
-
-def completion_logprobs(tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-    """A row's log-probabilities as a legacy completion choice's `logprobs`: parallel lists,
-    the alternatives as {token: logprob}, and each token's character offset in the text."""
-    if tokens is None:
-        return None
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t["token"])
-    return {"tokens": [t["token"] for t in tokens],
-            "token_logprobs": [t["logprob"] for t in tokens],
-            "top_logprobs": [{a["token"]: a["logprob"] for a in t.get("top_logprobs") or ()} for t in tokens],
-            "text_offset": offsets}
-
-
-def response_body(rows: dict[str, Any] | list[dict[str, Any]], url: str, model: str | None) -> dict[str, Any]:
-    """A `chat.completion` or `text_completion` body with `usage` for one request: its output
-    row, or its n samples' rows (one choice each, `index` the sample; the prompt counted
-    once, the completions summed, as OpenAI counts `n`), with log-probabilities in the
-    endpoint's shape where a row has them (a structured row's text is its JSON or
-    constrained text, as OpenAI returns it)."""
-    samples = [rows] if isinstance(rows, dict) else rows
-    row = samples[0]
-    if url == EMBEDDINGS or row.get("embedding") is not None:
-        return embedding_body(row, model)
-    _, rid = _ids(row["job_id"], row["id"])
-    prompt = int(row.get("prompt_tokens") or 0)
-    completion = sum(int(r.get("output_tokens") or 0) for r in samples)
-    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    if row.get("cached_tokens") is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": int(row["cached_tokens"])}
-    if row.get("token_count_source") not in (None, "engine"):  # estimates say so (records.TOKEN_COUNT_SOURCES)
-        usage["token_count_source"] = row["token_count_source"]
-    created = int(max(r.get("finished_at") or 0 for r in samples))
-    common = {"created": created, "model": model or row.get("model") or "", "usage": usage}
-    if url == COMPLETIONS:
-        choices = [{"index": r.get("sample") or 0, "text": r.get("text") or "",
-                    "logprobs": completion_logprobs(r.get("logprobs")), "finish_reason": r.get("finish_reason") or "stop"}
-                   for r in samples]
-        return {"id": f"cmpl-{rid}", "object": "text_completion", "choices": choices, **common}
-    choices = [{
-        "index": r.get("sample") or 0,
-        "message": {"role": "assistant", "content": r.get("text") or ""},
-        "logprobs": chat_logprobs(r.get("logprobs")),
-        "finish_reason": r.get("finish_reason") or "stop",
-    } for r in samples]
-    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": choices, **common}
-
-
-def embedding_body(row: dict[str, Any], model: str | None) -> dict[str, Any]:
-    """A `list` of one `embedding` (float values) with `usage`, for an embedding row."""
-    prompt = int(row.get("prompt_tokens") or 0)
-    vector = R.embedding_values(row["embedding"]) if row.get("embedding") is not None else []
-    return {"object": "list", "model": model or row.get("model") or "",
-            "data": [{"object": "embedding", "index": 0, "embedding": vector}],
-            "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
-
-
-def by_request(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[list[dict[str, Any]]]]:
-    """Chunks of output rows in input order → chunks of requests, each its rows (a row's
-    samples together, also where a chunk ends between them)."""
-    held: list[dict[str, Any]] = []
-    for rows in chunks:
-        out: list[list[dict[str, Any]]] = []
-        for r in rows:
-            if held and (held[0]["input_file"], held[0]["input_row"]) != (r["input_file"], r["input_row"]):
-                out.append(held)
-                held = []
-            held.append(r)
-        if out:
-            yield out
-    if held:
-        yield [held]
-
-
-def output_lines(chunks: Iterable[list[dict[str, Any]]], source: str | None = None) -> Iterator[list[str]]:
+def output_lines(chunks: Iterable[list[dict[str, Any]]], source: str | None = None,
+                 index: RequestIndex | None = None) -> Iterator[list[str]]:
     """Chunks of output rows → chunks of OpenAI batch output lines (one per request, its
     samples as its choices).
 
-    `source` is the job's input (file, folder or glob); it tells each row's endpoint
-    and the model name its request asked for."""
-    index = RequestIndex.from_input(source)
+    `index` (else built from `source`, the job's input: file, folder or glob) tells each
+    row's endpoint and the model name its request asked for."""
+    index = index or RequestIndex.from_input(source)
     for requests in by_request(chunks):
         out = []
         for samples in requests:
-            r = samples[0]
-            url, model = index.lookup(r["input_file"], r["input_row"])
-            line_id, request_id = _ids(r["job_id"], r["id"])
-            out.append(json.dumps({
-                "id": line_id,
-                "custom_id": r["id"],
-                "response": {"status_code": 200, "request_id": request_id, "body": response_body(samples, url, model)},
-                "error": None,
-            }, ensure_ascii=False))
+            url, model = index.lookup(samples[0]["input_file"], samples[0]["input_row"])
+            out.append(output_line(samples, url, model))
         yield out
 
 
 def dead_letter_lines(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[str]]:
     """Chunks of dead-letter rows → chunks of error lines (`error: {code, message}`)."""
     for rows in chunks:
-        out = []
-        for r in rows:
-            ref = R.format_ref(r["input_file"], r["input_row"])
-            cid = r.get("id") or f"line-{ref}"
-            line_id, request_id = _ids(r["job_id"], f"{cid}\0{ref}")
-            out.append(json.dumps({
-                "id": line_id,
-                "custom_id": cid,
-                "response": {"status_code": STATUS_BY_REASON.get(r["reason"], 400), "request_id": request_id, "body": None},
-                "error": {"code": r["reason"], "message": r["message"]},
-            }, ensure_ascii=False))
-        yield out
-
-
-def unanswered_line(job_id: str, custom_id: str, code: str, message: str) -> str:
-    """The error line of a request that never ran (OpenAI's `batch_cancelled`, `batch_expired`):
-    no response, the error's code and message."""
-    line_id, _ = _ids(job_id, custom_id)
-    return json.dumps({"id": line_id, "custom_id": custom_id, "response": None,
-                       "error": {"code": code, "message": message}}, ensure_ascii=False)
+        yield [error_line(r) for r in rows]
 
 
 class OpenAIBatchExport:

@@ -1,6 +1,8 @@
 """The files store: the bytes of the service's files, each under its id (`file-<hex>`), in a
 local folder or under an `s3://bucket/prefix`.  A client names a file only by its id, which
-must match FILE_ID, so no request can reach a path outside the store."""
+must match FILE_ID, so no request can reach a path outside the store.  Beside an input file
+lies its per-line index (`<file id>.jsonl.index.json`, schemas/wire/lines.py), written once
+when the file is validated; a job reading the file as its input finds it there."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator
+
+from tokenmill.schemas.wire.lines import index_location
 
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 CHUNK = 1 << 20
@@ -46,11 +51,44 @@ class LocalBlobs:
         shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
 
+    def move_file(self, file_id: str, src: str) -> None:
+        """`put_file`, taking `src` itself where it can (a rename: its bytes are not written again)."""
+        dst = self.path(file_id)
+        tmp = dst.with_suffix(".part")
+        shutil.move(src, tmp)
+        os.replace(tmp, dst)
+
+    @contextmanager
+    def writer(self, file_id: str) -> Iterator[IO[bytes]]:
+        """A file written straight into the store, there whole once the block ends without error."""
+        dst = self.path(file_id)
+        tmp = dst.with_suffix(".part")
+        try:
+            with open(tmp, "wb") as fh:
+                yield fh
+            os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def put_index(self, file_id: str, data: bytes) -> None:
+        dst = Path(index_location(self.url(file_id)))
+        tmp = dst.with_suffix(".part")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+
     def open(self, file_id: str) -> IO[bytes]:
         return open(self.path(file_id), "rb")
 
+    def read_index(self, file_id: str) -> bytes | None:
+        """The file's stored per-line index, None when it has none."""
+        try:
+            return Path(index_location(self.url(file_id))).read_bytes()
+        except FileNotFoundError:
+            return None
+
     def delete(self, file_id: str) -> None:
         self.path(file_id).unlink(missing_ok=True)
+        Path(index_location(self.url(file_id))).unlink(missing_ok=True)
 
     def local_copy(self, file_id: str) -> tuple[str, bool]:
         """A local path to the file's bytes, and whether it is a temporary copy to remove."""
@@ -79,11 +117,34 @@ class S3Blobs:
     def put_file(self, file_id: str, src: str) -> None:
         self.client.upload_file(src, self.bucket, self._key(file_id))
 
+    def move_file(self, file_id: str, src: str) -> None:
+        self.put_file(file_id, src)
+        os.unlink(src)
+
+    @contextmanager
+    def writer(self, file_id: str) -> Iterator[IO[bytes]]:
+        """A file written into the store: spooled here, uploaded once the block ends without error."""
+        with tempfile.TemporaryFile() as fh:
+            yield fh
+            fh.seek(0)
+            self.client.upload_fileobj(fh, self.bucket, self._key(file_id))
+
+    def put_index(self, file_id: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=index_location(self._key(file_id)), Body=data)
+
     def open(self, file_id: str) -> IO[bytes]:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(file_id))["Body"]
 
+    def read_index(self, file_id: str) -> bytes | None:
+        """The file's stored per-line index, None when it has none."""
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=index_location(self._key(file_id)))["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None
+
     def delete(self, file_id: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(file_id))
+        self.client.delete_object(Bucket=self.bucket, Key=index_location(self._key(file_id)))
 
     def local_copy(self, file_id: str) -> tuple[str, bool]:
         fd, tmp = tempfile.mkstemp(suffix=".jsonl")

@@ -4,44 +4,37 @@ batch) and the scheduler thread that moves batches along.
 A batch's life, each step written to its row before the next (so a restarted server takes
 every batch up where its row says):
 
-1. `validating`: the scheduler checks the input file (validate.py); a bad line fails the batch
-   whole, with the lines named, and nothing runs.
+1. `validating`: the scheduler checks the input file (validate.py) and stores its line index
+   (finalize.py); a bad line fails the batch whole, with the lines named, and nothing runs.
 2. `in_progress`: queued for its model's engine process (priority from `metadata.priority`,
    then age) and run there as the job of the batch's id.  A job whose process died, or whose
    server was killed, is run again: `run_job` resumes it from the database, so every line is
    answered once.  A cancel, or the end of the completion window, asks the job to stop after
    its batches in flight (`JobStore.request_cancel`).
-3. `finalizing`: the job's own exports (outputs.jsonl, errors.jsonl) become the batch's
-   output and error files, a line that never ran an error line (`batch_cancelled`,
-   `batch_expired`), and the request counts and usage are stored.
+3. `finalizing`: the batch's output and error files are written into the files store
+   (finalize.py), a line that never ran an error line (`batch_cancelled`, `batch_expired`),
+   and the request counts and usage are stored.
 4. `completed`, `cancelled`, `expired` or `failed`."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import shutil
-import tempfile
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-from tokenmill.jobs.lifecycle.openai_export import unanswered_line
-from tokenmill.jobs.lifecycle.sinks import export_job
 from tokenmill.jobs.serve.blobs import blob_store
 from tokenmill.jobs.serve.config import ServeConfig, window_seconds
 from tokenmill.jobs.serve.engines import EngineProcess
 from tokenmill.jobs.serve.errors import ApiError
-from tokenmill.jobs.serve.objects import ENDED, batch_status, usage_of
+from tokenmill.jobs.serve.finalize import JOB_DONE, BatchFiles
 from tokenmill.jobs.serve.quotas import Quotas
-from tokenmill.jobs.serve.validate import check_file, line_error
 from tokenmill.jobs.serve.webhooks import METADATA_KEY, WebhookSender
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.errors import first_line
+from tokenmill.schemas.wire.openai.objects import ENDED, batch_status, line_error
+from tokenmill.schemas.wire.openai.request import ENDPOINTS
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +43,10 @@ MAX_ATTEMPTS = 3
 TICK_S = 0.5
 #: How long a running batch's live request counts are reused (they change batch by batch).
 COUNTS_TTL_S = 1.0
-#: Job statuses whose rows are all answered or dead-lettered (the batch completed).
-JOB_DONE = ("succeeded", "partial")
-ENDED_BY = {"cancelled": ("batch_cancelled", "This line was not executed because the batch was cancelled."),
-            "expired": ("batch_expired", "This line was not executed because the batch's completion window ended "
-                                         "before it ran."),
-            "failed": ("batch_failed", "This line was not executed because the batch failed.")}
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
-
-
-def derived_file_id(batch_id: str, which: str) -> str:
-    """The output or error file's id of a batch: the same on every finalization (a server killed
-    while finalizing writes the same file again, never a second one)."""
-    return "file-" + hashlib.sha256(f"{batch_id}/{which}".encode()).hexdigest()[:24]
 
 
 class BatchService:
@@ -76,6 +57,7 @@ class BatchService:
         self.blobs = blob_store(cfg.files_root())
         self.batches, self.files = S.BatchStore(self.eng), S.FileStore(self.eng)
         self.webhooks, self.quotas = WebhookSender(self.eng, cfg.webhooks), Quotas(self.eng, cfg.limits)
+        self.results = BatchFiles(cfg, self.eng, self.blobs, self.webhooks, self._count)
         self.engines: dict[str, EngineProcess] = {}
         self.attempts: dict[str, int] = {}
         self.finished: dict[str, tuple[str, str | None]] = {}  # batch id → (job status, note) from its engine
@@ -109,8 +91,6 @@ class BatchService:
 
     def create_batch(self, owner: str, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None) -> dict[str, Any]:
-        from tokenmill.transforms.openai_batch import ENDPOINTS
-
         limits = self.cfg.limits
         if endpoint not in ENDPOINTS:
             raise ApiError(400, f"endpoint must be one of {list(ENDPOINTS)}, got {endpoint[:80]!r}", param="endpoint",
@@ -271,32 +251,12 @@ class BatchService:
             js.request_cancel(batch_id)
 
     def _validate(self, b: dict[str, Any]) -> dict[str, Any] | None:
-        """Check the batch's file: its row failed with the errors (None), or queued (the row)."""
-        lim = self.cfg.limits
-        path, temp = self.blobs.local_copy(b["input_file_id"])
-        try:
-            found = check_file(open(path, "rb"), self.cfg.served_names(), max_lines=lim.max_file_lines,
-                               max_errors=lim.max_line_errors)
-        except OSError as err:
-            found = None
-            problem = first_line(err)
-        finally:
-            if temp:
-                os.unlink(path)
-        now = time.time()
-        if found is None or found.errors:
-            errors = found.errors if found is not None else [line_error("file_unreadable", problem, None)]
-            self._fail_validating(b, errors, lines=found.lines if found else 0, model=found.model if found else None)
-            return None
-        self.batches.set(b["id"], unless="in_progress_at", in_progress_at=now, lines=found.lines, model=found.model)
-        return {**b, "in_progress_at": now, "lines": found.lines, "model": found.model}
+        """Check the batch's file (finalize.BatchFiles.validate): failed (None), or queued (the row)."""
+        return self.results.validate(b)
 
     def _fail_validating(self, b: dict[str, Any], errors: list[dict[str, Any]], *, lines: int,
                          model: str | None) -> None:
-        """End a batch `failed` in validation, with its errors; nothing of it ran."""
-        if self.webhooks.end_batch(b, "failed", failed_at=time.time(), errors=errors, lines=lines, model=model,
-                                   request_counts={"total": lines, "completed": 0, "failed": 0}):
-            self._count("batches", model or "", "failed", 1)
+        self.results.fail_validating(b, errors, lines=lines, model=model)
 
     def _validation_fault(self, b: dict[str, Any], err: Exception) -> None:
         """Validation raised (a store that did not answer, a fault in the server): checked again at
@@ -310,76 +270,8 @@ class BatchService:
                                   lines=0, model=None)
 
     def _finalize(self, b: dict[str, Any]) -> None:
-        now = time.time()
-        self.batches.set(b["id"], unless="finalizing_at", finalizing_at=now)
-        job_status, note = self.finished.pop(b["id"], (None, None))
-        job = S.JobStore(self.eng).get(b["id"])
-        job_status = job_status or (job["status"] if job else None)
-        if job_status in JOB_DONE:
-            ended = "completed"
-        elif job_status == "failed":
-            ended = "failed"
-        else:
-            ended = "cancelled" if b.get("cancelling_at") or now < b["expires_at"] else "expired"
-        out_lines, err_lines, counts = self._result_files(b, ended)
-        values: dict[str, Any] = {
-            f"{ended}_at": time.time(), "request_counts": counts,
-            "usage": usage_of(S.MetricsReader(self.eng).token_totals(b["id"])), "output_file_id": out_lines,
-            "error_file_id": err_lines,
-        }
-        if ended == "failed":
-            values["errors"] = [line_error("batch_failed", (note or (job or {}).get("error") or "the job failed")[:1000],
-                                           None)]
-        if self.webhooks.end_batch(b, ended, **values):  # the ending and its webhook event: one transaction
-            model = b.get("model") or ""
-            self._count("lines", model, "completed", counts["completed"])
-            self._count("lines", model, "failed", counts["failed"])
-            tokens = values["usage"]
-            self._count("tokens", model, "input", tokens["input_tokens"])
-            self._count("tokens", model, "output", tokens["output_tokens"])
-            self._count("batches", model, ended, 1)
-            # the result files hold what the job folder's exports held; the job's rows stay in the database
-            shutil.rmtree(self.cfg.work_root() / b["id"], ignore_errors=True)
+        self.results.finalize(b, *self.finished.pop(b["id"], (None, None)))
         self.attempts.pop(b["id"], None)
-
-    def _result_files(self, b: dict[str, Any], ended: str) -> tuple[str | None, str | None, dict[str, int]]:
-        """The batch's output and error files from its job's export (a line that never ran an
-        error line of how the batch ended): (output file id, error file id, request counts)."""
-        run = self.cfg.work_root() / b["id"]
-        outputs, errors = run / "outputs.jsonl", run / "errors.jsonl"
-        job = S.JobStore(self.eng).get(b["id"])
-        if job is not None and (job["status"] not in (*JOB_DONE, "cancelled") or not outputs.exists()):
-            export_job(self.eng, b["id"], str(run), "openai-jsonl")  # a run cut off: what it committed
-        answered = _custom_ids(outputs) | _custom_ids(errors)
-        code, message = ENDED_BY.get(ended, ENDED_BY["failed"])
-        path, temp = self.blobs.local_copy(b["input_file_id"])
-        try:
-            missing = [cid for cid in _input_ids(path) if cid not in answered]
-        finally:
-            if temp:
-                os.unlink(path)
-        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False, dir=run if run.exists() else None) as tmp:
-            if errors.exists():
-                tmp.write(errors.read_text())
-            for cid in missing:
-                tmp.write(unanswered_line(b["id"], cid, code, message) + "\n")
-        try:
-            n_out = _count_lines(outputs)
-            n_err = _count_lines(Path(tmp.name))
-            out_id = self._store_result(b, "output", str(outputs), n_out) if n_out else None
-            err_id = self._store_result(b, "error", tmp.name, n_err) if n_err else None
-        finally:
-            os.unlink(tmp.name)
-        return out_id, err_id, {"total": int(b.get("lines") or n_out + n_err), "completed": n_out, "failed": n_err}
-
-    def _store_result(self, b: dict[str, Any], which: str, path: str, lines: int) -> str:
-        file_id = derived_file_id(b["id"], which)
-        self.blobs.put_file(file_id, path)
-        if S.FileStore(self.eng).get(file_id, None) is None:
-            self.files.add({"id": file_id, "owner": b["owner"], "filename": f"{b['id']}_{which}.jsonl",
-                            "purpose": "batch_output", "bytes": os.path.getsize(path), "lines": lines,
-                            "created_at": time.time(), "deleted_at": None})
-        return file_id
 
     def _count(self, metric: str, model: str, label: str, n: float) -> None:
         with self._lock:
@@ -410,32 +302,4 @@ def priority_of(meta: dict[str, str] | None) -> int:
     except ValueError:
         raise ApiError(400, f"metadata.priority must be a whole number, got {raw[:40]!r}",
                        param="metadata.priority", code="invalid_value") from None
-
-
-def _custom_ids(path: Path) -> set[str]:
-    if not path.exists():
-        return set()
-    with open(path, "rb") as fh:
-        return {json.loads(line)["custom_id"] for line in fh if line.strip()}
-
-
-def _input_ids(path: str) -> list[str]:
-    """The input's custom_ids in order (lines without one have none to report)."""
-    out = []
-    with open(path, "rb") as fh:
-        for line in fh:
-            try:
-                cid = json.loads(line).get("custom_id")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(cid, str) and cid:
-                out.append(cid)
-    return out
-
-
-def _count_lines(path: Path) -> int:
-    if not path.exists():
-        return 0
-    with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.strip())
 

@@ -1,15 +1,18 @@
 """A batch's input file checked before anything runs, as OpenAI's `validating` step does: every
 line a request tokenmill serves, each `custom_id` once, one served model (a line may name it or
 one of its LoRA adapters).  A batch with any bad line fails whole, its errors naming the line
-(1-based, blank lines counted), and no engine works on it."""
+(1-based, blank lines counted), and no engine works on it.  Each line is parsed once, by the
+wire format (schemas/wire/openai/request.py), and the check gives the file's per-line index
+(schemas/wire/lines.py) that the job's planning, export and finalization read instead of the file."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterable, Mapping
 
-from tokenmill.transforms.openai_batch import ENDPOINTS, LineError, parse_request
+from tokenmill.schemas.wire.lines import LineError, LineIndex, scan
+from tokenmill.schemas.wire.openai.objects import line_error
+from tokenmill.schemas.wire.openai.request import ENDPOINTS, decode, request_fields
 
 
 @dataclass
@@ -22,10 +25,9 @@ class Checked:
     model: str | None = None
     errors: list[dict[str, Any]] = field(default_factory=list)
     error_count: int = 0
-
-
-def line_error(code: str, message: str, line: int | None, param: str | None = None) -> dict[str, Any]:
-    return {"code": code, "message": message, "param": param, "line": line}
+    index: LineIndex = field(default_factory=LineIndex)
+    """Every line read, with its byte range, custom_id, endpoint and model (complete when there
+    are no errors)."""
 
 
 #: How long a `model_not_found` message's list of the served names may grow.
@@ -58,17 +60,19 @@ def check_lines(lines: Iterable[bytes], served: Mapping[str, str], *, max_lines:
         if len(out.errors) < max_errors:
             out.errors.append(line_error(code, message, line, param))
 
-    for n, raw in enumerate(lines, start=1):
+    for i, offset, raw in scan(lines):
+        n = i + 1
         if not raw.strip():
+            out.index.add(offset, len(raw))
             continue
         out.lines += 1
         if out.lines > max_lines:
             fail("too_many_requests", f"the file has more than {max_lines:,} requests, the most a batch takes", n)
             break
         try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            fail("invalid_json_line", f"line {n} is not valid JSON: {str(err)[:200]}", n)
+            obj = decode(raw)
+        except LineError as err:
+            fail("invalid_json_line", f"line {n} is not valid JSON: {err.detail[:200]}", n)
             continue
         if not isinstance(obj, dict):
             fail("invalid_json_line", f"line {n} is not a JSON object", n)
@@ -81,7 +85,7 @@ def check_lines(lines: Iterable[bytes], served: Mapping[str, str], *, max_lines:
                  n, "url")
             continue
         try:
-            req = parse_request(raw)
+            req = request_fields(obj)
         except LineError as err:
             fail("invalid_request", f"line {n}: {err}", n)
             continue
@@ -97,6 +101,7 @@ def check_lines(lines: Iterable[bytes], served: Mapping[str, str], *, max_lines:
                                     f"{served_list(served)})", n, "body.model")
             continue
         named.setdefault(served[model], (n, model))
+        out.index.add(offset, len(raw), cid, req["url"], model)
     if len(named) > 1:
         (line_a, a), (line_b, b) = sorted(named.values())[:2]
         fail("mismatched_model", f"line {line_b}: model {_named(b, served)}, but line {line_a} names "
