@@ -23,7 +23,7 @@ from tokenmill.jobs.estimate.measure import (
 )
 from tokenmill.jobs.estimate.profile import InputProfile, profile_input
 from tokenmill.jobs.estimate.sample import FILL_TOKENS, SampleError, default_sample_rows, draw, write_sample
-from tokenmill.jobs.lifecycle.runner import JobError
+from tokenmill.jobs.lifecycle.errors import JobError
 
 #: What the sample job's id adds to the job's (job ids allow letters, digits, `._:-`).
 SAMPLE_SUFFIX = ":estimate"
@@ -83,8 +83,7 @@ def estimate_job(spec, *, db_url: str | None = None, sample: int | None = None,
                   stage: Callable[[str], None] | None = None, seed: int = 0) -> dict[str, Any]:
     """Estimate `spec`'s job (see the package docstring), store it under the job's id
     (`EstimateStore`) and return it; EstimateError (one line) when it cannot be made."""
-    from tokenmill.jobs.lifecycle.preflight import preflight
-    from tokenmill.jobs.lifecycle.runner import resolve_workers
+    from tokenmill.jobs.lifecycle.preflight import preflight, resolve_workers
     from tokenmill.schemas import storage as S
     from tokenmill.schemas.db import default_db_url
     from tokenmill.transforms.counting import TokenCounter

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tokenmill.jobs.metrics.runs import run_end
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import JobSpec
 
@@ -49,8 +50,6 @@ def capped(spec: JobSpec) -> bool:
 def held_seconds(runs: list[dict[str, Any]], now: float | None = None, current: str | None = None) -> float:
     """Seconds the job's runs held their devices: each run from its start to its finish, or
     to its last heartbeat for a run that was killed; the run `current` up to `now`."""
-    from tokenmill.jobs.metrics.accounting import run_end
-
     now = time.time() if now is None else now
     total = 0.0
     for r in runs:
