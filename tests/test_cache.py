@@ -319,8 +319,8 @@ def test_a_new_tune_of_the_same_model_spends_no_engine_time_on_eval_answers_alre
     for budget in (256, 512):  # two spaces: two tune ids, every job a new one; one engine config throughout
         space = tmp_path / f"space{budget}.yaml"
         space.write_text(f"candidates:\n  - {{batching.token_budget: {budget}}}\n")
-        tunes.append(T.tune(spec, sample=4, out=tmp_path / f"tune{budget}", db_url=sqlite_url, space=space,
-                            repeats=2, eval_set=evals).tune_id)
+        tunes.append(T.tune(spec, T.TuneOptions(sample=4, out=tmp_path / f"tune{budget}", db_url=sqlite_url,
+                                                space=space, repeats=2, eval_set=evals)).tune_id)
     jobs = {j["id"]: j for j in S.JobStore(eng).recent(100)}
     first, again = f"tune-{tunes[0]}-ref-eval", f"tune-{tunes[1]}-ref-eval"
     assert _engine_rows(eng, first) == 8 and jobs[first]["metrics"]["cache"]["mode"] == "read-write"

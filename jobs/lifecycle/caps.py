@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tokenmill.jobs.estimate import make_estimate
 from tokenmill.jobs.metrics.runs import run_end
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import JobSpec
@@ -135,8 +136,6 @@ def before_start(spec: JobSpec, job_id: str, eng, db_url: str, total_rows: int, 
     elif stored_only:
         raise CapError(f"job {job_id} has a cap (max_cost/max_hours) and no estimate: run tokenmill estimate first")
     else:
-        from tokenmill.jobs.estimate import make_estimate
-
         say("estimating the job's cost and time for its cap (tokenmill estimate: a sample of its rows)")
         estimate = make_estimate(spec.model_copy(update={"max_cost": None, "max_hours": None}), db_url=db_url,
                                  stage=say)

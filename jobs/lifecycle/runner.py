@@ -36,8 +36,6 @@ from tokenmill.transforms.spill import remove_job_spill
 
 log = logging.getLogger(__name__)
 
-__all__ = ["JobError", "JobResult", "RunContext", "resolve_workers", "run_job"]  # JobError, resolve_workers: their old home
-
 
 @dataclass
 class JobResult:
