@@ -14,7 +14,11 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, cast
 
+import apache_beam as beam
+from apache_beam.metrics.metric import MetricsFilter
+
 from tokenmill.jobs.lifecycle.caps import CapError, CapWatch, before_start, capped
+from tokenmill.jobs.lifecycle.direct_runner import watch_sdk_workers, worker_died
 from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.jobs.lifecycle.export import finished_export, write_marker
 from tokenmill.jobs.lifecycle.jobrow import hardware, job_values, versions
@@ -24,7 +28,8 @@ from tokenmill.jobs.lifecycle.sinks import export_job
 from tokenmill.jobs.metrics.accounting import JobTerms
 from tokenmill.jobs.metrics.catalog import values
 from tokenmill.jobs.metrics.figures import stored_metrics
-from tokenmill.pipelines.batch import PipelineParts
+from tokenmill.jobs.metrics.hardware import UtilizationSampler
+from tokenmill.pipelines.batch import PipelineParts, build_pipeline
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.db import default_db_url
@@ -210,8 +215,6 @@ def run_job(
 
     hb = _Heartbeat(eng, job_id, tick if progress or watch else None, run_id=run_id)
     hb.start()
-    from tokenmill.jobs.metrics.hardware import UtilizationSampler
-
     sampler = UtilizationSampler()  # CPU utilization, process-tree RSS, NVML on GPU; launcher-side
     sampler.start()
     status, error, read = "failed", None, None
@@ -365,8 +368,6 @@ def _run_with_retries(run: RunContext) -> dict[str, int] | None:
     all along): the new pipeline resumes from the database, so only the dead worker's batches
     in flight are generated twice.  Returns the last pipeline's `tokenmill` counters (None:
     its runner reports none)."""
-    from tokenmill.jobs.lifecycle.direct_runner import worker_died
-
     retries = run.spec.runner.worker_retries
     for attempt in range(retries + 1):
         try:
@@ -380,14 +381,7 @@ def _run_with_retries(run: RunContext) -> dict[str, int] | None:
 
 
 def _run_pipeline(run: RunContext) -> dict[str, int] | None:
-    import apache_beam as beam
-
-    from tokenmill.jobs.lifecycle.direct_runner import watch_sdk_workers
-
     watch_sdk_workers()  # a dead SDK worker fails the pipeline instead of hanging it
-
-    from tokenmill.pipelines.batch import build_pipeline
-
     parts = run.pipeline_parts()
     p = beam.Pipeline(options=pipeline_options(run.spec))
     build_pipeline(p, run.spec, parts)
@@ -401,8 +395,6 @@ def _run_pipeline(run: RunContext) -> dict[str, int] | None:
 
 def _counters(result) -> dict[str, int] | None:
     """The pipeline's `tokenmill` counters, summed over steps (None: the runner reports none)."""
-    from apache_beam.metrics.metric import MetricsFilter
-
     try:
         found = result.metrics().query(MetricsFilter().with_namespace("tokenmill"))["counters"]
     except Exception:  # a runner without metrics (Beam's DaskRunner)
