@@ -30,14 +30,15 @@ def prompt_rows(workload, model_path: str, engine: VllmConfig) -> list[dict[str,
     import pyarrow.parquet as pq
 
     from tokenmill.transforms.counting import LocalEncoder, load_tokenizer
-    from tokenmill.transforms.tokenize import tokenize_record
+    from tokenmill.transforms.tokenize import RecordRules, tokenize_record
     from tokenmill.transforms.validate import validate_row
 
     tok = load_tokenizer(model_path)
     out = []
     for i, row in enumerate(pq.read_table(workload.path).to_pylist()):
         rec = validate_row({**row, "_file_index": 0, "_row": i})
-        t = tokenize_record(LocalEncoder(tok), rec, max_model_len=engine.max_model_len, default_max_tokens=workload.max_tokens)
+        t = tokenize_record(LocalEncoder(tok), rec, RecordRules(max_model_len=engine.max_model_len,
+                                                                default_max_tokens=workload.max_tokens))
         # run-batch's completions schema takes text only: the same tokens, decoded
         # a list, not Tokenize's array("i"): vLLM's msgspec cannot send an array to its engine core
         out.append({"id": t.id, "token_ids": list(t.token_ids), "max_tokens": t.max_tokens,

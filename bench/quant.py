@@ -195,6 +195,7 @@ def main() -> None:
     from tokenmill.jobs.modeltools.compare import compare_jobs
     from tokenmill.jobs.modeltools.gguf import GGUF_SCHEMES
     from tokenmill.jobs.modeltools.quantize import quantize
+    from tokenmill.jobs.modeltools.schemes import CalibrationSet
     from tokenmill.schemas import storage as S
     from tokenmill.schemas.models import quantization_record, resolve_model
     from tokenmill.transforms.engines.checks import cpu_has_avx512
@@ -231,7 +232,7 @@ def main() -> None:
             continue
         kw: dict[str, Any] = {}
         if method != "rtn":
-            kw = dict(calibration=str(calib), samples=args.calibration_samples, max_seq_len=args.calibration_max_seq_len)
+            kw = dict(calibration=CalibrationSet(str(calib), args.calibration_samples, args.calibration_max_seq_len))
         stem = scheme if method == "rtn" else f"{scheme}-{method.replace('+', '-')}"
         gguf = scheme in GGUF_SCHEMES
         out_path = WORK / "models" / (f"{stem}.gguf" if gguf else stem)

@@ -60,10 +60,10 @@ class PipelineParts:
     block_size: int | None = None
     """The engine's KV block size; prefix keys align to it."""
     fingerprint: str | None = None
-    """The engine's identity in the result cache's keys (transforms/cache.job_fingerprint);
+    """The engine's identity in the result cache's keys (`LaunchSide.fingerprint`, transforms/engines/kinds.py);
     None: the job does not use the cache."""
     adapter_hashes: dict[str, str] | None = None
-    """The LoRA adapters' content hashes in those keys (transforms/cache.adapter_hashes)."""
+    """The LoRA adapters' content hashes in those keys (transforms/engines/identity.adapter_hashes)."""
 
 
 def engines_per_host(spec: JobSpec) -> int:

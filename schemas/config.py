@@ -246,7 +246,7 @@ class RunnerConfig(_Strict):
         return v
 
     def resolved_workers(self) -> int:
-        """`num_workers` as a job runs it: `auto` is made a number first (jobs/lifecycle/runner.resolve_workers)."""
+        """`num_workers` as a job runs it: `auto` is made a number first (jobs/lifecycle/preflight.resolve_workers)."""
         if self.num_workers == "auto":
             raise ValueError("runner.num_workers is still 'auto': resolve it (resolve_workers) before the job runs")
         return self.num_workers

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from tokenmill.jobs.metrics import hardware as H
-from tokenmill.jobs.metrics.accounting import CLOCKS, job_metrics, percentile
+from tokenmill.jobs.metrics.accounting import CLOCKS, JobTerms, JobWork, job_metrics, percentile
 from tokenmill.jobs.metrics.catalog import get_path
 from tokenmill.jobs.metrics.pricing import gpu_price, price_table, worker_rate
 from tokenmill.jobs.metrics.report import compare_metrics
@@ -39,7 +39,9 @@ def _metrics(**kw):
         price_per_hour=3.6,
     )
     args.update(kw)
-    return job_metrics(args.pop("rows"), args.pop("batches"), args.pop("workers"), **args)
+    work = JobWork(args.pop("rows"), args.pop("batches"), args.pop("workers"),
+                   failed_by_reason=args.pop("failed_by_reason"), runs=args.pop("runs", ()))
+    return job_metrics(work, JobTerms(**args))
 
 
 def test_percentile_interpolates_like_numpy():

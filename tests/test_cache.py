@@ -24,6 +24,7 @@ from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import SamplingDefaults
 from tokenmill.schemas.records import TokenizedPrompt
 from tokenmill.transforms import cache as C
+from tokenmill.transforms.engines import identity as I
 from tokenmill.transforms.engines.vllm_config import VllmConfig
 
 # ---------------------------------------------------------------- keys
@@ -39,7 +40,7 @@ def test_only_greedy_or_seeded_requests_are_cacheable():
 
 def _fp(**settings):
     base = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto"}
-    return C.fingerprint(kind="vllm", versions={"vllm": "0.1"}, checkpoint="c" * 64, settings={**base, **settings})
+    return I.fingerprint(kind="vllm", versions={"vllm": "0.1"}, checkpoint="c" * 64, settings={**base, **settings})
 
 
 def _key(fp=None, ids=(1, 2, 3), source=None, sample=0, **sampling):
@@ -52,10 +53,10 @@ def test_each_thing_that_decides_an_answer_changes_the_key():
     assert _key() == k and _key(temperature=0) == k  # 0 and 0.0 are one value
     changed = {
         "dtype": _key(fp=_fp(dtype="bfloat16")),
-        "checkpoint": _key(fp=C.fingerprint(kind="vllm", versions={"vllm": "0.1"}, checkpoint="d" * 64,
+        "checkpoint": _key(fp=I.fingerprint(kind="vllm", versions={"vllm": "0.1"}, checkpoint="d" * 64,
                                             settings={"dtype": "float32", "quantization": None,
                                                       "kv_cache_dtype": "auto"})),
-        "engine version": _key(fp=C.fingerprint(kind="vllm", versions={"vllm": "0.2"}, checkpoint="c" * 64,
+        "engine version": _key(fp=I.fingerprint(kind="vllm", versions={"vllm": "0.2"}, checkpoint="c" * 64,
                                                 settings={"dtype": "float32", "quantization": None,
                                                           "kv_cache_dtype": "auto"})),
         "kv dtype": _key(fp=_fp(kv_cache_dtype="fp8")),
@@ -88,10 +89,10 @@ def test_a_rows_samples_have_keys_only_when_deterministic_and_sample_i_is_seeded
 
 def test_the_dtype_the_engine_runs_is_in_the_settings_not_auto():
     cfg = VllmConfig(dtype="auto", max_num_seqs=4)
-    s = C.answer_settings(cfg, "bfloat16")
+    s = I.answer_settings(cfg, "bfloat16")
     assert s["dtype"] == "bfloat16" and "max_num_seqs" not in s  # how fast, not which answer
-    assert C.answer_settings(cfg.model_copy(update={"max_num_seqs": 64}), "bfloat16") == s
-    assert C.answer_settings(cfg, "half")["dtype"] == "float16"  # vLLM's other name, one key
+    assert I.answer_settings(cfg.model_copy(update={"max_num_seqs": 64}), "bfloat16") == s
+    assert I.answer_settings(cfg, "half")["dtype"] == "float16"  # vLLM's other name, one key
 
 
 # ---------------------------------------------------------------- the checkpoint's content hash
@@ -110,17 +111,17 @@ def test_a_checkpoint_is_hashed_once_per_file_version_and_a_changed_weight_file_
                                                                                        monkeypatch):
     monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
     read: list[str] = []
-    real = C._hash_file
-    monkeypatch.setattr(C, "_hash_file", lambda f: read.append(f.name) or real(f))
+    real = I._hash_file
+    monkeypatch.setattr(I, "_hash_file", lambda f: read.append(f.name) or real(f))
     cfg = VllmConfig(model=str(tiny_copy), dtype="float32")
-    first = C.engine_fingerprint(cfg, str(tiny_copy))
+    first = I.engine_fingerprint(cfg, str(tiny_copy))
     assert "model.safetensors" in read and "config.json" in read
     read.clear()
-    assert C.engine_fingerprint(cfg, str(tiny_copy)) == first and read == []  # kept under path + identity
+    assert I.engine_fingerprint(cfg, str(tiny_copy)) == first and read == []  # kept under path + identity
     # the same bytes elsewhere: the same checkpoint (the hash is of the content, not the path)
     other = shutil.copytree(tiny_copy, tmp_path / "elsewhere")
-    assert C.engine_fingerprint(cfg, str(other)) == first
-    assert C.engine_fingerprint(cfg.model_copy(update={"dtype": "bfloat16"}), str(tiny_copy)) != first
+    assert I.engine_fingerprint(cfg, str(other)) == first
+    assert I.engine_fingerprint(cfg.model_copy(update={"dtype": "bfloat16"}), str(tiny_copy)) != first
     # one byte of the weights changed in place, size and mtime put back: it is read again and misses
     w = tiny_copy / "model.safetensors"
     st = w.stat()
@@ -129,7 +130,7 @@ def test_a_checkpoint_is_hashed_once_per_file_version_and_a_changed_weight_file_
     w.write_bytes(bytes(data))
     os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
     read.clear()
-    assert C.engine_fingerprint(cfg, str(tiny_copy)) != first and read == ["model.safetensors"]
+    assert I.engine_fingerprint(cfg, str(tiny_copy)) != first and read == ["model.safetensors"]
 
 
 def test_a_llamacpp_jobs_checkpoint_is_its_gguf_file(tmp_path, monkeypatch):
@@ -139,14 +140,14 @@ def test_a_llamacpp_jobs_checkpoint_is_its_gguf_file(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
     gguf = shutil.copy(bundled_gguf(), tmp_path / "model.gguf")
     cfg = LlamaCppConfig(kind="llamacpp", model=str(gguf))
-    first = C.engine_fingerprint(cfg, "a tokenizer folder, not the weights")
-    assert C.engine_fingerprint(cfg.model_copy(update={"model": "smollm2-135m"}), None) == first  # the same bytes
+    first = I.engine_fingerprint(cfg, "a tokenizer folder, not the weights")
+    assert I.engine_fingerprint(cfg.model_copy(update={"model": "smollm2-135m"}), None) == first  # the same bytes
     with open(gguf, "r+b") as f:
         f.seek(-1, os.SEEK_END)
         last = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 0xFF]))
-    assert C.engine_fingerprint(cfg, None) != first
+    assert I.engine_fingerprint(cfg, None) != first
 
 
 # ---------------------------------------------------------------- serving
@@ -318,8 +319,8 @@ def test_a_new_tune_of_the_same_model_spends_no_engine_time_on_eval_answers_alre
     for budget in (256, 512):  # two spaces: two tune ids, every job a new one; one engine config throughout
         space = tmp_path / f"space{budget}.yaml"
         space.write_text(f"candidates:\n  - {{batching.token_budget: {budget}}}\n")
-        tunes.append(T.tune(spec, sample=4, out=tmp_path / f"tune{budget}", db_url=sqlite_url, space=space,
-                            repeats=2, eval_set=evals).tune_id)
+        tunes.append(T.tune(spec, T.TuneOptions(sample=4, out=tmp_path / f"tune{budget}", db_url=sqlite_url,
+                                                space=space, repeats=2, eval_set=evals)).tune_id)
     jobs = {j["id"]: j for j in S.JobStore(eng).recent(100)}
     first, again = f"tune-{tunes[0]}-ref-eval", f"tune-{tunes[1]}-ref-eval"
     assert _engine_rows(eng, first) == 8 and jobs[first]["metrics"]["cache"]["mode"] == "read-write"

@@ -12,7 +12,7 @@ from tests.conftest import TEST_ENGINE, write_parquet
 from tests.helpers import cli, job_spec, one_error_line
 from tokenmill.jobs.modeltools import calibration as C
 from tokenmill.jobs.modeltools.quantize import LLMC_PYTHON_ENV, quantize
-from tokenmill.jobs.modeltools.schemes import QuantizeError, QuantizeFailed, check_method
+from tokenmill.jobs.modeltools.schemes import CalibrationSet, QuantizeError, QuantizeFailed, check_method
 
 QUESTIONS = ["What is the capital of France?", "Add 2 and 3.", "Name a primary colour.",
              "Explain, in two sentences, why the sky looks blue in daytime but red at sunset.",
@@ -143,7 +143,7 @@ def test_a_failed_calibration_run_leaves_no_model_folder(tmp_path, model_path, m
     from pathlib import Path
 
     with pytest.raises(QuantizeFailed, match=r"llmcompressor gptq failed \(exit 1\): ModuleNotFoundError") as e:
-        quantize(model_path, "w8a8-int8", out, method="gptq", calibration=str(cal), samples=8)
+        quantize(model_path, "w8a8-int8", out, method="gptq", calibration=CalibrationSet(str(cal), samples=8))
     assert not out.exists() and not no_leftovers(out.parent)
     res = cli("quantize", "--model", model_path, "--scheme", "w8a8-int8", "--method", "gptq", "--out", out,
               "--calibration", cal, "--samples", "8")
@@ -178,8 +178,8 @@ def test_smoothquant_gptq_checkpoint_loads_in_vllm_answers_and_is_recorded(tmp_p
         # one thread: on a busy 2-core machine two threads waited on each other at every one of
         # GPTQ's small per-column steps (docs/QUANTIZATION.md, "What calibration costs")
         m.setenv("OMP_NUM_THREADS", "1")
-        res = quantize(model_path, "w8a8-int8", out, method="smoothquant+gptq", calibration=str(inp), samples=8,
-                       max_seq_len=256)
+        res = quantize(model_path, "w8a8-int8", out, method="smoothquant+gptq",
+                       calibration=CalibrationSet(str(inp), samples=8, max_seq_len=256))
     assert res.layers == 30 * 7 and res.run["samples"] == 8 and res.run["peak_rss_bytes"] > 0
     rec = json.loads((out / QUANT_RECORD).read_text())
     assert rec["method"] == "smoothquant+gptq" and rec["calibration"]["input_rows"] == 24

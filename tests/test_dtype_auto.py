@@ -17,8 +17,8 @@ GREEDY = {"float32": [[1, 2, 3]], "bfloat16": [[1, 2, 4]]}
 
 def _decide(ratios, agreement):
     rates = {"float32": [100.0, 100.0], "bfloat16": [100.0 * ratios[0], 100.0 * ratios[1]]}
-    return P.decide("float32", "bfloat16", rates, ratios, agreement, GREEDY, GREEDY["float32"], workload={},
-                    wall_s=1.0)
+    return P.decide("float32", "bfloat16", P.Measured(rates, ratios, agreement, GREEDY, GREEDY["float32"]),
+                    workload={}, wall_s=1.0)
 
 
 def test_the_faster_dtype_wins_when_both_rounds_agree_beyond_the_tie():
@@ -149,6 +149,6 @@ def test_the_probe_times_both_dtypes_in_the_real_engine_and_float32_agrees_with_
     assert q["agreement_with_float32"]["float32"] == 1.0 and q["greedy_answers_identical_to_float32"]["float32"] == 8
     assert 0.0 <= q["agreement_with_float32"]["bfloat16"] <= 1.0
     # the choice follows from the figures by the documented rule
-    again = P.decide("float32", "bfloat16", rounds, res["ratio"]["rounds"], q["agreement_with_float32"],
-                     {"float32": [], "bfloat16": []}, [], workload={}, wall_s=0.0)
+    again = P.decide("float32", "bfloat16", P.Measured(rounds, res["ratio"]["rounds"], q["agreement_with_float32"],
+                                                       {"float32": [], "bfloat16": []}, []), workload={}, wall_s=0.0)
     assert again["choice"] == res["choice"]

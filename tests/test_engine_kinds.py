@@ -152,3 +152,42 @@ def test_top_k_reaches_the_llamacpp_request():
             assert server.bodies[-1]["top_k"] == 3 and server.bodies[-1]["model"] == "test-model"
         finally:
             s.client.shutdown()
+
+
+def test_a_launch_side_asks_its_engine_and_a_stand_in_leases_measures_and_keys_nothing(monkeypatch):
+    from tokenmill.schemas.config import RunnerConfig
+    from tokenmill.transforms.engines.vllm_config import VllmConfig
+
+    class Hooks:
+        """An engine kind's launcher hooks, recording what the launch side asks."""
+
+        def __init__(self):
+            self.asked: list[str] = []
+
+        def devices_per_engine(self, cfg):
+            self.asked.append("devices")
+            return 2
+
+        def prepare_launcher(self, cfg, model_path, say):
+            self.asked.append(f"prepare {model_path}")
+            say("measured")
+
+    monkeypatch.setenv("TOKENMILL_FORCE_CPU", "1")
+    cfg = VllmConfig(model="m", dtype="auto")
+    real, stand_in = Hooks(), Hooks()
+    told: list[str] = []
+    # no GPU here: `auto` is one engine; a number stays as given (None: nothing to change)
+    assert kinds.LaunchSide(real, cfg).workers(RunnerConfig(num_workers="auto")) == 1
+    assert kinds.LaunchSide(real, cfg).workers(RunnerConfig(num_workers=3)) is None
+    kinds.LaunchSide(real, cfg).prepare("/models/m", told.append)
+    kinds.LaunchSide(stand_in, cfg, stand_in=True).workers(RunnerConfig(num_workers="auto"))
+    kinds.LaunchSide(stand_in, cfg, stand_in=True).prepare("/models/m", told.append)
+    assert real.asked == ["devices", "devices", "prepare /models/m"] and told == ["measured"]
+    assert stand_in.asked == []  # a test double leases no device and measures nothing
+    with pytest.raises(kinds.WorkersRefused, match="with runner DaskRunner, give the number of workers"):
+        kinds.LaunchSide(real, cfg).workers(RunnerConfig(runner="DaskRunner", num_workers="auto"))
+    # the cache's keys: none with cache off, no adapter hashes without adapters
+    side = kinds.engine_of("vllm").launch_side(cfg)
+    assert isinstance(side, kinds.LaunchSide) and side.cfg is cfg and not side.stand_in
+    assert side.fingerprint("off", "/models/m") is None and side.adapter_hashes("read-write") is None
+    assert side.block_size(on_gpu=True) == 16 and side.block_size(on_gpu=False) == 128

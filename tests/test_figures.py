@@ -12,7 +12,7 @@ from tests.helpers import job_spec
 from tokenmill.jobs.cli import run as RUN
 from tokenmill.jobs.lifecycle.runner import JobResult, run_job
 from tokenmill.jobs.metrics import report as R
-from tokenmill.jobs.metrics.accounting import job_metrics
+from tokenmill.jobs.metrics.accounting import JobTerms, JobWork, job_metrics
 from tokenmill.jobs.metrics.catalog import BY_NAME, FIGURES, VIEWS, shown_in, values
 from tokenmill.schemas import storage as S
 
@@ -74,9 +74,10 @@ def _metrics():
             {"run_id": "r2", "started_at": 180.0, "finished_at": 230.0}]
     util = {"peak_process_tree_rss_bytes": 9_000_000_000, "cpu_util_pct_mean": 55.5, "cpu_util_pct_max": 99.0,
             "samples": 10, "gpus": None}
-    return job_metrics(rows, batches, workers, total=8, failed_by_reason={"empty_prompt": 1, "prompt_too_long": 1},
-                       engine_config={"max_num_seqs": 32}, token_budget=4096, price_per_hour=3.6, job_wall_s=150.0,
-                       utilization=util, runs=runs, hardware={"device_type": "cpu", "cpu_count": 8})
+    return job_metrics(JobWork(rows, batches, workers, failed_by_reason={"empty_prompt": 1, "prompt_too_long": 1},
+                               runs=runs),
+                       JobTerms(total=8, engine_config={"max_num_seqs": 32}, token_budget=4096, price_per_hour=3.6,
+                                job_wall_s=150.0, utilization=util, hardware={"device_type": "cpu", "cpu_count": 8}))
 
 
 def _data(jid, m):

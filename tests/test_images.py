@@ -209,14 +209,14 @@ def test_image_rows_sharing_a_system_prompt_share_a_prefix_key_and_their_images_
     from tokenmill.schemas.config import SamplingDefaults
     from tokenmill.transforms.cache import prompt_keys
     from tokenmill.transforms.counting import LocalEncoder, load_tokenizer
-    from tokenmill.transforms.tokenize import prompt_record
+    from tokenmill.transforms.tokenize import RecordRules, prompt_record
 
     enc = LocalEncoder(load_tokenizer(str(vlm)))
     recs = [validate_row(_row(_data_uri(_png(c))), images=RULES) for c in ((255, 0, 0), (0, 255, 0))]
     other = validate_row({**_row(_data_uri(_png())), "messages": json.dumps(
         [{"role": "system", "content": "Something else entirely. " * 40}, {"role": "user", "content": QUESTION}])},
         images=RULES)
-    toks = [prompt_record(r, ids, max_model_len=1024, default_max_tokens=4, block_size=128)
+    toks = [prompt_record(r, ids, RecordRules(max_model_len=1024, default_max_tokens=4, block_size=128))
             for r, ids in zip([*recs, other], enc.encode_many([*recs, other]))]
     red, green, text = toks
     assert red.prefix_key == green.prefix_key != text.prefix_key
@@ -229,16 +229,18 @@ def test_image_rows_sharing_a_system_prompt_share_a_prefix_key_and_their_images_
 def test_an_images_tokens_count_in_the_budget_and_the_length_check_as_the_engine_makes_them(vlm, model_path):
     from tokenmill.transforms.counting import LocalEncoder, load_tokenizer
     from tokenmill.transforms.images import ImageTokens
-    from tokenmill.transforms.tokenize import prompt_record
+    from tokenmill.transforms.tokenize import RecordRules, prompt_record
 
     rec = validate_row(_row(_data_uri(_png(size=(40, 20)))), images=RULES)
     ids = LocalEncoder(load_tokenizer(str(vlm))).encode_many([rec])[0]
     extra = ImageTokens(str(vlm)).extra(rec.images)
     assert extra == IMAGE_TOKENS - 1  # the engine's 19 in place of the one placeholder
     assert ImageTokens(model_path).extra(rec.images) == 0  # a text model's folder: no processor that counts
-    fits = prompt_record(rec, ids, max_model_len=len(ids) + extra + 4, default_max_tokens=4, image_tokens=extra)
+    fits = prompt_record(rec, ids, RecordRules(max_model_len=len(ids) + extra + 4, default_max_tokens=4),
+                         image_tokens=extra)
     assert fits.budget_tokens == len(ids) + extra + 4
-    over = prompt_record(rec, ids, max_model_len=len(ids) + extra + 3, default_max_tokens=4, image_tokens=extra)
+    over = prompt_record(rec, ids, RecordRules(max_model_len=len(ids) + extra + 3, default_max_tokens=4),
+                         image_tokens=extra)
     assert over.reason == R.PROMPT_TOO_LONG and f"prompt has {len(ids) + extra} tokens" in over.message
 
 

@@ -15,7 +15,7 @@ from tests.fakes import FakeSession
 from tests.helpers import job_spec
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.jobs.metrics import pricing as P
-from tokenmill.jobs.metrics.accounting import job_metrics
+from tokenmill.jobs.metrics.accounting import JobTerms, JobWork, job_metrics
 from tokenmill.jobs.metrics.report import format_report, load_report, render_html
 from tokenmill.schemas import storage as S
 
@@ -92,8 +92,8 @@ def test_a_user_file_price_names_the_file_and_its_date_and_the_job_spec_wins_ove
 
 def test_job_cost_names_each_workers_prices_and_lists_them_once():
     workers = [{"worker": f"h:{i}", "run_id": "r", "started_at": 0.0, "updated_at": 3600.0, **GPU} for i in (1, 2)]
-    m = job_metrics([], [], workers, total=0, failed_by_reason={}, engine_config={}, token_budget=None,
-                    price_per_hour=None, prices=P.price_table({"h100": 2.5}))
+    m = job_metrics(JobWork([], [], workers), JobTerms(total=0, engine_config={}, token_budget=None,
+                                                        price_per_hour=None, prices=P.price_table({"h100": 2.5})))
     cost = m["cost"]
     assert [w["prices"][0]["origin"] for w in cost["workers"]] == ["job spec", "job spec"]
     assert cost["prices_used"] == [{"key": "h100", "usd_per_hour": 2.5, "per": "GPU-hour", "origin": "job spec",

@@ -403,7 +403,7 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     kw = dict(sample=16, out=out, db_url=sqlite_url, space=space, session_factory=PacedFake, eval_set=evals)
 
     # a budget spent by the first run: the tune stops inside its first rung, deciding nothing
-    first = T.tune(spec, budget_minutes=1e-6, **kw)
+    first = T.tune(spec, T.TuneOptions(budget_minutes=1e-6, **kw))
     assert first.log.stopped and first.recommendation.startswith("No recommendation")
     eng = S.connect(sqlite_url)
     ran = [j["id"] for j in S.JobStore(eng).recent(100)]
@@ -423,10 +423,10 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(runner, "run_job", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            T.tune(spec, **kw)
+            T.tune(spec, T.TuneOptions(**kw))
     assert len(S.JobStore(eng).recent(100)) == 3
 
-    res = T.tune(spec, **kw)
+    res = T.tune(spec, T.TuneOptions(**kw))
     assert res.tune_id == first.tune_id and res.log.sizes == [8, 16] and res.log.stopped is None
     rows = {r["label"]: r for r in res.table}
     assert rows["model=no-such-model"]["outcome"].startswith("rejected: unknown model 'no-such-model'")
@@ -469,7 +469,7 @@ def test_fake_tune_drops_the_gate_failures_picks_the_cheapest_and_resumes(tmp_pa
     assert_the_tuner_kept_its_promise(res)
 
     # the same arguments again: everything is read back
-    again = T.tune(spec, **kw)
+    again = T.tune(spec, T.TuneOptions(**kw))
     assert again.log.verdict.winner == res.log.verdict.winner
     assert all(len(S.JobStore(eng).runs(j)) == 1 for j in jobs) and len(S.JobStore(eng).recent(100)) == len(jobs)
 
@@ -547,8 +547,8 @@ def test_real_tune_over_two_dtypes(tmp_path, sqlite_url, model_path):
     # the default gate on the first 8 questions of the bundled eval set (accuracy with references)
     evals = tmp_path / "eval.parquet"
     pq.write_table(pq.read_table(T.EVAL_SET).slice(0, 8), evals)
-    res = T.tune(spec, sample=8, out=tmp_path / "tune", db_url=sqlite_url, space=space, budget_minutes=30,
-                 eval_set=evals)
+    res = T.tune(spec, T.TuneOptions(sample=8, out=tmp_path / "tune", db_url=sqlite_url, space=space,
+                                     budget_minutes=30, eval_set=evals))
     table = {r["label"]: r for r in res.table}
     # float32 × 32 is the spec as given (TEST_ENGINE): one candidate beside it, so one rung of all 8 rows
     assert set(table) == {"spec as given", "dtype=bfloat16 max_num_seqs=32"}

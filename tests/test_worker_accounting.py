@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.fakes import FakeNvmlHost, FakeSession
-from tokenmill.jobs.metrics.accounting import job_metrics, run_figures
+from tokenmill.jobs.metrics.accounting import JobTerms, JobWork, job_metrics, run_figures
 from tokenmill.jobs.metrics.pricing import price_table
 from tokenmill.schemas import storage as S
 from tokenmill.transforms.engines.meter import WorkerMeter, bound_cpu_count, engine_device_count
@@ -67,8 +67,8 @@ def test_a_gpu_worker_whose_nvml_cannot_be_read_says_so_and_stays_a_gpu_worker(c
     assert r["nvml_error"].startswith("NVML cannot be read (RuntimeError: NVML_ERROR_DRIVER_NOT_LOADED")
     assert len([x for x in caplog.records if "NVML cannot be read" in x.getMessage()]) == 1
     assert "\n" not in caplog.records[0].getMessage()
-    m = job_metrics([], [], [{"worker": "h:1", "run_id": "r", **r}], total=0, failed_by_reason={},
-                    engine_config={}, token_budget=None, price_per_hour=None, prices=price_table())
+    m = job_metrics(JobWork([], [], [{"worker": "h:1", "run_id": "r", **r}]),
+                    JobTerms(total=0, engine_config={}, token_budget=None, price_per_hour=None, prices=price_table()))
     (w,) = m["cost"]["workers"]
     assert w["usd_per_hour"] == pytest.approx(2 * 2.99)  # priced as GPUs (H100 fallback), never as CPU
     assert "GPU model unknown" in w["source"]
@@ -114,8 +114,9 @@ def test_a_pool_of_gpu_workers_is_priced_per_worker_and_summed(monkeypatch):
     ]
     runs = [{"run_id": "r1", "started_at": -20.0, "seen_at": 70.0, "finished_at": 70.0}]
     rows = [{"prompt_tokens": 10, "output_tokens": 100, "cached_tokens": 0} for _ in range(10)]
-    m = job_metrics(rows, batches, workers, total=10, failed_by_reason={}, engine_config={}, token_budget=None,
-                    price_per_hour=None, prices=price_table({"cpu_gib": 0.0}), runs=runs)
+    m = job_metrics(JobWork(rows, batches, workers, failed_by_reason={}, runs=runs),
+                    JobTerms(total=10, engine_config={}, token_budget=None, price_per_hour=None,
+                             prices=price_table({"cpu_gib": 0.0})))
     d = m["devices"]
     assert [g["index"] for w in workers[:2] for g in w["measure"]["gpus"]] == [0, 1]  # not GPU 0 twice
     assert d["gpus"] == 2 and d["gpu_models"] == ["NVIDIA L4"] and d["vcpus"] == 2
@@ -153,8 +154,8 @@ def test_a_resumed_job_counts_each_runs_active_window_not_the_downtime_between()
     assert [(r["run_id"], r["generation_wall_s"], r["output_tokens"], r["model_load_s"], r["held_s"], r["finished"])
             for r in per] == [("aaa111", 20.0, 80, 15.0, 55.0, False), ("bbb222", 20.0, 80, 25.0, 60.0, True)]
     rows = [{"prompt_tokens": 1, "output_tokens": 10, "cached_tokens": 0} for _ in range(16)]
-    m = job_metrics(rows, batches, workers, total=16, failed_by_reason={}, engine_config={}, token_budget=None,
-                    price_per_hour=3.6, runs=runs)
+    m = job_metrics(JobWork(rows, batches, workers, failed_by_reason={}, runs=runs),
+                    JobTerms(total=16, engine_config={}, token_budget=None, price_per_hour=3.6))
     th = m["throughput"]
     assert th["generation_wall_s"] == 40.0  # not 1050 - 100
     assert th["output_tok_per_s"] == pytest.approx(160 / 40.0)
@@ -176,11 +177,12 @@ def test_a_run_of_two_passes_counts_each_passs_window_and_both_engines_loads():
                {"worker": "h:1/embed", "run_id": "aaa111", "load_s": 12.0, "engine_info": {"task": "embed"}}]
     (run,) = run_figures(batches, workers, [{"run_id": "aaa111", "started_at": 70.0, "finished_at": 130.0}])
     assert (run["generation_wall_s"], run["model_load_s"], run["requests"]) == (15.0, 32.0, 10)
-    m = job_metrics([{"prompt_tokens": 1, "output_tokens": 10, "cached_tokens": 0}] * 4, batches, workers, total=10,
-                    failed_by_reason={}, engine_config={"task": "embed"}, token_budget=None, price_per_hour=3.6)
+    m = job_metrics(JobWork([{"prompt_tokens": 1, "output_tokens": 10, "cached_tokens": 0}] * 4, batches, workers),
+                    JobTerms(total=10, engine_config={"task": "embed"}, token_budget=None, price_per_hour=3.6))
     assert m["engine"]["task"] == "generate+embed"
-    assert job_metrics([], batches[:1], workers[:1], total=4, failed_by_reason={}, engine_config={"task": "embed"},
-                       token_budget=None, price_per_hour=3.6)["engine"]["task"] == "generate"  # what ran, not the config
+    assert job_metrics(JobWork([], batches[:1], workers[:1]), JobTerms(
+        total=4, engine_config={"task": "embed"}, token_budget=None, price_per_hour=3.6,
+    ))["engine"]["task"] == "generate"  # what ran, not the config
 
 
 def test_the_worker_row_carries_what_the_worker_measured(sqlite_url, monkeypatch):

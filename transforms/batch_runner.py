@@ -54,9 +54,9 @@ class GenerateConfig:
     cache: str = "off"
     """The job's `cache` mode: with `read-write` each deterministic answer is stored (transforms/cache.py)."""
     fingerprint: str | None = None
-    """The engine's identity in the result cache's keys (the launcher's `cache.job_fingerprint`)."""
+    """The engine's identity in the result cache's keys (the launcher's `LaunchSide.fingerprint`)."""
     adapter_hashes: dict[str, str] | None = None
-    """The LoRA adapters' content hashes in those keys (`cache.adapter_hashes`)."""
+    """The LoRA adapters' content hashes in those keys (`engines/identity.adapter_hashes`)."""
 
 
 class BatchTimeout(RuntimeError):

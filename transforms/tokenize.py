@@ -14,8 +14,8 @@ import hashlib
 import os
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Sequence
 
 import apache_beam as beam
 
@@ -40,27 +40,36 @@ def prefix_key(token_ids, block_size: int = DEFAULT_BLOCK_SIZE, blocks: int = 4)
     return hashlib.blake2b(head if isinstance(head, array) else array("i", head), digest_size=8).hexdigest()
 
 
-def tokenize_record(encoder: Encoder, rec: PromptRecord, **kw: Any) -> TokenizedPrompt | FailedRecord:
-    """One row: its prompt encoded, then `prompt_record` with the same keywords."""
-    return prompt_record(rec, encode_each(encoder, [rec])[0], **kw)
+@dataclass(frozen=True)
+class RecordRules:
+    """How a row's encoded prompt becomes the record the engine gets (`prompt_record`)."""
+
+    max_model_len: int
+    default_max_tokens: int
+    """A row's `max_tokens` where its sampling gives none."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """The engine's KV block size: the prefix key aligns to it."""
+    prefix_blocks: int = 4
+    """Blocks of the prompt's head in its prefix key."""
+    keep_source: bool = False
+    """Keep the prompt's text or messages on the record (an engine that takes text)."""
+    default_samples: int = 1
+    """A row's samples where its sampling gives no `n`."""
 
 
-def prompt_record(
-    rec: PromptRecord,
-    ids: Sequence[int] | Exception,
-    *,
-    max_model_len: int,
-    default_max_tokens: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    prefix_blocks: int = 4,
-    keep_source: bool = False,
-    default_samples: int = 1,
-    image_tokens: int = 0,
-) -> TokenizedPrompt | FailedRecord:
+def tokenize_record(encoder: Encoder, rec: PromptRecord, rules: RecordRules) -> TokenizedPrompt | FailedRecord:
+    """One row: its prompt encoded, then `prompt_record` by the same rules."""
+    return prompt_record(rec, encode_each(encoder, [rec])[0], rules)
+
+
+def prompt_record(rec: PromptRecord, ids: Sequence[int] | Exception, rules: RecordRules, *,
+                  image_tokens: int = 0) -> TokenizedPrompt | FailedRecord:
     """A row with its encoded prompt (`ids`, or the exception encoding it raised) → the record
     the engine gets, or its dead letter (the counter refused it, its template failed, it is
     longer than the model takes); `image_tokens`: what its images add beyond their placeholders
     (`images.ImageTokens`)."""
+    max_model_len, block_size, prefix_blocks = rules.max_model_len, rules.block_size, rules.prefix_blocks
+    default_max_tokens, keep_source, default_samples = rules.default_max_tokens, rules.keep_source, rules.default_samples
     max_tokens = rec.sampling.get("max_tokens", default_max_tokens)
     if isinstance(ids, CountRefused):
         return FailedRecord(rec.input_file, rec.input_row, rec.id, R.BAD_REQUEST, first_line(ids))
@@ -105,14 +114,8 @@ class TokenizeFn(MapRows):
     def __init__(self, counter: TokenCounter, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
                  keep_source: bool = False, default_samples: int = 1):
         self._counter = counter
-        self._kw: dict[str, Any] = dict(
-            max_model_len=max_model_len,
-            default_max_tokens=default_max_tokens,
-            block_size=block_size,
-            prefix_blocks=prefix_blocks,
-            keep_source=keep_source,
-            default_samples=default_samples,
-        )
+        self._rules = RecordRules(max_model_len, default_max_tokens, block_size, prefix_blocks, keep_source,
+                                  default_samples)
         self._encoder: Encoder | None = None
         self._images: ImageTokens | None = None
         self._encoding: tuple[Chunk, Future] | None = None
@@ -147,8 +150,8 @@ class TokenizeFn(MapRows):
     def _records(self, chunk: Chunk, encoding: Future):
         encoded = encoding.result()  # a counter that fails (a server that does not answer) fails the step here
         extra = self._images.extra if self._images else lambda images: 0
-        return self.emit(chunk, (prompt_record(rec, ids, image_tokens=extra(rec.images) if rec.images else 0,
-                                               **self._kw) for rec, ids in zip(chunk.items, encoded)))
+        return self.emit(chunk, (prompt_record(rec, ids, self._rules, image_tokens=extra(rec.images) if rec.images else 0)
+                                 for rec, ids in zip(chunk.items, encoded)))
 
 
 @functools.cache

@@ -66,11 +66,11 @@ def quantize(model, scheme, method, out, group_size, calibration, samples, max_s
           --calibration nightly-2026-11-30 --out models/smollm2-q4_k_m-imat.gguf
     """
     from tokenmill.jobs.modeltools.quantize import quantize as do_quantize
-    from tokenmill.jobs.modeltools.schemes import QuantizeError
+    from tokenmill.jobs.modeltools.schemes import CalibrationSet, QuantizeError
 
     try:
-        res = do_quantize(model, scheme, out, group_size=group_size, method=method, calibration=calibration,
-                          samples=samples, max_seq_len=max_seq_len, db_url=db_url, force=force)
+        res = do_quantize(model, scheme, out, group_size=group_size, method=method,
+                          calibration=CalibrationSet(calibration, samples, max_seq_len), db_url=db_url, force=force)
     except QuantizeError as err:
         raise Failure(str(err), EXIT_USAGE if err.exit_usage else EXIT_FAILED) from None
     d = res.as_dict()

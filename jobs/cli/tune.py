@@ -45,7 +45,7 @@ def tune(spec_file, sample, out, gate, budget_minutes, space, repeats, seed, eva
       tokenmill tune job.yaml --sample 64 --out tune/ --budget-minutes 20
       tokenmill run tune/winner.yaml
     """
-    from tokenmill.jobs.modeltools.tune import TuneError, format_table
+    from tokenmill.jobs.modeltools.tune import TuneError, TuneOptions, format_table
     from tokenmill.jobs.modeltools.tune import tune as do_tune
     from tokenmill.schemas.config import SpecError, read_spec_file
 
@@ -55,8 +55,8 @@ def tune(spec_file, sample, out, gate, budget_minutes, space, repeats, seed, eva
         raise Failure(str(err), EXIT_USAGE) from None
     echo = (lambda line: None) if as_json else (lambda line: click.echo(line, err=True))
     try:
-        res = do_tune(data, sample=sample, out=out, db_url=db_url, gate=gate, budget_minutes=budget_minutes,
-                      space=space, repeats=repeats, seed=seed, eval_set=eval_set, echo=echo)
+        res = do_tune(data, TuneOptions(sample=sample, out=out, db_url=db_url, gate=gate, budget_minutes=budget_minutes,
+                                        space=space, repeats=repeats, seed=seed, eval_set=eval_set, echo=echo))
     except TuneError as err:
         raise Failure(str(err), EXIT_USAGE) from None
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +24,7 @@ from tokenmill.jobs.estimate.measure import (
 )
 from tokenmill.jobs.estimate.profile import InputProfile, profile_input
 from tokenmill.jobs.estimate.sample import FILL_TOKENS, SampleError, default_sample_rows, draw, write_sample
-from tokenmill.jobs.lifecycle.runner import JobError
+from tokenmill.jobs.lifecycle.errors import JobError
 
 #: What the sample job's id adds to the job's (job ids allow letters, digits, `._:-`).
 SAMPLE_SUFFIX = ":estimate"
@@ -83,8 +84,7 @@ def estimate_job(spec, *, db_url: str | None = None, sample: int | None = None,
                   stage: Callable[[str], None] | None = None, seed: int = 0) -> dict[str, Any]:
     """Estimate `spec`'s job (see the package docstring), store it under the job's id
     (`EstimateStore`) and return it; EstimateError (one line) when it cannot be made."""
-    from tokenmill.jobs.lifecycle.preflight import preflight
-    from tokenmill.jobs.lifecycle.runner import resolve_workers
+    from tokenmill.jobs.lifecycle.preflight import preflight, resolve_workers
     from tokenmill.schemas import storage as S
     from tokenmill.schemas.db import default_db_url
     from tokenmill.transforms.counting import TokenCounter
@@ -137,8 +137,8 @@ def estimate_job(spec, *, db_url: str | None = None, sample: int | None = None,
     from tokenmill.jobs.lifecycle.jobrow import hardware
 
     history = fixed_history(S.JobStore(eng).recent(HISTORY_JOBS), spec.engine.kind, spec.engine.model, hardware())
-    est = assemble(spec, prof, band, picks, rows, reader.batches(sid), reader.workers(sid), job["metrics"],
-                   block=block, first_unit_rows=_first_unit_rows(spec, pf.plan), sample_id=sid, seed=seed,
+    sample_run = SampleRun(sid, picks, band, rows, reader.batches(sid), reader.workers(sid), job["metrics"])
+    est = assemble(spec, prof, sample_run, block=block, first_unit_rows=_first_unit_rows(spec, pf.plan), seed=seed,
                    history=history)
     S.EstimateStore(eng).add(job_id, est, sample_rows=len(picks), total_rows=prof.total_rows,
                              created_at=est["made_at"])
@@ -227,10 +227,26 @@ def _job_requests(spec, prof: InputProfile, band: np.ndarray, block: int, slots:
                       scale=prof.scale * len(order) / len(keep))
 
 
-def assemble(spec, prof: InputProfile, band, picks, rows, batches, workers, metrics, *, block: int,
-             first_unit_rows: int, sample_id: str, seed: int = 0, history: list[float] | None = None
-             ) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SampleRun:
+    """The estimate's sample job, as `assemble` measures it."""
+
+    job_id: str
+    picks: np.ndarray
+    """The usable rows it ran (indices into the profile's)."""
+    band: np.ndarray
+    """Every usable row's prompt-length band (`sample.draw`)."""
+    rows: list[dict[str, Any]]
+    """Its answered rows' `measure.COLUMNS`."""
+    batches: list[dict[str, Any]]
+    workers: list[dict[str, Any]]
+    metrics: dict[str, Any]
+
+
+def assemble(spec, prof: InputProfile, sample: SampleRun, *, block: int, first_unit_rows: int, seed: int = 0,
+             history: list[float] | None = None) -> dict[str, Any]:
     """The estimate's JSON from the profile and the sample job's rows and metrics."""
+    band, picks, metrics, sample_id = sample.band, sample.picks, sample.metrics, sample.job_id
     from tokenmill.jobs.lifecycle.jobrow import hardware
     from tokenmill.transforms.engines.kinds import engine_of
     from tokenmill.transforms.engines.kv import JobTokens
@@ -238,7 +254,8 @@ def assemble(spec, prof: InputProfile, band, picks, rows, batches, workers, metr
     kind = engine_of(spec.engine.kind)
     slots = slots_of(spec.engine)
     gen_wall = float((metrics.get("throughput") or {}).get("generation_wall_s") or 0.0)
-    obs, meas = observe(rows, batches, picks=picks, band=band, max_tokens=prof.max_tokens, wall_s=gen_wall,
+    obs, meas = observe(sample.rows, sample.batches, picks=picks, band=band, max_tokens=prof.max_tokens,
+                        wall_s=gen_wall,
                         cache_measured=kind.measures_prefix_cache)
     job = _job_requests(spec, prof, band, block, slots, seed)
     engine = P.Engine(slots=slots, max_batches=spec.batching.max_inflight_batches,
@@ -253,7 +270,7 @@ def assemble(spec, prof: InputProfile, band, picks, rows, batches, workers, metr
     per_s = prof.seconds / max(1, prof.read_rows)
     fixed = fixed_part(metrics, max(0, min(first_unit_rows, prof.usable) - len(picks)) * per_s)
     first = slice(0, min(first_unit_rows, prof.usable))
-    price, price_how = job_price(workers, spec, JobTokens.of(prof.budget_tokens()[first].tolist()), block,
+    price, price_how = job_price(sample.workers, spec, JobTokens.of(prof.budget_tokens()[first].tolist()), block,
                                  hardware())
     fixed_lo, fixed_hi, fixed_how = fixed_interval(fixed.fixed_s, history or [])
     held = P.held_figure(gen, fixed.fixed_s, fixed_lo, fixed_hi, fixed_how)

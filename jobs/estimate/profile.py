@@ -94,11 +94,12 @@ class Profiler:
     def __init__(self, encoder, *, max_model_len: int, default_max_tokens: int, block_size: int,
                  prefix_blocks: int, default_samples: int, reference_column: str | None = None,
                  adapters: Collection[str] = ()):
+        from tokenmill.transforms.tokenize import RecordRules  # Beam's: imported when a profile is made
+
         self.encoder, self.block_size, self.reference_column = encoder, block_size, reference_column
         self.adapters = frozenset(adapters)
-        self.kw: dict[str, Any] = dict(max_model_len=max_model_len, default_max_tokens=default_max_tokens,
-                                       block_size=block_size, prefix_blocks=prefix_blocks,
-                                       default_samples=default_samples)
+        self.rules = RecordRules(max_model_len=max_model_len, default_max_tokens=default_max_tokens,
+                                 block_size=block_size, prefix_blocks=prefix_blocks, default_samples=default_samples)
         self.cols: dict[str, list] = {k: [] for k in ("file_index", "row", "prompt", "max_tokens", "samples")}
         self.blocks: list[tuple[int, ...]] = []
         self.keys: list[str] = []
@@ -118,7 +119,7 @@ class Profiler:
             rec = FailedRecord(valid.input_file, valid.input_row, valid.id, DUPLICATE_ID, "")
         else:
             self.ids.add(valid.id)
-            rec = tokenize_record(self.encoder, valid, **self.kw)
+            rec = tokenize_record(self.encoder, valid, self.rules)
         if isinstance(rec, FailedRecord):
             self.dead[rec.reason] = self.dead.get(rec.reason, 0) + 1
             return

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tokenmill.jobs.estimate import make_estimate
+from tokenmill.jobs.metrics.runs import run_end
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import JobSpec
 
@@ -49,8 +51,6 @@ def capped(spec: JobSpec) -> bool:
 def held_seconds(runs: list[dict[str, Any]], now: float | None = None, current: str | None = None) -> float:
     """Seconds the job's runs held their devices: each run from its start to its finish, or
     to its last heartbeat for a run that was killed; the run `current` up to `now`."""
-    from tokenmill.jobs.metrics.accounting import run_end
-
     now = time.time() if now is None else now
     total = 0.0
     for r in runs:
@@ -136,8 +136,6 @@ def before_start(spec: JobSpec, job_id: str, eng, db_url: str, total_rows: int, 
     elif stored_only:
         raise CapError(f"job {job_id} has a cap (max_cost/max_hours) and no estimate: run tokenmill estimate first")
     else:
-        from tokenmill.jobs.estimate import make_estimate
-
         say("estimating the job's cost and time for its cap (tokenmill estimate: a sample of its rows)")
         estimate = make_estimate(spec.model_copy(update={"max_cost": None, "max_hours": None}), db_url=db_url,
                                  stage=say)

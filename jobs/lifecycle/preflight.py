@@ -20,11 +20,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Collection
 
+from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.db import default_db_url
 from tokenmill.schemas.model_sync import is_model_url
 from tokenmill.transforms.engines.device import has_nvidia_gpu
-from tokenmill.transforms.engines.kinds import engine_of, kinds
+from tokenmill.transforms.engines.kinds import WorkersRefused, engine_of, kinds
 from tokenmill.transforms.images import image_rules
 
 
@@ -69,6 +70,17 @@ DASK_CONNECT_TIMEOUT_S = 10
 def is_dask(spec: JobSpec) -> bool:
     # The exact name, as pipelines/batch.py's LOCAL_RUNNERS (engines per host) reads it.
     return spec.runner.runner == "DaskRunner"
+
+
+def resolve_workers(spec: JobSpec, *, fake_engine: bool = False, here: bool = True) -> JobSpec:
+    """The spec with `runner.num_workers` a number for this host (a copy when it was `auto`:
+    `LaunchSide.workers`); JobError (one line) when this host cannot run that many engines.
+    `here`: the job runs on this host (not `submit`); `fake_engine`: a test double."""
+    try:
+        n = engine_of(spec.engine.kind).launch_side(spec.engine, stand_in=fake_engine).workers(spec.runner, here=here)
+    except WorkersRefused as err:
+        raise JobError(str(err)) from None
+    return spec if n is None else spec.model_copy(update={"runner": spec.runner.model_copy(update={"num_workers": n})})
 
 
 def _has_flag(flags: list[str], *names: str) -> bool:
@@ -362,9 +374,8 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
     `db_url`: the job's database (default: the spec's `db`, else the default URL)."""
     from apache_beam.io.filesystems import FileSystems
 
-    from tokenmill.jobs.lifecycle.runner import JobError, resolve_workers
-    from tokenmill.transforms.inputs import use_options
-    from tokenmill.transforms.read import InputError, check_bucket, plan_input
+    from tokenmill.transforms.inputs import InputError, check_bucket, use_options
+    from tokenmill.transforms.planning import plan_input
 
     workers_problem = None
     if spec.runner.num_workers == "auto":  # a caller that did not resolve it (tune): counted here, as run does

@@ -8,33 +8,38 @@ input costs seconds, not an engine start.
 from __future__ import annotations
 
 import logging
-import platform
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, cast
+
+import apache_beam as beam
+from apache_beam.metrics.metric import MetricsFilter
 
 from tokenmill.jobs.lifecycle.caps import CapError, CapWatch, before_start, capped
+from tokenmill.jobs.lifecycle.direct_runner import watch_sdk_workers, worker_died
+from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.jobs.lifecycle.export import finished_export, write_marker
 from tokenmill.jobs.lifecycle.jobrow import hardware, job_values, versions
-from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight
+from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight, resolve_workers
 from tokenmill.jobs.lifecycle.reconcile import mismatch_note
 from tokenmill.jobs.lifecycle.sinks import export_job
+from tokenmill.jobs.metrics.accounting import JobTerms
 from tokenmill.jobs.metrics.catalog import values
+from tokenmill.jobs.metrics.figures import stored_metrics
+from tokenmill.jobs.metrics.hardware import UtilizationSampler
+from tokenmill.pipelines.batch import PipelineParts, build_pipeline
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.db import default_db_url
 from tokenmill.schemas.errors import first_line
-from tokenmill.transforms.engines.kinds import engine_of
+from tokenmill.transforms.counting import TokenCounter
+from tokenmill.transforms.engines.kinds import LaunchSide, engine_of
 from tokenmill.transforms.engines.protocol import EngineStartError
 from tokenmill.transforms.spill import remove_job_spill
 
 log = logging.getLogger(__name__)
-
-
-class JobError(RuntimeError):
-    """A job that cannot run or did not finish; the message is one line."""
 
 
 @dataclass
@@ -64,6 +69,50 @@ class JobResult:
             "outputs": self.files.get("outputs"),
             "note": self.note,
         }
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """One run of a job as `run_job` resolved it before its pipeline starts: what each of its
+    passes and pipelines is given, as one object."""
+
+    spec: JobSpec
+    """The job's spec; a pass's (`for_task`) names its own engine task."""
+    job_id: str
+    run_id: str
+    plan: Any
+    """The input's plan (transforms/read.py)."""
+    model_path: str | None
+    """The folder Tokenize reads (the engine's preflight found it: a str once it has no problem)."""
+    db_url: str
+    eng: Any
+    """The job database's SQLAlchemy engine."""
+    say: Callable[[str], None]
+    """Tells the terminal one line per stage."""
+    session_factory: Callable[..., Any] | None = None
+    """A test double's engine session (None: the engine kind's own)."""
+    block_size: int | None = None
+    counter: TokenCounter | None = None
+    """How Tokenize counts the prompts (the engine's preflight says)."""
+
+    @property
+    def launch(self) -> LaunchSide:
+        """What the launcher asks of the job's engine (`EngineKind.launch_side`)."""
+        return engine_of(self.spec.engine.kind).launch_side(self.spec.engine, stand_in=self.session_factory is not None)
+
+    def for_task(self, task: str) -> RunContext:
+        """This run with the engine config given `task` (`JobSpec.for_task`)."""
+        return replace(self, spec=self.spec.for_task(task))
+
+    def pipeline_parts(self) -> PipelineParts:
+        """What build_pipeline needs beyond the spec, with this pass's engine (its task too) as
+        the result cache's keys name it (None with cache off)."""
+        launch, cache = self.launch, self.spec.cache
+        return PipelineParts(job_id=self.job_id, run_id=self.run_id, plan=self.plan, model_name=self.spec.engine.model,
+                             model_path=cast(str, self.model_path), db_url=self.db_url, counter=self.counter,
+                             session_factory=self.session_factory, block_size=self.block_size,
+                             fingerprint=launch.fingerprint(cache, self.model_path),
+                             adapter_hashes=launch.adapter_hashes(cache))
 
 
 class _Heartbeat(threading.Thread):
@@ -100,8 +149,6 @@ def run_job(
     job_id = spec.derived_job_id()
 
     # 1. Everything checkable before any worker starts (the checks `validate` runs).
-    from tokenmill.transforms.engines.checks import effective_block_size
-
     eng = S.connect(db_url)
     pf = preflight(spec, fake_engine=session_factory is not None, db_url=db_url)
     if pf.problems:
@@ -119,10 +166,11 @@ def run_job(
         except CapError as err:
             raise JobError(str(err)) from None
 
-    if session_factory is None and spec.runner.runner == "DirectRunner":
+    launch = engine_of(spec.engine.kind).launch_side(spec.engine, stand_in=session_factory is not None)
+    if spec.runner.runner == "DirectRunner":
         # the workers run here: what the engine measures once is measured in the launcher, where the terminal is told
         try:
-            engine_of(spec.engine.kind).prepare_launcher(spec.engine, model_path, say)
+            launch.prepare(model_path, say)
         except EngineStartError as err:
             raise JobError(str(err)) from None
 
@@ -167,8 +215,6 @@ def run_job(
 
     hb = _Heartbeat(eng, job_id, tick if progress or watch else None, run_id=run_id)
     hb.start()
-    from tokenmill.jobs.metrics.hardware import UtilizationSampler
-
     sampler = UtilizationSampler()  # CPU utilization, process-tree RSS, NVML on GPU; launcher-side
     sampler.start()
     status, error, read = "failed", None, None
@@ -176,8 +222,8 @@ def run_job(
         f"starting the pipeline ({spec.runner.runner}, {spec.runner.num_workers} worker"
         f"{'s' if spec.runner.resolved_workers() > 1 else ''}); the engine loads first")
     try:
-        read = _run_passes(spec, job_id, run_id, plan, model_path, db_url, session_factory,
-                           effective_block_size(spec.engine, on_gpu=on_gpu), pf.counter, eng, say)
+        read = _run_passes(RunContext(spec, job_id, run_id, plan, model_path, db_url, eng, say, session_factory,
+                                      launch.block_size(on_gpu=on_gpu), pf.counter))
         status = "done"
     except KeyboardInterrupt:
         error = "interrupted"
@@ -251,41 +297,6 @@ CAP_CHECK_EVERY_S = 5.0
 PROGRESS_SHARE = 0.05
 
 
-#: The runners whose workers are processes of this host: `num_workers` counts this host's engines.
-HOST_RUNNERS = ("DirectRunner", "direct")
-
-
-def resolve_workers(spec: JobSpec, *, fake_engine: bool = False, here: bool = True) -> JobSpec:
-    """The spec with `runner.num_workers` a number for this host (a copy when it was `auto`:
-    one engine per device group this host can lease, engines/leases.py; 1 without a GPU
-    or for an engine that needs none).  With `here` (the job runs on this host), JobError
-    (one line) when a runner of this host's processes asks more engines than its GPUs
-    make groups; without it (`submit`: the job may run elsewhere), `auto` counts as 1.
-    `fake_engine`: a test double that leases nothing."""
-    from tokenmill.transforms.engines.device import visible_gpus
-    from tokenmill.transforms.engines.leases import leasable_groups
-
-    asked = spec.runner.num_workers
-    local = spec.runner.runner in HOST_RUNNERS
-    if asked == "auto" and not local:
-        raise JobError(f"runner.num_workers: auto counts this host's device groups, for {' or '.join(HOST_RUNNERS)}; "
-                       f"with runner {spec.runner.runner}, give the number of workers")
-    per = 0 if fake_engine else engine_of(spec.engine.kind).devices_per_engine(spec.engine)
-    gpus = visible_gpus() if (here and local and per) else []
-    groups = leasable_groups(per, gpus)
-    if gpus and (asked == "auto" or asked > groups):
-        host = platform.node()
-        if not groups:
-            raise JobError(f"runner.num_workers: an engine of {spec.engine.kind} here needs {per} GPUs but host "
-                           f"{host} shows {len(gpus)}")
-        if asked != "auto":
-            raise JobError(f"runner.num_workers: {asked} engines of {per} GPU(s) each do not fit host {host}'s "
-                           f"{len(gpus)} visible GPUs ({groups} engines at most; or give auto)")
-    if asked != "auto":
-        return spec
-    return spec.model_copy(update={"runner": spec.runner.model_copy(update={"num_workers": max(1, groups)})})
-
-
 def _already_finished(eng, job_id: str, spec: JobSpec, total: int, t0: float) -> JobResult | None:
     """A rerun of a job that ended succeeded or partial on this input, its export (`finished_export`) and its
     stored rows agreeing: its stored result, nothing run, exported or counted again (minutes at 10M rows)."""
@@ -319,24 +330,22 @@ def job_tasks(spec: JobSpec, plan) -> list[str]:
     return getattr(plan, "tasks", None) or [spec.engine.task]
 
 
-def _run_passes(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size, counter, eng,
-                say: Callable[[str], None]) -> dict[str, int] | None:
+def _run_passes(run: RunContext) -> dict[str, int] | None:
     """The job's pipeline once per task its input names (`job_tasks`), in one run: each pass reads
     only its own task's lines (the OpenAI batch plan's `task`) with the engine config given that
     task (`JobSpec.for_task`); a cancel requested during a pass ends the job after it.  Returns
     the passes' `tokenmill` counters summed (None: the runner reports none)."""
-    tasks = job_tasks(spec, plan)
+    tasks = job_tasks(run.spec, run.plan)
     counters: dict[str, int] | None = None
     for i, task in enumerate(tasks):
-        if hasattr(plan, "task"):
-            plan.task = task
-        if i and _job_row(eng, job_id).get("cancel_requested"):
+        if hasattr(run.plan, "task"):
+            run.plan.task = task
+        if i and _job_row(run.eng, run.job_id).get("cancel_requested"):
             break
         if len(tasks) > 1:
-            say(f"pass {i + 1} of {len(tasks)}: the {EMBED_LINES if task == 'embed' else GENERATE_LINES} lines, "
+            run.say(f"pass {i + 1} of {len(tasks)}: the {EMBED_LINES if task == 'embed' else GENERATE_LINES} lines, "
                 f"engine task {task}")
-        got = _run_with_retries(spec.for_task(task), job_id, run_id, plan, model_path, db_url, session_factory,
-                                block_size, counter)
+        got = _run_with_retries(run.for_task(task))
         if got is not None:
             counters = {k: (counters or {}).get(k, 0) + got.get(k, 0) for k in {*(counters or {}), *got}}
     return counters
@@ -353,53 +362,29 @@ def _job_row(eng, job_id: str) -> dict[str, Any]:
     return job
 
 
-def _run_with_retries(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None,
-                      counter=None) -> dict[str, int] | None:
+def _run_with_retries(run: RunContext) -> dict[str, int] | None:
     """Run the pipeline; when one of its worker processes died (kill -9, the OOM killer), run it
     again, up to `runner.worker_retries` times, in the same run (the launcher held its devices
     all along): the new pipeline resumes from the database, so only the dead worker's batches
     in flight are generated twice.  Returns the last pipeline's `tokenmill` counters (None:
     its runner reports none)."""
-    from tokenmill.jobs.lifecycle.direct_runner import worker_died
-
-    for attempt in range(spec.runner.worker_retries + 1):
+    retries = run.spec.runner.worker_retries
+    for attempt in range(retries + 1):
         try:
-            return _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size, counter)
+            return _run_pipeline(run)
         except Exception as err:
-            if attempt == spec.runner.worker_retries or not worker_died(err):
+            if attempt == retries or not worker_died(err):
                 raise
             log.warning("job %s: %s; running the pipeline again (retry %d of %d), resuming from the database",
-                        job_id, first_line(err), attempt + 1, spec.runner.worker_retries)
+                        run.job_id, first_line(err), attempt + 1, retries)
     return None  # not reached: worker_retries >= 0, and the last attempt returns or raises
 
 
-def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factory, block_size=None,
-                  counter=None) -> dict[str, int] | None:
-    import apache_beam as beam
-
-    from tokenmill.jobs.lifecycle.direct_runner import watch_sdk_workers
-
+def _run_pipeline(run: RunContext) -> dict[str, int] | None:
     watch_sdk_workers()  # a dead SDK worker fails the pipeline instead of hanging it
-
-    from tokenmill.pipelines.batch import PipelineParts, build_pipeline
-    from tokenmill.transforms.cache import adapter_hashes, job_fingerprint
-
-    parts = PipelineParts(
-        job_id=job_id,
-        run_id=run_id,
-        plan=plan,
-        model_name=spec.engine.model,
-        model_path=model_path,
-        db_url=db_url,
-        session_factory=session_factory,
-        block_size=block_size,
-        counter=counter,
-        # this pass's engine (its task too) as the result cache's keys name it; None with cache off
-        fingerprint=job_fingerprint(spec, model_path, stand_in=session_factory is not None),
-        adapter_hashes=adapter_hashes(spec.engine) if spec.cache != "off" and spec.engine.lora_adapters else None,
-    )
-    p = beam.Pipeline(options=pipeline_options(spec))
-    build_pipeline(p, spec, parts)
+    parts = run.pipeline_parts()
+    p = beam.Pipeline(options=pipeline_options(run.spec))
+    build_pipeline(p, run.spec, parts)
     result = p.run()
     result.wait_until_finish()
     state = str(getattr(result, "state", "DONE"))
@@ -410,8 +395,6 @@ def _run_pipeline(spec, job_id, run_id, plan, model_path, db_url, session_factor
 
 def _counters(result) -> dict[str, int] | None:
     """The pipeline's `tokenmill` counters, summed over steps (None: the runner reports none)."""
-    from apache_beam.metrics.metric import MetricsFilter
-
     try:
         found = result.metrics().query(MetricsFilter().with_namespace("tokenmill"))["counters"]
     except Exception:  # a runner without metrics (Beam's DaskRunner)
@@ -439,12 +422,10 @@ def input_read(counters: dict[str, int] | None, plan) -> dict[str, Any]:
 
 def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, Any], job_wall_s: float | None = None,
                     utilization: dict[str, Any] | None = None):
-    from tokenmill.jobs.metrics.figures import stored_metrics
-
-    m = stored_metrics(
-        eng, job_id, total=total, hardware=hw, price_per_hour=spec.price_per_hour, prices=spec.prices,
+    m = stored_metrics(eng, job_id, JobTerms(
+        total=total, hardware=hw, price_per_hour=spec.price_per_hour, prices=spec.prices,
         engine_config=spec.engine.model_dump(mode="json"), token_budget=spec.batching.token_budget,
         job_wall_s=job_wall_s, utilization=utilization, cache_mode=spec.cache,
-    )
+    ))
     m["hardware"] = hw
     return m

@@ -19,6 +19,7 @@ arrives when the batch is admitted, so TTFT includes waiting for a slot.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from tokenmill.jobs.metrics.adapters import adapter_figures
 from tokenmill.jobs.metrics.devices import device_summary, worker_summary
 from tokenmill.jobs.metrics.pricing import launcher_worker, price_table, prices_used, worker_rate
-from tokenmill.schemas.config import TASKS
+from tokenmill.jobs.metrics.runs import job_task, run_figures, run_of, span, worker_run
 from tokenmill.schemas.records import METRIC_COLUMNS, TOKEN_COUNT_SOURCES, TOKENS_BY_ENGINE, metric_values
 from tokenmill.schemas.storage.summary import DIST_COLUMNS, RequestStats
 from tokenmill.transforms.engines.kinds import engine_for
@@ -126,43 +127,71 @@ def request_stats(rows: Sequence[dict[str, Any]] | Mapping[str, np.ndarray]) -> 
         checked=sum(v is not None for v in marks), valid=sum(v is True for v in marks))
 
 
-def job_metrics(
-    rows: RequestStats | Sequence[dict[str, Any]] | Mapping[str, np.ndarray],
-    batches: Sequence[dict[str, Any]],
-    workers: Sequence[dict[str, Any]],
-    *,
-    total: int,
-    failed_by_reason: dict[str, int],
-    engine_config: dict[str, Any],
-    token_budget: int | None,
-    price_per_hour: float | None,
-    device_count: int = 1,
-    job_wall_s: float | None = None,
-    utilization: dict[str, Any] | None = None,
-    runs: Sequence[dict[str, Any]] = (),
-    prices: dict[str, float] | None = None,
-    hardware: dict[str, Any] | None = None,
-    now: float | None = None,
-    cache_mode: str | None = None,
-) -> dict[str, Any]:
-    """The job's serving metrics (see the module docstring for what each counts).
+@dataclass(frozen=True)
+class JobWork:
+    """What a job's workers left in the database, as `job_metrics` reads it."""
 
-    `rows`: the answered requests' figures as storage's `RequestSummary.stats` sums and
-    ranks them in the database (a job of millions of rows never leaves it), or per-request
-    outputs (prompt/output/cached tokens, ttft_s, tpot_s, e2e_s, queue_s) held in memory,
-    as row dicts or columns (`request_columns`, summed by `request_stats`); `batches`/`workers`: the job's batch and worker rows;
-    `utilization`: the launcher's `UtilizationSampler` summary, if any; `runs`: the job's
-    run rows (storage `job_runs`).  Cost (`job_cost`) is priced from `prices` (a
-    pricing.price_table) or the flat `price_per_hour`; with neither there is no cost.
-    `hardware`/`device_count`: the launcher's, for worker rows that measured nothing; `cache_mode`: the
-    run's `cache` (the rows served from the result cache are in `cache`, not in the engine's figures)."""
+    rows: RequestStats | Sequence[dict[str, Any]] | Mapping[str, np.ndarray]
+    """The answered requests' figures as storage's `RequestSummary.stats` sums and ranks them in
+    the database (a job of millions of rows never leaves it), or per-request outputs (prompt/
+    output/cached tokens, ttft_s, tpot_s, e2e_s, queue_s) held in memory, as row dicts or columns
+    (`request_columns`, summed by `request_stats`)."""
+    batches: Sequence[dict[str, Any]]
+    workers: Sequence[dict[str, Any]]
+    failed_by_reason: dict[str, int] = field(default_factory=dict)
+    """The dead-lettered rows by reason code."""
+    runs: Sequence[dict[str, Any]] = ()
+    """The job's run rows (storage `job_runs`)."""
+
+
+@dataclass(frozen=True)
+class JobTerms:
+    """What a job's figures are measured against: its rows and engine, its prices, and what
+    the launcher saw of the run."""
+
+    total: int
+    """The input's rows."""
+    engine_config: dict[str, Any]
+    token_budget: int | None = None
+    price_per_hour: float | None = None
+    """The job's flat hourly price (`prices` first when both are given)."""
+    prices: dict[str, float] | None = None
+    """A pricing.price_table; with neither it nor `price_per_hour` there is no cost."""
+    hardware: dict[str, Any] | None = None
+    """The launcher's hardware: prices the worker rows that measured nothing."""
+    device_count: int = 1
+    job_wall_s: float | None = None
+    utilization: dict[str, Any] | None = None
+    """The launcher's `UtilizationSampler` summary, if any."""
+    now: float | None = None
+    """The end of a run still going (a report of a live job)."""
+    cache_mode: str | None = None
+    """The run's `cache` (the rows served from the result cache are in `cache`, not in the
+    engine's figures)."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a job's costs are divided by."""
+
+    output_tokens: int
+    total_tokens: int
+    requests: int
+
+
+def job_metrics(work: JobWork, terms: JobTerms) -> dict[str, Any]:
+    """The job's serving metrics (see the module docstring for what each counts) of `work`,
+    measured against `terms`.  Cost (`job_cost`) is priced from `terms.prices` or the flat
+    `terms.price_per_hour`."""
+    rows, batches, workers, failed_by_reason = work.rows, work.batches, work.workers, work.failed_by_reason
+    total, engine_config, utilization = terms.total, terms.engine_config, terms.utilization
     s = rows if isinstance(rows, RequestStats) else request_stats(rows)
     n, prompt, output, cached = s.n, s.prompt, s.output, s.cached
     by_engine = s.by_source.get(TOKENS_BY_ENGINE, {}).get("rows", 0)
     # an engine that may not report cached tokens (a server's), and reported none: unknown, not zero
     engine = engine_for(engine_config)
     cache_unknown = engine is not None and not engine.measures_prefix_cache and not s.cached_known
-    per_run = run_figures(batches, workers, runs, now=now)
+    per_run = run_figures(batches, workers, work.runs, now=terms.now)
     gen_wall = sum(r["generation_wall_s"] for r in per_run)
     run_loads = [r["model_load_s"] for r in per_run if r["model_load_s"] is not None]
     failed = sum(failed_by_reason.values())
@@ -172,12 +201,12 @@ def job_metrics(
         "requests": {"total": total, "succeeded": n if s.rows is None else s.rows, "failed": failed,
                      "samples": n + s.cache["samples"]},
         # rows served from the result cache (docs/CACHE.md): outputs, in no engine figure below and at no cost
-        "cache": {"mode": cache_mode, **s.cache},
+        "cache": {"mode": terms.cache_mode, **s.cache},
         "concurrency": {
             "arrival": "offline: all requests available at start; admitted by token budget",
             "max_num_seqs": engine_config.get("max_num_seqs"),
             "max_num_batched_tokens": info.get("max_num_batched_tokens") or engine_config.get("max_num_batched_tokens"),
-            "token_budget": token_budget,
+            "token_budget": terms.token_budget,
             "workers": len(workers),
             "batches": len(batches),
             "mean_batch_requests": (sum(b["requests"] for b in batches) / len(batches)) if batches else None,
@@ -195,7 +224,7 @@ def job_metrics(
         },
         "throughput": {
             "generation_wall_s": gen_wall,
-            "job_wall_s": job_wall_s,
+            "job_wall_s": terms.job_wall_s,
             "model_load_s": sum(run_loads) if run_loads else None,
             "runs": len(per_run),
             "output_tok_per_s": (output / gen_wall) if gen_wall > 0 else None,
@@ -251,10 +280,10 @@ def job_metrics(
         "utilization": utilization,
         "clocks": clocks_for(engine_config),
     }
-    if prices is not None or price_per_hour is not None:
-        m["cost"] = job_cost(workers, batches, per_run, prices=prices, flat=price_per_hour,
-                             fallback=_fallback_worker(hardware, device_count), output_tokens=output,
-                             total_tokens=prompt + output, requests=n)
+    if terms.prices is not None or terms.price_per_hour is not None:
+        m["cost"] = job_cost(workers, batches, per_run, prices=terms.prices, flat=terms.price_per_hour,
+                             fallback=_fallback_worker(terms.hardware, terms.device_count),
+                             served=Served(output_tokens=output, total_tokens=prompt + output, requests=n))
     adapters = bool(engine_config.get("lora_adapters")) or any(a["adapter"] is not None for a in s.by_adapter)
     m["adapters"] = adapter_figures(s.by_adapter, gen_wall, m.get("cost")) if adapters else None
     return m
@@ -271,102 +300,7 @@ def _retries(batches: Sequence[dict[str, Any]]) -> dict[str, int] | None:
     return dict(sorted(total.items()))
 
 
-# ---------------------------------------------------------------- runs, workers and cost
-
-
-def run_of(batch_id: str | None) -> str:
-    """The run a batch belongs to: generate.py names batches `<run_id>-<unit>...`."""
-    return (batch_id or "").split("-", 1)[0]
-
-
-def _span(batches: Sequence[dict[str, Any]]) -> tuple[float | None, float | None]:
-    starts = [b["started_at"] for b in batches if b.get("started_at") is not None]
-    ends = [b["finished_at"] for b in batches if b.get("finished_at") is not None]
-    return (min(starts) if starts else None), (max(ends) if ends else None)
-
-
-def _worker_run(w: dict[str, Any], batches: Sequence[dict[str, Any]]) -> str | None:
-    if w.get("run_id"):
-        return w["run_id"]
-    mine = [b for b in batches if w.get("worker") is not None and b.get("worker") == w.get("worker")]
-    return run_of(mine[0].get("batch_id")) if mine else None
-
-
-def worker_task(w: dict[str, Any]) -> str | None:
-    """The engine task a worker row's engine ran (record_worker writes it in `engine_info`)."""
-    return (w.get("engine_info") or {}).get("task")
-
-
-def job_task(workers: Sequence[dict[str, Any]], engine_config: dict[str, Any]) -> str:
-    """What the job's engines did: `generate`, `embed`, or `generate+embed` for a batch file
-    whose lines named both (a pass each); the config's task when no worker row says."""
-    done = {worker_task(w) for w in workers}
-    return "+".join(t for t in TASKS if t in done) or engine_config.get("task") or "generate"
-
-
-def run_end(run: dict[str, Any], now: float | None = None) -> float | None:
-    """When a run (a `runs` row) stopped holding its devices: its finish; for a run without
-    one (killed, or still running), `now` where given (the running one), else its last heartbeat."""
-    ended = run.get("finished_at")
-    if ended is None:
-        ended = now if now is not None else run.get("seen_at")
-    return ended
-
-
-def run_figures(batches: Sequence[dict[str, Any]], workers: Sequence[dict[str, Any]],
-                runs: Sequence[dict[str, Any]] = (), now: float | None = None) -> list[dict[str, Any]]:
-    """Per run of the job (the first and each resume), oldest first: its active generation
-    window (first batch admitted → last batch finished; a run of two passes, a batch file's
-    generate and embed lines, the two passes' windows summed), tokens and requests of its batches,
-    its model load (slowest of its workers) and how long its launcher held the devices
-    (start → after export; a run without a finish, killed or still running, up to its
-    last heartbeat, or `now`)."""
-    by_run: dict[str, list[dict[str, Any]]] = {}
-    for b in batches:
-        by_run.setdefault(run_of(b.get("batch_id")), []).append(b)
-    loads: dict[str, dict[str, list[float]]] = {}  # run → task → its workers' loads
-    for w in workers:
-        r = _worker_run(w, batches)
-        if r is not None and w.get("load_s") is not None:
-            loads.setdefault(r, {}).setdefault(worker_task(w) or "generate", []).append(float(w["load_s"]))
-    rows = {r["run_id"]: r for r in runs}
-    ids = list(dict.fromkeys([r["run_id"] for r in runs] + list(by_run) + list(loads)))
-    task_of = {w.get("worker"): worker_task(w) or "generate" for w in workers}
-    out = []
-    for rid in ids:
-        bs = by_run.get(rid, [])
-        t0, t1 = _span(bs)
-        # a run of a batch file naming both tasks is a pass per task, one engine after the other:
-        # its generation wall is the passes' windows summed, not the span from the first to the last
-        passes: dict[str, list[dict[str, Any]]] = {}
-        for b in bs:
-            passes.setdefault(task_of.get(b.get("worker"), "generate"), []).append(b)
-        gen = sum((e - s) for s, e in map(_span, passes.values()) if s is not None and e is not None)
-        row = rows.get(rid)
-        held = ended = None
-        if row is not None:
-            ended = run_end(row, now if row is runs[-1] else None)
-            held = (ended - row["started_at"]) if ended is not None else None
-        out_tok = sum(b.get("output_tokens") or 0 for b in bs)
-        out.append({
-            "run_id": rid,
-            "started_at": row["started_at"] if row else t0,
-            "ended_at": ended,
-            "finished": bool(row and row.get("finished_at")),
-            "held_s": held,
-            "model_load_s": sum(map(max, loads[rid].values())) if rid in loads else None,
-            "generation_started_at": t0,
-            "generation_finished_at": t1,
-            "generation_wall_s": gen,
-            "batches": len(bs),
-            "requests": sum(b.get("requests") or 0 for b in bs),
-            "prompt_tokens": sum(b.get("prompt_tokens") or 0 for b in bs),
-            "output_tokens": out_tok,
-            "output_tok_per_s": (out_tok / gen) if gen > 0 else None,
-        })
-    out.sort(key=lambda r: (r["started_at"] is None, r["started_at"] or 0.0))
-    return out
-
+# ---------------------------------------------------------------- cost
 
 def _fallback_worker(hardware: dict[str, Any] | None, device_count: int) -> dict[str, Any]:
     if hardware:
@@ -375,7 +309,8 @@ def _fallback_worker(hardware: dict[str, Any] | None, device_count: int) -> dict
                                                                               "device_count": device_count}
 
 
-def _unit_costs(cost: float, output_tokens: int, total_tokens: int, requests: int) -> dict[str, Any]:
+def _unit_costs(cost: float, served: Served) -> dict[str, Any]:
+    output_tokens, total_tokens, requests = served.output_tokens, served.total_tokens, served.requests
     return {
         "total": cost,
         "per_1m_output_tokens": (cost / output_tokens * 1e6) if output_tokens else None,
@@ -386,7 +321,7 @@ def _unit_costs(cost: float, output_tokens: int, total_tokens: int, requests: in
 
 def job_cost(workers: Sequence[dict[str, Any]], batches: Sequence[dict[str, Any]],
              per_run: Sequence[dict[str, Any]], *, prices: dict[str, float] | None, flat: float | None,
-             fallback: dict[str, Any], output_tokens: int, total_tokens: int, requests: int) -> dict[str, Any]:
+             fallback: dict[str, Any], served: Served) -> dict[str, Any]:
     """Σ over workers of hours × that worker's hourly price (pricing.worker_rate), two ways:
 
     * generation only (the top-level unit costs): each worker's active generation window
@@ -405,14 +340,14 @@ def job_cost(workers: Sequence[dict[str, Any]], batches: Sequence[dict[str, Any]
     for w in workers:
         desc = w if w.get("device_type") else {**w, **fallback}
         rate = worker_rate(desc, table, flat)
-        rid = _worker_run(w, batches)
+        rid = worker_run(w, batches)
         mine = [b for b in batches if w.get("worker") is not None and b.get("worker") == w.get("worker")]
         by_run: dict[str, list[dict[str, Any]]] = {}
         for b in mine:
             by_run.setdefault(run_of(b.get("batch_id")), []).append(b)
         gen_s = 0.0
         for bs in by_run.values():
-            t0, t1 = _span(bs)
+            t0, t1 = span(bs)
             gen_s += (t1 - t0) if t0 is not None and t1 is not None else 0.0
         run = runs.get(rid) if rid is not None else None
         if run is not None and run.get("held_s") is not None:
@@ -431,11 +366,11 @@ def job_cost(workers: Sequence[dict[str, Any]], batches: Sequence[dict[str, Any]
                      "held_cost": held_s / 3600.0 * usd})
     hourly = sum(r["usd_per_hour"] for r in rows)
     return {
-        **_unit_costs(gen_cost, output_tokens, total_tokens, requests),
+        **_unit_costs(gen_cost, served),
         "basis": "generation only: Σ over workers of its active generation windows × its hourly price "
                  "(model load, start-up and export excluded; see `held`)",
         "held": {
-            **_unit_costs(held_cost, output_tokens, total_tokens, requests),
+            **_unit_costs(held_cost, served),
             "basis": "everything the job held its devices for: Σ over workers of its run's launcher start -> "
                      "after export (start-up, model load, generation, export) × its hourly price",
         },

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from tabulate import tabulate
 
-from tokenmill.jobs.metrics.accounting import CLOCKS
+from tokenmill.jobs.metrics.accounting import CLOCKS, JobTerms
 from tokenmill.jobs.metrics.adapters import adapter_lines, compare_adapters
 from tokenmill.jobs.metrics.catalog import LATENCIES, STATS, FigureText, figure, fmt, get_path, shown_in
 from tokenmill.jobs.metrics.figures import stored_metrics
@@ -85,12 +85,12 @@ def job_info(job: dict[str, Any]) -> dict[str, Any]:
 def _live_metrics(eng, job: dict[str, Any]) -> dict[str, Any]:
     spec = job.get("spec") or {}
     c = S.MetricsReader(eng).counts(job["id"])
-    return stored_metrics(
-        eng, job["id"], total=job.get("total") or (c["succeeded"] + c["failed"]), hardware=job.get("hardware") or {},
+    return stored_metrics(eng, job["id"], JobTerms(
+        total=job.get("total") or (c["succeeded"] + c["failed"]), hardware=job.get("hardware") or {},
         price_per_hour=spec.get("price_per_hour"), prices=spec.get("prices"), now=time.time(),
         engine_config=job.get("engine_config") or {},
         token_budget=(spec.get("batching") or {}).get("token_budget"), cache_mode=spec.get("cache"),
-    )
+    ))
 
 
 def load_report(eng, job_id: str) -> dict[str, Any]:

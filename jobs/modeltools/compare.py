@@ -321,11 +321,12 @@ def _check_limits(max_drop: float, min_cosine: float) -> None:
 
 
 def compare_pairs(chunks: Iterable[list[Pair]], *, matched: int, only_base: int = 0, only_candidate: int = 0,
-                  base_id: str = "base", cand_id: str = "candidate", max_drop: float = DEFAULT_MAX_DROP,
+                  ids: tuple[str, str] = ("base", "candidate"), max_drop: float = DEFAULT_MAX_DROP,
                   min_cosine: float = DEFAULT_MIN_COSINE, show: int = 5) -> Comparison:
-    """Compare chunks of (id, base row, candidate row or None: missing), each row a dict of
-    COLUMNS (any may be absent); `matched` and the `only_*` counts are the caller's."""
+    """Compare chunks of (id, base row, candidate row or None: missing), each row a dict of COLUMNS
+    (any may be absent); `matched`, the `only_*` counts and `ids` (base, candidate) are the caller's."""
     _check_limits(max_drop, min_cosine)
+    base_id, cand_id = ids
     if not matched:
         raise CompareError(f"jobs {base_id!r} and {cand_id!r} have no output ids in common")
     t = _Tally(base_id, cand_id, show)
@@ -346,7 +347,7 @@ def compare_rows(base: dict[str, dict[str, Any]], cand: dict[str, dict[str, Any]
     matched = len(set(base) & set(cand))
     chunks = ([(i, base[i], cand.get(i)) for i in keys[k:k + CHUNK_ROWS]] for k in range(0, len(keys), CHUNK_ROWS))
     return compare_pairs(chunks, matched=matched, only_base=len(base) - matched, only_candidate=len(cand) - matched,
-                         base_id=base_id, cand_id=cand_id, max_drop=max_drop, min_cosine=min_cosine, show=show)
+                         ids=(base_id, cand_id), max_drop=max_drop, min_cosine=min_cosine, show=show)
 
 
 def finished_job(eng, job_id: str) -> dict[str, Any]:
@@ -398,7 +399,7 @@ def compare_jobs(eng, base_id: str, cand_id: str, *, max_drop: float = DEFAULT_M
     if not nb:
         raise CompareError(f"base job {base_id!r} has no outputs")
     return compare_pairs(job_pairs(eng, base_id, cand_id), matched=matched, only_base=nb - matched,
-                         only_candidate=nc - matched, base_id=base_id, cand_id=cand_id, max_drop=max_drop,
+                         only_candidate=nc - matched, ids=(base_id, cand_id), max_drop=max_drop,
                          min_cosine=min_cosine, show=show)
 
 

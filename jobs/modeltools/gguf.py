@@ -50,6 +50,7 @@ from tokenmill.jobs.modeltools import calibration as C
 from tokenmill.jobs.modeltools.checkpoint import checkpoint_hash, library_versions
 from tokenmill.jobs.modeltools.schemes import (
     GGUF_SCHEMES,
+    CalibrationSet,
     QuantizeError,
     QuantizeFailed,
     QuantizeResult,
@@ -71,9 +72,8 @@ MIN_IMATRIX_CTX = 32
 FULL_PRECISION = ("F32", "F16", "BF16")
 
 
-def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rtn", calibration: str | None = None,
-                  samples: int | None = None, max_seq_len: int | None = None, db_url: str | None = None,
-                  force: bool = False):
+def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rtn",
+                  calibration: CalibrationSet | None = None, db_url: str | None = None, force: bool = False):
     """Write `out` (a .gguf file) from `model` with `scheme` and `method` (`rtn`: plain
     llama-quantize; `imatrix`: calibrated on `calibration`); QuantizeError (one line) for a
     bad request, before anything is written, QuantizeFailed when llama.cpp fails."""
@@ -81,14 +81,16 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
     from tokenmill.transforms.engines.llamacpp_session import binary, build_info, gguf_file, log_tail, worker_cores
     from tokenmill.transforms.engines.protocol import EngineStartError
 
+    source, samples, max_seq_len = ((None, None, None) if calibration is None else
+                                    (calibration.source, calibration.samples, calibration.max_seq_len))
     if scheme not in GGUF_SCHEMES:
         raise QuantizeError(f"unknown GGUF scheme {scheme!r}; choose one of {sorted(GGUF_SCHEMES)}")
     check_method(scheme, method)
     imatrix = method == "imatrix"
-    if not imatrix and (calibration or samples is not None or max_seq_len is not None):
+    if not imatrix and (source or samples is not None or max_seq_len is not None):
         raise QuantizeError(f"scheme {scheme!r} with method {method!r} (plain llama-quantize) takes no --calibration, "
                             "--samples or --max-seq-len")
-    if imatrix and not calibration:
+    if imatrix and not source:
         raise QuantizeError("method 'imatrix' needs --calibration: a job input (Parquet) or an earlier job's id")
     out = Path(out)
     if out.suffix != ".gguf":
@@ -112,20 +114,20 @@ def quantize_gguf(model: str, scheme: str, out: str | Path, *, method: str = "rt
         if not tokenizer:
             raise QuantizeError(f"method 'imatrix' draws the calibration prompts with the model's tokenizer, and none "
                                 f"is known for {str(src)!r} (make the GGUF with tokenmill quantize, or use a built-in model)")
-        assert calibration is not None  # method imatrix without one was refused above
+        assert source is not None  # method imatrix without one was refused above
         try:
             tok_dir = resolve_model(tokenizer, need_weights=False)
-            cal = C.build(calibration, str(tok_dir), samples=C.DEFAULT_SAMPLES if samples is None else samples,
+            cal = C.build(source, str(tok_dir), samples=C.DEFAULT_SAMPLES if samples is None else samples,
                           max_seq_len=C.DEFAULT_MAX_SEQ_LEN if max_seq_len is None else max_seq_len, db_url=db_url)
         except (ModelNotFound, C.CalibrationError) as err:
             raise QuantizeError(str(err)) from None
         tokens = sum(len(t) for t in cal.token_ids)
         n_ctx = imatrix_context(tokens, cal.max_seq_len)
         if n_ctx is None:
-            raise QuantizeError(f"calibration {calibration!r}: {len(cal.token_ids)} prompts of {tokens} tokens are too few "
+            raise QuantizeError(f"calibration {source!r}: {len(cal.token_ids)} prompts of {tokens} tokens are too few "
                                 f"for llama-imatrix, which needs at least {2 * MIN_IMATRIX_CTX} (two chunks); raise --samples")
         if cal.job_model and cal.job_model not in (model, tokenizer, str(src)):
-            notes.append(f"job {calibration!r} ran model {cal.job_model!r}; its prompts were tokenized for {tokenizer!r}")
+            notes.append(f"job {source!r} ran model {cal.job_model!r}; its prompts were tokenized for {tokenizer!r}")
     t_cal = time.perf_counter()
     try:
         tool = binary("llama-quantize")

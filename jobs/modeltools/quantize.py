@@ -56,6 +56,7 @@ from tokenmill.jobs.modeltools.schemes import (
     GGUF_SCHEMES,
     IGNORE,
     SCHEMES,
+    CalibrationSet,
     QuantizeError,
     QuantizeFailed,
     QuantizeResult,
@@ -220,8 +221,8 @@ def _last_error(log: Path) -> str:
 
 
 def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None = None, method: str = "rtn",
-             calibration: str | None = None, samples: int | None = None, max_seq_len: int | None = None,
-             db_url: str | None = None, force: bool = False) -> QuantizeResult:
+             calibration: CalibrationSet | None = None, db_url: str | None = None,
+             force: bool = False) -> QuantizeResult:
     """Quantize `model` (short name or folder) with `scheme` and `method` into `out`, a
     model folder vLLM loads with no extra flags (its `config.json` carries the
     quantization config).
@@ -236,8 +237,9 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
     if scheme in GGUF_SCHEMES:  # a GGUF file for the llamacpp engine (llama-quantize, llama-imatrix)
         if group_size is not None:
             raise QuantizeError(f"scheme {scheme!r} (llama-quantize) takes no --group-size")
-        return quantize_gguf(model, scheme, out, method=method, calibration=calibration, samples=samples,
-                             max_seq_len=max_seq_len, db_url=db_url, force=force)
+        return quantize_gguf(model, scheme, out, method=method, calibration=calibration, db_url=db_url, force=force)
+    source, samples, max_seq_len = ((None, None, None) if calibration is None else
+                                    (calibration.source, calibration.samples, calibration.max_seq_len))
     g = check_scheme(scheme, group_size)
     check_method(scheme, method)
     try:
@@ -251,7 +253,7 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
     out = Path(out)
     prepare_out(out, force)
     calibrated = method != "rtn"
-    if calibrated and not calibration:
+    if calibrated and not source:
         raise QuantizeError(f"method {method!r} needs --calibration: a job input (Parquet) or an earlier job's id")
     if not calibrated and (samples is not None or max_seq_len is not None):
         raise QuantizeError("--samples and --max-seq-len apply to calibrated methods, not rtn")
@@ -263,10 +265,10 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
     rows = 0
     notes: list[str] = []
     if calibrated:
-        assert calibration is not None  # a calibrated method without one was refused above
+        assert source is not None  # a calibrated method without one was refused above
         py = llmcompressor_python()
         try:
-            cal = C.build(calibration, str(src), samples=samples, max_seq_len=max_seq_len, db_url=db_url)
+            cal = C.build(source, str(src), samples=samples, max_seq_len=max_seq_len, db_url=db_url)
         except C.CalibrationError as err:
             raise QuantizeError(str(err)) from None
         rows = len(cal.token_ids)
@@ -276,11 +278,11 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
         if cal.job_model:
             try:
                 if resolve_model(cal.job_model) != src:
-                    notes.append(f"job {calibration!r} ran model {cal.job_model!r}; its prompts were tokenized for {str(src)!r}")
+                    notes.append(f"job {source!r} ran model {cal.job_model!r}; its prompts were tokenized for {str(src)!r}")
             except ModelNotFound:
-                notes.append(f"job {calibration!r} ran model {cal.job_model!r}, not found here")
-    elif calibration:
-        rows = count_calibration(calibration, db_url)
+                notes.append(f"job {source!r} ran model {cal.job_model!r}, not found here")
+    elif source:
+        rows = count_calibration(source, db_url)
         notes.append(f"calibration input checked ({rows} rows) but not used: rtn needs no calibration")
     t_cal = time.perf_counter()
 
@@ -306,7 +308,7 @@ def quantize(model: str, scheme: str, out: str | Path, *, group_size: int | None
         record: dict[str, Any] = {
             "source": str(src), "scheme": scheme, "method": method, "group_size": g, "ignore": list(IGNORE),
             "recipe": recipe,
-            "calibration": cal.describe() if cal else ({"source": calibration, "rows": rows, "used": False} if calibration else None),
+            "calibration": cal.describe() if cal else ({"source": source, "rows": rows, "used": False} if source else None),
             "calibration_rows": rows,
             "libraries": {**libs, **library_versions("tokenmill")},
             "checkpoint": checkpoint_hash(tmp),

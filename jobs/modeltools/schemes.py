@@ -59,6 +59,18 @@ class QuantizeFailed(QuantizeError):
     exit_usage = False
 
 
+@dataclass(frozen=True)
+class CalibrationSet:
+    """What a calibrated method quantizes on (`--calibration`, `--samples`, `--max-seq-len`)."""
+
+    source: str | None = None
+    """A job input (Parquet) or an earlier job's id."""
+    samples: int | None = None
+    """Prompts drawn (None: calibration.DEFAULT_SAMPLES)."""
+    max_seq_len: int | None = None
+    """Tokens per prompt at most (None: calibration.DEFAULT_MAX_SEQ_LEN)."""
+
+
 @dataclass
 class QuantizeResult:
     """What was written: the folder, the scheme, sizes before and after, and timings."""

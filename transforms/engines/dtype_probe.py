@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 #: the dtypes `auto` chooses between on a CPU, float32 first: it is the quality reference
@@ -163,7 +164,7 @@ def _measure_both(children: list[_Child], prompts: int, output_tokens: int, warm
     # A B B A: round 1 pairs with round 2, round 4 with round 3
     ra, rb = rates[a.dtype], rates[b.dtype]
     ratios = [rb[0] / ra[0], rb[1] / ra[1]]
-    return decide(a.dtype, b.dtype, rates, ratios, agreement, greedy, ref,
+    return decide(a.dtype, b.dtype, Measured(rates, ratios, agreement, greedy, ref),
                   workload={"prompts": prompts, "output_tokens": output_tokens,
                             "order": f"warm-up each on {min(warmup_prompts, prompts)} prompts, then " + " ".join(ROUNDS),
                             "max_num_seqs": args.get("max_num_seqs"),
@@ -179,11 +180,27 @@ def _only(choice: str, dtype: str, error: str, wall_s: float) -> dict[str, Any]:
             "workload": None, "measure_wall_s": round(wall_s, 1)}
 
 
-def decide(a: str, b: str, rates: dict[str, list[float]], ratios: list[float], agreement: dict[str, float],
-           greedy: dict[str, list[list[int]]], ref: list[list[int]], *, workload: dict[str, Any],
-           wall_s: float) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Measured:
+    """What the probe measured of the two dtypes."""
+
+    rates: dict[str, list[float]]
+    """Each dtype's output tok/s, per round."""
+    ratios: list[float]
+    """b ÷ a per paired round."""
+    agreement: dict[str, float]
+    """Each dtype's teacher-forced agreement with float32's greedy tokens."""
+    greedy: dict[str, list[list[int]]]
+    """Each dtype's greedy answers."""
+    ref: list[list[int]]
+    """The reference greedy answers (float32's)."""
+
+
+def decide(a: str, b: str, measured: Measured, *, workload: dict[str, Any], wall_s: float) -> dict[str, Any]:
     """The choice and its reason from the measured rates (`ratios`: b ÷ a per paired round)
     and each dtype's agreement with float32."""
+    rates, ratios, agreement = measured.rates, measured.ratios, measured.agreement
+    greedy, ref = measured.greedy, measured.ref
     ok = {dt: agreement[dt] >= MIN_AGREEMENT for dt in (a, b)}
     lo, hi = min(ratios), max(ratios)
     med = statistics.median(ratios)

@@ -12,16 +12,21 @@ token ids and counts its own tokens.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable, ClassVar, Generic, Mapping, TypeVar
 
 from tokenmill.schemas import engine_kinds
 from tokenmill.schemas import records as R
-from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, EngineConfig
+from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, EngineConfig, RunnerConfig
 from tokenmill.schemas.models import ModelNotFound, resolve_model
 from tokenmill.transforms.counting import TokenCounter
+from tokenmill.transforms.engines.checks import effective_block_size
+from tokenmill.transforms.engines.device import visible_gpus
+from tokenmill.transforms.engines.identity import adapter_hashes, engine_fingerprint
 from tokenmill.transforms.engines.kv import JobTokens
+from tokenmill.transforms.engines.leases import leasable_groups
 from tokenmill.transforms.engines.protocol import EngineSession
 
 
@@ -37,6 +42,76 @@ class EngineCheck:
 
 
 C = TypeVar("C", bound=EngineConfig)
+
+#: The runners whose workers are processes of this host: `num_workers` counts this host's engines.
+HOST_RUNNERS = ("DirectRunner", "direct")
+
+
+class WorkersRefused(ValueError):
+    """A runner asking for more engines than this host's GPUs make groups (one line)."""
+
+
+@dataclass(frozen=True)
+class LaunchSide:
+    """What a job's launcher needs from its engine before the pipeline starts, and all it needs
+    (as Beam's RunInference asks only its ModelHandler): how many engines fit this host, the KV
+    block size prefix keys align to, the launcher's own preparation (the vLLM engine measures
+    `dtype: auto` here), and the engine's identity in the result cache's keys.  These are asked
+    at different moments of a run (workers before the preflight, the dtype after a cap's check,
+    the fingerprint per pass), so they are methods of one object, not values computed at once.
+    Made by `EngineKind.launch_side`."""
+
+    engine: EngineKind[Any]
+    cfg: EngineConfig
+    stand_in: bool = False
+    """The engine is a test double: it leases no device, measures nothing here, and its cache
+    fingerprint keeps the configured dtype."""
+
+    def workers(self, runner: RunnerConfig, *, here: bool = True) -> int | None:
+        """`runner.num_workers` as a number for this host, or None when it is one already and fits:
+        `auto` is one engine per device group this host can lease (engines/leases.py), at least 1
+        (no GPU, or an engine that needs none).  With `here` (the job runs on this host),
+        WorkersRefused (one line) when a runner of this host's processes asks more engines than its
+        GPUs make groups; without it (`submit`: the job may run elsewhere), `auto` counts as 1."""
+        asked = runner.num_workers
+        local = runner.runner in HOST_RUNNERS
+        if asked == "auto" and not local:
+            raise WorkersRefused(f"runner.num_workers: auto counts this host's device groups, for "
+                                 f"{' or '.join(HOST_RUNNERS)}; with runner {runner.runner}, give the number of workers")
+        per = 0 if self.stand_in else self.engine.devices_per_engine(self.cfg)
+        gpus = visible_gpus() if (here and local and per) else []
+        groups = leasable_groups(per, gpus)
+        if gpus and (asked == "auto" or asked > groups):
+            host = platform.node()
+            if not groups:
+                raise WorkersRefused(f"runner.num_workers: an engine of {self.cfg.kind} here needs {per} GPUs but "
+                                     f"host {host} shows {len(gpus)}")
+            if asked != "auto":
+                raise WorkersRefused(f"runner.num_workers: {asked} engines of {per} GPU(s) each do not fit host "
+                                     f"{host}'s {len(gpus)} visible GPUs ({groups} engines at most; or give auto)")
+        return None if asked != "auto" else max(1, groups)
+
+    def block_size(self, *, on_gpu: bool) -> int:
+        """The KV block size the engine will use (checks.effective_block_size)."""
+        return effective_block_size(self.cfg, on_gpu=on_gpu)
+
+    def prepare(self, model_path: str | None, say: Callable[[str], None]) -> None:
+        """The launcher's preparation when the workers run on this machine (`EngineKind.prepare_launcher`;
+        nothing for a stand-in); EngineStartError (one line) when it cannot be done."""
+        if not self.stand_in:
+            self.engine.prepare_launcher(self.cfg, model_path, say)
+
+    def fingerprint(self, cache: str, model_path: str | None) -> str | None:
+        """The engine's identity in the result cache's keys (identity.engine_fingerprint); None
+        with `cache: off`."""
+        if cache == "off":
+            return None
+        return engine_fingerprint(self.cfg, model_path, resolve_dtype=not self.stand_in)
+
+    def adapter_hashes(self, cache: str) -> dict[str, str] | None:
+        """The LoRA adapters' content hashes in those keys (identity.adapter_hashes); None with
+        `cache: off` or no adapter."""
+        return adapter_hashes(self.cfg) if cache != "off" and self.cfg.lora_adapters else None
 
 
 class EngineKind(Generic[C]):
@@ -111,6 +186,13 @@ class EngineKind(Generic[C]):
         return 0
 
     # -- the launcher side
+    def launch_side(self, cfg: C, *, stand_in: bool = False) -> LaunchSide:
+        """Everything the launcher needs of this engine for a job's `cfg` before its pipeline
+        starts (`stand_in`: a test double).  The hooks below it (`devices_per_engine`,
+        `prepare_launcher`, `run_dtype`, `checkpoint`, `adapter_paths`) are what an engine
+        overrides; a launcher asks only this."""
+        return LaunchSide(self, cfg, stand_in)
+
     def preflight(self, cfg: C, *, on_gpu: bool) -> EngineCheck:
         """Every check of this engine before a row is read (`on_gpu`: the device it runs on,
         or True for a test double that any device runs).  Default: the model is a local

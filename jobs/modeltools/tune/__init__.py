@@ -41,7 +41,14 @@ from tokenmill.jobs.modeltools.tune.space import (
                                                   space_changes,
                                                   work_key,
 )
-from tokenmill.jobs.modeltools.tune.tuner import DEFAULT_REPEATS, EVAL_MAX_TOKENS, EVAL_SET, make_tune_id, tune
+from tokenmill.jobs.modeltools.tune.tuner import (
+    DEFAULT_REPEATS,
+    EVAL_MAX_TOKENS,
+    EVAL_SET,
+    TuneOptions,
+    make_tune_id,
+    tune,
+)
 
 __all__ = [
     "Budget", "REFERENCE", "CandidateFailed", "TuneError", "figures_of", "mean", "SLOW_DTYPE", "screen_cpu_dtypes",
@@ -50,5 +57,5 @@ __all__ = [
     "write_outputs", "TuneResult", "build_table", "recommendation", "MIN_RUNG_ROWS", "draw_sample", "rung_file",
     "rung_sizes", "sample_digest", "DEFAULT_SPACE", "Candidate", "describe_changes", "load_space", "make_candidates",
     "make_checkpoints", "quantized_checkpoints", "set_path", "space_changes", "work_key", "DEFAULT_REPEATS",
-    "EVAL_MAX_TOKENS", "EVAL_SET", "make_tune_id", "tune",
+    "EVAL_MAX_TOKENS", "EVAL_SET", "TuneOptions", "make_tune_id", "tune",
 ]

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import yaml
 
 from tokenmill.jobs.modeltools.quantize import QuantizeError, QuantizeFailed, quantize
+from tokenmill.jobs.modeltools.schemes import CalibrationSet
 from tokenmill.jobs.modeltools.tune.common import REFERENCE, TuneError
 from tokenmill.jobs.modeltools.tune.sample import sample_digest
 from tokenmill.schemas.config import SpecError, load_spec
@@ -89,7 +90,7 @@ def make_checkpoints(wanted: list[dict[str, Any]], model: str, sample_path: Path
         t0 = time.time()
         try:
             quantize(str(src), q["scheme"], folder, method=method, group_size=q.get("group_size"),
-                     calibration=calibration if calibrated else None)
+                     calibration=CalibrationSet(calibration) if calibrated else None)
         except (QuantizeError, QuantizeFailed) as err:
             notes.append(f"quantize {q['scheme']} {method}: not made: {err}")
             echo(f"quantize {q['scheme']} {method}: not made: {err}")

@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,15 +74,40 @@ def eval_cache(data: dict[str, Any]) -> str:
     return "read-write" if engine_of(kind).local_weights else "off"
 
 
-def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str | None = None,
-         gate: str | None = None, budget_minutes: float | None = None, space: str | Path | None = None,
-         repeats: int = DEFAULT_REPEATS, seed: int = 0, session_factory=None, eval_set: str | Path | None = None,
-         echo: Callable[[str], None] = lambda line: None) -> TuneResult:
+def _silent(line: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """How a tune searches (`tokenmill tune`'s options)."""
+
+    sample: int
+    """Input rows drawn for the largest sample."""
+    out: str | Path
+    """Where the table, the HTML report and the winning spec are written."""
+    db_url: str | None = None
+    gate: str | None = None
+    budget_minutes: float | None = None
+    space: str | Path | None = None
+    repeats: int = DEFAULT_REPEATS
+    seed: int = 0
+    session_factory: Callable[..., Any] | None = None
+    """The engine (tests pass a fake; default the job's own)."""
+    eval_set: str | Path | None = None
+    """Questions with a `reference` column for the default gate where the job's rows have no
+    references (default: the bundled EVAL_SET)."""
+    echo: Callable[[str], None] = _silent
+    """Tells the terminal one line per step."""
+
+
+def tune(spec_data: dict[str, Any], options: TuneOptions) -> TuneResult:
     """Search the configurations of `spec_data` (a job spec mapping, the reference) on
-    `sample` of its input rows; write the table, the HTML report and the winning spec
-    under `out`.  `session_factory`: the engine (tests pass a fake; default vLLM).
-    `eval_set`: questions with a `reference` column for the default gate where the job's
-    rows have no references (default: the bundled EVAL_SET)."""
+    `options.sample` of its input rows; write the table, the HTML report and the winning spec
+    under `options.out`."""
+    sample, gate, budget_minutes, repeats, seed = (options.sample, options.gate, options.budget_minutes,
+                                                   options.repeats, options.seed)
+    session_factory, eval_set, echo = options.session_factory, options.eval_set, options.echo
     from tokenmill.jobs.lifecycle.runner import JobError, run_job  # Beam: only when a tune runs
 
     try:
@@ -91,10 +117,10 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
     g = parse_gate(gate)
     if g.metric == "accuracy_drop" and not spec.reference_column:
         raise TuneError("gate accuracy_drop needs reference answers: set reference_column in the job spec")
-    out = Path(out)
-    db_url = db_url or spec.db or default_db_url()
+    out = Path(options.out)
+    db_url = options.db_url or spec.db or default_db_url()
     fake = session_factory is not None
-    sp = load_space(space)
+    sp = load_space(options.space)
     sample_path, n = draw_sample(spec, sample, seed, out / "samples")
     notes = [] if n == sample else [f"the input has {n} rows: the sample is all of them"]
     evals = None  # the default gate without references in the job: accuracy on the eval set
