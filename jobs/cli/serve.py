@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from tabulate import tabulate
@@ -14,6 +14,9 @@ from tabulate import tabulate
 from tokenmill.jobs.cli.app import main
 from tokenmill.jobs.cli.common import CONTEXT_SETTINGS, Failure, db_option, emit_json, json_option
 from tokenmill.schemas.config import SpecError
+
+if TYPE_CHECKING:
+    from tokenmill.jobs.serve.config import HttpLimits
 
 config_option = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
                              help="The server's YAML config (models, db, files, limits); default: embedded defaults.")
@@ -62,7 +65,7 @@ def serve(config_path, db_url, host, port, files_root):
     bound = sock.getsockname()[1]
     click.echo(f"tokenmill serve: http://{cfg.host}:{bound}/v1 (models: {', '.join(cfg.models)}; "
                f"database {cfg.db_url().split('://')[0]}; files {cfg.files_root()})", err=True)
-    run_server(asgi_app(cfg), sock, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+    run_server(asgi_app(cfg), sock, cfg.http, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
@@ -81,6 +84,8 @@ def ui(db_url, host, port):
     """
     import socket
 
+    from tokenmill.jobs.serve.config import HttpLimits
+    from tokenmill.jobs.serve.guard import JSON_BODY_BYTES, BodyLimit
     from tokenmill.jobs.serve.page import ui_app
     from tokenmill.schemas.db import default_db_url
 
@@ -98,11 +103,13 @@ def ui(db_url, host, port):
         raise Failure(f"cannot listen on {host}:{port}: {err.strerror}") from None
     sock.listen(128)  # connections wait for the server from the moment its address is printed
     click.echo(f"tokenmill ui: http://{host}:{sock.getsockname()[1]}/ (log in with {token})", err=True)
-    run_server(app, sock, log_level="warning")
+    run_server(BodyLimit(app, JSON_BODY_BYTES), sock, HttpLimits(), log_level="warning")
 
 
-def run_server(app: Any, sock: Any, **config: Any) -> None:
-    """Serve `app` on the listening `sock` with uvicorn until it is stopped.  What the
+def run_server(app: Any, sock: Any, limits: HttpLimits, **config: Any) -> None:
+    """Serve `app` on the listening `sock` with uvicorn until it is stopped, each connection
+    held to `limits` (`HttpLimits`: uvicorn's own settings, and jobs/serve/guard.py's protocol
+    and head check for the bounds uvicorn has none for).  What the
     imports and the set-up put on the heap is frozen first (`gc.freeze`), so the collector's
     full passes skip it: without that, one request in about a hundred of `make bench-page`'s
     (10,000 jobs) took 207-217 ms against a median near 30 ms."""
@@ -110,8 +117,11 @@ def run_server(app: Any, sock: Any, **config: Any) -> None:
 
     import uvicorn
 
+    from tokenmill.jobs.serve.guard import HeadLimit, protocol
+
     gc.freeze()
-    uvicorn.Server(uvicorn.Config(app, **config)).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config(HeadLimit(app, limits), http=protocol(limits), **limits.uvicorn_settings(),
+                                  **config)).run(sockets=[sock])
 
 
 @main.group(name="keys", context_settings=CONTEXT_SETTINGS)

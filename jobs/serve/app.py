@@ -22,59 +22,10 @@ from tokenmill.jobs.serve.auth import Caller, Who
 from tokenmill.jobs.serve.blobs import iter_bytes
 from tokenmill.jobs.serve.config import ServeConfig
 from tokenmill.jobs.serve.errors import ApiError
+from tokenmill.jobs.serve.guard import FORM_OVERHEAD, BodyLimit
 from tokenmill.jobs.serve.objects import batch_object, error_body, file_deleted, file_object, page
 from tokenmill.jobs.serve.service import BatchService
 from tokenmill.jobs.serve.watch import install
-
-#: Bytes a multipart upload may add around the file itself (boundaries, the purpose field).
-FORM_OVERHEAD = 64 * 1024
-#: The largest JSON body a non-upload route reads.
-JSON_BODY_BYTES = 1 << 20
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BodyLimit:
-    """ASGI middleware: a request body larger than the route allows is refused (413) before it is
-    all read, whether or not the client sent a Content-Length."""
-
-    def __init__(self, app, upload_bytes: int):
-        self.app, self.upload_bytes = app, upload_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        limit = self.upload_bytes if scope["path"] == "/v1/files" else JSON_BODY_BYTES
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return await _too_large(send, limit)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > limit:
-                    raise BodyTooLarge()
-            return msg
-
-        try:
-            await self.app(scope, counted, send)
-        except BodyTooLarge:
-            await _too_large(send, limit)
-
-
-async def _too_large(send, limit: int) -> None:
-    resp = JSONResponse(error_body(f"the request body is larger than {limit:,} bytes, the most this route takes",
-                                   code="request_too_large"), status_code=413)
-    await resp({"type": "http"}, _no_body, send)
-
-
-async def _no_body():
-    return {"type": "http.request", "body": b"", "more_body": False}
 
 
 class CreateBatch(BaseModel):

@@ -56,6 +56,43 @@ class Limits(_Strict):
     """Validation errors listed in a failed batch (the first ones, by line)."""
 
 
+class HttpLimits(_Strict):
+    """What one connection may hold of the server (jobs/serve/guard.py): each bound refuses or
+    closes before the server reads or keeps more (docs/SERVING.md, "Limits at the HTTP layer")."""
+
+    max_head_bytes: int = Field(16 * 1024, ge=1024)
+    """The request line and headers together (uvicorn's `h11_max_incomplete_event_size`);
+    past it: 400 and the connection closed, before the rest is read."""
+    max_url_bytes: int = Field(8 * 1024, ge=256)
+    """The request target, path and query (414)."""
+    max_headers: int = Field(100, ge=8)
+    """Header lines in one request (431)."""
+    head_timeout_s: float = Field(10.0, gt=0)
+    """From a connection's start, or its previous response, to the end of its request's
+    headers; past it: 408 (or, when nothing was sent, a quiet close)."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """The longest a request body may pause; also the grace before `min_body_bytes_per_s`
+    holds.  Past either, the connection is closed."""
+    min_body_bytes_per_s: int = Field(4096, gt=0)
+    """A body's mean rate from its start, once `body_timeout_s` has passed (the server's own
+    waits, while the route has not read what came, do not count)."""
+    keep_alive_s: float = Field(5.0, gt=0)
+    """An idle connection between requests is closed after this (uvicorn's `timeout_keep_alive`)."""
+    max_connections: int = Field(1000, ge=1)
+    """Open connections at once; one more is answered 503 and closed before it is read."""
+    max_connections_per_client: int = Field(64, ge=1)
+    """Open connections from one client address (behind a proxy: the proxy's, so set it to
+    `max_connections` there and bound clients at the proxy)."""
+    trusted_proxies: list[str] = Field(default_factory=lambda: ["127.0.0.1", "::1"])
+    """Addresses whose `X-Forwarded-For` and `X-Forwarded-Proto` are believed (uvicorn's
+    `forwarded_allow_ips`); `*` believes any."""
+
+    def uvicorn_settings(self) -> dict[str, Any]:
+        """The bounds uvicorn has settings for, by uvicorn's names."""
+        return {"h11_max_incomplete_event_size": self.max_head_bytes, "timeout_keep_alive": self.keep_alive_s,
+                "proxy_headers": True, "forwarded_allow_ips": self.trusted_proxies}
+
+
 class Webhooks(_Strict):
     """Where and how batch events are sent (jobs/serve/webhooks.py, docs/SERVING.md)."""
 
@@ -105,6 +142,7 @@ class ServeConfig(_Strict):
     `batching`, ...).  `engine.model` defaults to the name."""
     limits: Limits = Field(default_factory=Limits)
     webhooks: Webhooks = Field(default_factory=Webhooks)
+    http: HttpLimits = Field(default_factory=HttpLimits)
     idle_unload_s: float = Field(900.0, gt=0)
     """An engine idle this long is unloaded (its model worker stays, and loads it again)."""
     concurrent_models: int = Field(1, ge=1)
