@@ -62,7 +62,8 @@ def serve(config_path, db_url, host, port, files_root):
     bound = sock.getsockname()[1]
     click.echo(f"tokenmill serve: http://{cfg.host}:{bound}/v1 (models: {', '.join(cfg.models)}; "
                f"database {cfg.db_url().split('://')[0]}; files {cfg.files_root()})", err=True)
-    run_server(asgi_app(cfg), sock, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+    run_server(asgi_app(cfg), sock, log_level="warning", lifespan="on", timeout_graceful_shutdown=10,
+               **cfg.page.proxy_settings())
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
@@ -98,7 +99,7 @@ def ui(db_url, host, port):
         raise Failure(f"cannot listen on {host}:{port}: {err.strerror}") from None
     sock.listen(128)  # connections wait for the server from the moment its address is printed
     click.echo(f"tokenmill ui: http://{host}:{sock.getsockname()[1]}/ (log in with {token})", err=True)
-    run_server(app, sock, log_level="warning")
+    run_server(app, sock, log_level="warning", proxy_headers=False)  # no proxy is trusted: the client is who it is
 
 
 def run_server(app: Any, sock: Any, **config: Any) -> None:

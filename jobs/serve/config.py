@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyNetwork, field_validator, model_validator
 
 from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, JobSpec, SpecError, format_validation_error, read_spec_file
 from tokenmill.schemas.db import default_db_url
@@ -87,6 +87,26 @@ class Webhooks(_Strict):
         return v
 
 
+class Page(_Strict):
+    """The live page's login (jobs/serve/page.py): its sessions and how it knows it is behind TLS."""
+
+    behind_tls: bool = False
+    """The server is reached through a TLS proxy only: the page's session cookie is always
+    `Secure`.  Without it, the cookie is `Secure` when the request came over https (a trusted
+    proxy's `X-Forwarded-Proto: https` included)."""
+    trusted_proxies: list[IPvAnyNetwork] = Field(default_factory=list)
+    """Address ranges (CIDR) of the proxies whose `X-Forwarded-Proto` and `X-Forwarded-For` are
+    believed, e.g. `127.0.0.1/32` for an nginx on the same host; none (the default): those
+    headers are ignored from every client."""
+    session_ttl_s: float = Field(12 * 3600.0, gt=0, le=30 * 86400)
+    """How long a login lasts; then the page asks for the key again."""
+
+    def proxy_settings(self) -> dict[str, Any]:
+        """uvicorn's settings for the proxy headers: believed from `trusted_proxies` only."""
+        return {"proxy_headers": bool(self.trusted_proxies),
+                "forwarded_allow_ips": [str(n) for n in self.trusted_proxies] or None}
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -105,6 +125,7 @@ class ServeConfig(_Strict):
     `batching`, ...).  `engine.model` defaults to the name."""
     limits: Limits = Field(default_factory=Limits)
     webhooks: Webhooks = Field(default_factory=Webhooks)
+    page: Page = Field(default_factory=Page)
     idle_unload_s: float = Field(900.0, gt=0)
     """An engine idle this long is unloaded (its model worker stays, and loads it again)."""
     concurrent_models: int = Field(1, ge=1)
