@@ -251,3 +251,14 @@ webhook_attempts = Table(
     Column("error", Text),
     Column("duration_s", Float),
 )
+
+#: The live page's login sessions: the cookie carries a random session id, stored here only as
+#: its SHA-256, with the key it was opened by and when it ends (never the key itself).
+page_sessions = Table(
+    "page_sessions",
+    metadata,
+    Column("id_hash", String(64), primary_key=True),
+    Column("key_id", String(64), nullable=False, index=True),
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False, index=True),
+)

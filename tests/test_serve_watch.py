@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import TEST_ENGINE
 from tests.serve_server import ROOT, Server, chat_line, jsonl, wait_for
 from tests.webhook_receiver import Receiver
+from tokenmill.jobs.serve.page import COOKIE
 from tokenmill.schemas import storage as S
 
 PRICE = 3.6  # USD an hour: a cost the usage can be checked against
@@ -192,8 +193,9 @@ def _logged_in(browser, server, key):
     page.fill("input[name=key]", key)
     page.click("button[type=submit]")
     page.wait_for_url(f"{server.base_url}/")
-    (cookie,) = [c for c in page.context.cookies() if c["name"] == "tokenmill_key"]
-    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"  # no script of any page reads the key
+    (cookie,) = [c for c in page.context.cookies() if c["name"] == COOKIE]
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"  # no script of any page reads the session
+    assert cookie["value"] != key  # a session's random id, never the key
     return page
 
 
@@ -220,7 +222,7 @@ def test_the_page_needs_a_key_and_a_wrong_one_is_told_so(server, browser, artifa
     page.screenshot(path=str(artifacts / "login-refused.png"))
     assert httpx.get(f"{server.base_url}/", follow_redirects=False).status_code == 303
     cookie = page.context.cookies()
-    assert not any(c["name"] == "tokenmill_key" for c in cookie)
+    assert not any(c["name"] == COOKIE for c in cookie)
 
 
 @pytest.mark.engine

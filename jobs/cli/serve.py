@@ -103,6 +103,7 @@ def ui(db_url, host, port):
         raise Failure(f"cannot listen on {host}:{port}: {err.strerror}") from None
     sock.listen(128)  # connections wait for the server from the moment its address is printed
     click.echo(f"tokenmill ui: http://{host}:{sock.getsockname()[1]}/ (log in with {token})", err=True)
+    # the default limits trust no proxy: the client is who it is
     run_server(BodyLimit(app, JSON_BODY_BYTES), sock, HttpLimits(), log_level="warning")
 
 

@@ -1,10 +1,13 @@
 """Who is asking `tokenmill serve`: the one authentication every route but /health takes
-(`Who`, a bearer key not revoked), and the caller it gives."""
+(`Who`, a bearer key not revoked), and the caller it gives; and what the live page's login
+holds to (`SessionPolicy`: when its cookie is `Secure`, how long a session lasts;
+`same_site`: a login or logout posted from another site is refused)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from fastapi import Depends, Request
 
@@ -43,3 +46,31 @@ async def caller(request: Request) -> Caller:
 
 
 Who = Annotated[Caller, Depends(caller)]
+
+
+@dataclass(frozen=True)
+class SessionPolicy:
+    """The page's sessions: how long one lasts, and whether its cookie is `Secure` without the
+    request being https (`ServeConfig.page`)."""
+
+    ttl_s: float = 12 * 3600.0
+    behind_tls: bool = False
+
+    def secure(self, request: Request) -> bool:
+        """Whether this request reached the server over TLS: configured so, or its scheme (which
+        the server takes from `X-Forwarded-Proto` of `http.trusted_proxies` only)."""
+        return self.behind_tls or request.url.scheme == "https"
+
+
+def same_site(request: Request) -> bool:
+    """Whether a state-changing page request (login, logout) comes from the page itself: a
+    browser says where it posts from (`Sec-Fetch-Site`, or else `Origin` or `Referer`, whose host
+    must be the one it posted to; `Origin: null` is no site's); a request with neither is no browser's, so no other site's."""
+    fetch_site = request.headers.get("sec-fetch-site")
+    if fetch_site is not None:
+        return fetch_site.lower() in ("same-origin", "none")
+    origin = request.headers.get("origin") or request.headers.get("referer")
+    if origin is None:
+        return True
+    parts = urlsplit(origin)
+    return bool(parts.netloc) and parts.netloc.lower() == request.headers.get("host", "").lower()

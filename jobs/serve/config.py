@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, IPvAnyNetwork, field_validator, model_validator
 
 from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, JobSpec, SpecError, format_validation_error, read_spec_file
 from tokenmill.schemas.db import default_db_url
@@ -83,14 +83,21 @@ class HttpLimits(_Strict):
     max_connections_per_client: int = Field(64, ge=1)
     """Open connections from one client address (behind a proxy: the proxy's, so set it to
     `max_connections` there and bound clients at the proxy)."""
-    trusted_proxies: list[str] = Field(default_factory=lambda: ["127.0.0.1", "::1"])
-    """Addresses whose `X-Forwarded-For` and `X-Forwarded-Proto` are believed (uvicorn's
-    `forwarded_allow_ips`); `*` believes any."""
+    trusted_proxies: list[IPvAnyNetwork] = Field(default_factory=list)
+    """Address ranges (CIDR) of the proxies whose `X-Forwarded-Proto` and `X-Forwarded-For` are
+    believed (uvicorn's `forwarded_allow_ips`), e.g. `127.0.0.1/32` for an nginx on the same
+    host; none (the default): those headers are ignored from every client, so no client on
+    the host can claim https or another address."""
+
+    def proxy_settings(self) -> dict[str, Any]:
+        """uvicorn's settings for the proxy headers: believed from `trusted_proxies` only."""
+        return {"proxy_headers": bool(self.trusted_proxies),
+                "forwarded_allow_ips": [str(n) for n in self.trusted_proxies] or None}
 
     def uvicorn_settings(self) -> dict[str, Any]:
         """The bounds uvicorn has settings for, by uvicorn's names."""
         return {"h11_max_incomplete_event_size": self.max_head_bytes, "timeout_keep_alive": self.keep_alive_s,
-                "proxy_headers": True, "forwarded_allow_ips": self.trusted_proxies}
+                **self.proxy_settings()}
 
 
 class Webhooks(_Strict):
@@ -124,6 +131,17 @@ class Webhooks(_Strict):
         return v
 
 
+class Page(_Strict):
+    """The live page's login (jobs/serve/page.py): its sessions and how it knows it is behind TLS."""
+
+    behind_tls: bool = False
+    """The server is reached through a TLS proxy only: the page's session cookie is always
+    `Secure`.  Without it, the cookie is `Secure` when the request came over https (the
+    `X-Forwarded-Proto: https` of a proxy in `http.trusted_proxies` included)."""
+    session_ttl_s: float = Field(12 * 3600.0, gt=0, le=30 * 86400)
+    """How long a login lasts; then the page asks for the key again."""
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -143,6 +161,7 @@ class ServeConfig(_Strict):
     limits: Limits = Field(default_factory=Limits)
     webhooks: Webhooks = Field(default_factory=Webhooks)
     http: HttpLimits = Field(default_factory=HttpLimits)
+    page: Page = Field(default_factory=Page)
     idle_unload_s: float = Field(900.0, gt=0)
     """An engine idle this long is unloaded (its model worker stays, and loads it again)."""
     concurrent_models: int = Field(1, ge=1)

@@ -11,29 +11,34 @@ catalog), the estimate beside what happened, the report's own plots (jobs/metric
 made on the server as plotly JSON from the database's counts, drawn by plotly.js served here),
 and a batch's webhook attempts.
 
-Access: a key, given once in the login form (kept in an HttpOnly, SameSite=Strict cookie) or
-as `Authorization: Bearer`.  A key sees the jobs that are its own batches, an admin key every
+Access: a key, given once in the login form, which opens a session (schemas/storage/sessions.py:
+the HttpOnly, SameSite=Strict cookie carries the session's random id, never the key; logout,
+the key's revocation or its expiry ends it), or `Authorization: Bearer`.  Login and logout
+posted from another site are refused (403); no redirect names a host (`RelativeRedirects`).  A key sees the jobs that are its own batches, an admin key every
 job; the page shows figures, never a prompt or an output."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from tokenmill.jobs.metrics.catalog import VIEWS, fmt
-from tokenmill.jobs.serve.auth import Caller
+from tokenmill.jobs.serve.auth import Caller, SessionPolicy, same_site
 from tokenmill.jobs.serve.objects import batch_status
 from tokenmill.schemas import storage as S
 
-COOKIE = "tokenmill_key"
+#: The session cookie: a session's random id (the key is never a cookie).
+COOKIE = "tokenmill_session"
 PAGE_SIZE = 50
 #: How often the page asks for itself again (ms).
 REFRESH_MS = 2000
@@ -64,6 +69,25 @@ class PageContext:
     loaded (`tokenmill serve`; none for `ui`)."""
     held: Callable[[dict[str, Any]], str | None] = lambda b: None
     """Why a validating batch waits, or None (`tokenmill serve`: its key over a quota)."""
+    policy: SessionPolicy = SessionPolicy()
+    """How long a login lasts and when its cookie is `Secure`."""
+    ui_id: str | None = None
+    """`tokenmill ui`'s token as a session's key id (`ui_key_id`; none on `tokenmill serve`)."""
+
+    def session_caller(self, session_id: str) -> Caller | None:
+        """Who a session cookie is: its key while the session and the key live, else None."""
+        row = S.SessionStore(self.eng).lookup(session_id)
+        if row is None:
+            return None
+        if row["admin"] is None:  # no API key: only this process's own ui token
+            return Caller(row["key_id"], True) if row["key_id"] == self.ui_id else None
+        return Caller(row["key_id"], row["admin"])
+
+
+def ui_key_id(token: str) -> str:
+    """The id `tokenmill ui`'s token is known by (its sessions' key): a later ui's token is
+    another, so its sessions end with the process that printed it."""
+    return "ui:" + hashlib.sha256(token.encode()).hexdigest()[:24]
 
 
 def key_resolver(eng, token: str | None = None) -> Callable[[str], Caller | None]:
@@ -73,7 +97,7 @@ def key_resolver(eng, token: str | None = None) -> Callable[[str], Caller | None
 
     def resolve(secret: str) -> Caller | None:
         if token is not None and hmac.compare_digest(secret.encode(), token.encode()):
-            return Caller("ui", True)
+            return Caller(ui_key_id(token), True)
         row = keys.by_secret(secret)
         return Caller(row["id"], bool(row["admin"])) if row else None
 
@@ -157,8 +181,10 @@ def page_router() -> APIRouter:
     def viewer(request: Request) -> Caller | None:
         auth = request.headers.get("authorization", "")
         scheme, _, secret = auth.partition(" ")
-        secret = secret.strip() if scheme.lower() == "bearer" else request.cookies.get(COOKIE, "")
-        return ctx(request).resolve(secret) if secret else None
+        if scheme.lower() == "bearer":
+            return ctx(request).resolve(secret.strip()) if secret.strip() else None
+        session = request.cookies.get(COOKIE, "")
+        return ctx(request).session_caller(session) if session else None
 
     def html(name: str, code: int = 200, headers: dict[str, str] = HEADERS, **values: Any) -> HTMLResponse:
         return HTMLResponse(env.get_template(name).render(refresh_ms=REFRESH_MS, **values), status_code=code,
@@ -170,19 +196,30 @@ def page_router() -> APIRouter:
 
     @router.post("/login", include_in_schema=False)
     async def login(request: Request) -> Response:
+        if not same_site(request):
+            return html("login.html", code=403, problem="A login from another site is refused.")
         form = await request.form(max_files=0, max_fields=2)
         secret = str(form.get("key") or "").strip()
-        if not secret or ctx(request).resolve(secret) is None:
+        c = ctx(request)
+        who = c.resolve(secret) if secret else None
+        if who is None:
             return html("login.html", code=401, problem="That key is unknown or revoked.")
+        session = S.SessionStore(c.eng).open(who.key_id, c.policy.ttl_s)
         resp = RedirectResponse("/", status_code=303, headers=HEADERS)
-        resp.set_cookie(COOKIE, secret, httponly=True, samesite="strict", secure=request.url.scheme == "https",
-                        path="/")
+        resp.set_cookie(COOKIE, session, max_age=int(c.policy.ttl_s), httponly=True, samesite="strict",
+                        secure=c.policy.secure(request), path="/")
         return resp
 
     @router.post("/logout", include_in_schema=False)
-    def logout() -> Response:
+    def logout(request: Request) -> Response:
+        if not same_site(request):
+            return Response("A logout from another site is refused.", status_code=403, media_type="text/plain",
+                            headers=HEADERS)
+        session = request.cookies.get(COOKIE)
+        if session:
+            S.SessionStore(ctx(request).eng).close(session)
         resp = RedirectResponse("/login", status_code=303, headers=HEADERS)
-        resp.delete_cookie(COOKIE, path="/")
+        resp.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict", secure=ctx(request).policy.secure(request))
         return resp
 
     @router.get("/page.js", include_in_schema=False)
@@ -313,11 +350,40 @@ def job_report(eng, job_id: str) -> dict[str, Any]:
             "plots": plots, "at": time.monotonic()}
 
 
+class RelativeRedirects:
+    """ASGI middleware: every redirect's `Location` is a path (with its query), never a host:
+    the framework's own trailing-slash redirect builds an absolute URL from the request's
+    `Host` header, which a client chooses."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def relative(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and 300 <= message["status"] < 400:
+                message = {**message, "headers": [(k, _path_only(v) if k.lower() == b"location" else v)
+                                                  for k, v in message.get("headers", [])]}
+            await send(message)
+
+        await self.app(scope, receive, relative)
+
+
+def _path_only(location: bytes) -> bytes:
+    parts = urlsplit(location.decode("latin-1"))
+    path = "/" + parts.path.lstrip("/")  # `//host` would be a host again
+    return urlunsplit(("", "", path, parts.query, parts.fragment)).encode("latin-1")
+
+
 def ui_app(db_url: str, token: str) -> Any:
     """`tokenmill ui`: the page alone over a database (jobs run from the CLI, cron or Airflow),
     entered with `token` (printed at its start) or an API key of that database."""
     app = FastAPI(title="tokenmill ui", docs_url=None, redoc_url=None, openapi_url=None)
     eng = S.connect(db_url)
-    app.state.page = PageContext(eng, key_resolver(eng, token))
+    app.state.page = PageContext(eng, key_resolver(eng, token), ui_id=ui_key_id(token))
     app.include_router(page_router())
+    app.add_middleware(RelativeRedirects)
     return app

@@ -11,10 +11,10 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request
 
-from tokenmill.jobs.serve.auth import Who
+from tokenmill.jobs.serve.auth import SessionPolicy, Who
 from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.objects import batch_status
-from tokenmill.jobs.serve.page import PageContext, key_resolver, page_router
+from tokenmill.jobs.serve.page import PageContext, RelativeRedirects, key_resolver, page_router
 from tokenmill.jobs.serve.service import BatchService
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.storage.usage import DAY_S
@@ -39,7 +39,8 @@ def usage(who: Who, request: Request, days: int = Query(7, ge=1, le=366)) -> dic
 
 
 def install(app: FastAPI, svc: BatchService) -> None:
-    """Add these routes and the live page to the server's app."""
+    """Add these routes and the live page to the server's app, and make its redirects
+    relative (`RelativeRedirects`: the API's trailing-slash redirects too)."""
     app.include_router(router)
     def engines() -> dict[str, str]:
         out = {}
@@ -52,5 +53,8 @@ def install(app: FastAPI, svc: BatchService) -> None:
     def held(b: dict[str, Any]) -> str | None:
         return "held: its key is at a quota" if batch_status(b) == "validating" and svc.quotas.holds(b) else None
 
-    app.state.page = PageContext(svc.eng, key_resolver(svc.eng), engines=engines, held=held)
+    page = svc.cfg.page
+    policy = SessionPolicy(page.session_ttl_s, page.behind_tls)
+    app.state.page = PageContext(svc.eng, key_resolver(svc.eng), engines=engines, held=held, policy=policy)
     app.include_router(page_router())
+    app.add_middleware(RelativeRedirects)

@@ -17,7 +17,8 @@ the SQL, each returning plain rows (dicts of a table's columns):
 - `KeyStore`, `FileStore`, `BatchStore`: what `tokenmill serve` keeps (API keys, files, batches);
   `WebhookStore`: its batch events and their delivery attempts; `UsageStore`: what each key
   used per day, counted from the jobs' own rows and metrics; `WatchReader`: what the live
-  page reads (jobs by status, one page of jobs, running jobs' live counts).
+  page reads (jobs by status, one page of jobs, running jobs' live counts); `SessionStore`: the
+  page's login sessions (a random id's hash, its key, its expiry).
 """
 
 from tokenmill.schemas.storage.cache import CacheStore
@@ -36,12 +37,13 @@ from tokenmill.schemas.storage.jobs import STALE_AFTER_S, JobBusy, JobStore, is_
 from tokenmill.schemas.storage.reader import CHUNK_ROWS, MetricsReader
 from tokenmill.schemas.storage.results import ResultWriter
 from tokenmill.schemas.storage.serve import BatchStore, FileStore, KeyStore
+from tokenmill.schemas.storage.sessions import SessionStore
 from tokenmill.schemas.storage.summary import RequestStats, RequestSummary
 from tokenmill.schemas.storage.usage import UsageStore
 from tokenmill.schemas.storage.watch import WatchReader
 from tokenmill.schemas.storage.webhooks import WebhookStore
 
 __all__ = [
-    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "StorageError", "UsageStore", "WatchReader", "WebhookStore",
+    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "SessionStore", "StorageError", "UsageStore", "WatchReader", "WebhookStore",
     "alembic_config", "connect", "current_revision", "head_revision", "is_live", "owner_tag", "upgrade", "utcnow",
 ]
