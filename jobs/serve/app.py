@@ -15,7 +15,6 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.jobs.serve.auth import Caller, Who
@@ -24,18 +23,9 @@ from tokenmill.jobs.serve.config import ServeConfig
 from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.guard import FORM_OVERHEAD, BodyLimit
 from tokenmill.jobs.serve.objects import batch_object, error_body, file_deleted, file_object, page
+from tokenmill.jobs.serve.requests import After, CreateBatch, ObjectId, Purpose, describe_upload, stored_filename
 from tokenmill.jobs.serve.service import BatchService
 from tokenmill.jobs.serve.watch import install
-
-
-class CreateBatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, Any] | None = None
-    output_expires_after: dict[str, Any] | None = None
 
 
 def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI:
@@ -71,7 +61,7 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
     def health() -> dict[str, Any]:
         return {"status": "ok"}
 
-    @app.post("/v1/files")
+    @app.post("/v1/files", openapi_extra=describe_upload())
     async def upload(request: Request, who: Who) -> dict[str, Any]:
         lim = cfg.limits
         form = await request.form(max_files=1, max_fields=4)
@@ -97,14 +87,14 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
             if lines > lim.max_file_lines:
                 raise ApiError(400, f"the file has {lines:,} lines; a batch file holds at most "
                                     f"{lim.max_file_lines:,} requests", param="file", code="too_many_lines")
-            row = svc.add_file(who.key_id, upload.filename or "upload.jsonl", purpose, tmp, nbytes, lines)
+            row = svc.add_file(who.key_id, stored_filename(upload.filename), purpose, tmp, nbytes, lines)
         finally:
             os.unlink(tmp)
         return file_object(row)
 
     @app.get("/v1/files")
-    def list_files(who: Who, purpose: str | None = None, limit: int = Query(10000, ge=1, le=10000),
-                   after: str | None = None, order: str = Query("desc", pattern="^(asc|desc)$")) -> dict:
+    def list_files(who: Who, purpose: Purpose = None, limit: int = Query(10000, ge=1, le=10000),
+                   after: After = None, order: str = Query("desc", pattern="^(asc|desc)$")) -> dict:
         rows = svc.files.page(who.scope, purpose=purpose, limit=limit + 1, after=after, newest_first=order == "desc")
         return page(rows[:limit], file_object, len(rows) > limit)
 
@@ -115,17 +105,17 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
         return f
 
     @app.get("/v1/files/{file_id}")
-    def get_file(file_id: str, who: Who) -> dict[str, Any]:
+    def get_file(file_id: ObjectId, who: Who) -> dict[str, Any]:
         return file_object(owned_file(file_id, who))
 
     @app.get("/v1/files/{file_id}/content")
-    def file_content(file_id: str, who: Who) -> Response:
+    def file_content(file_id: ObjectId, who: Who) -> Response:
         f = owned_file(file_id, who)
         return StreamingResponse(iter_bytes(svc.blobs.open(f["id"])), media_type="application/jsonl",
                                  headers={"content-length": str(f["bytes"])})
 
     @app.delete("/v1/files/{file_id}")
-    def delete_file(file_id: str, who: Who) -> dict[str, Any]:
+    def delete_file(file_id: ObjectId, who: Who) -> dict[str, Any]:
         svc.delete_file(who.scope, owned_file(file_id, who)["id"])
         return file_deleted(file_id)
 
@@ -138,19 +128,19 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
                                        body.metadata))
 
     @app.get("/v1/batches")
-    def list_batches(who: Who, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
+    def list_batches(who: Who, limit: int = Query(20, ge=1, le=100), after: After = None) -> dict[str, Any]:
         rows = svc.batches.page(who.scope, limit=limit + 1, after=after)
         return page(rows[:limit], render, len(rows) > limit)
 
     @app.get("/v1/batches/{batch_id}")
-    async def get_batch(batch_id: str, who: Who) -> Response:
+    async def get_batch(batch_id: ObjectId, who: Who) -> Response:
         b = svc.batches.get(batch_id, who.scope)
         if b is None:
             raise ApiError(404, f"No such Batch object: {batch_id[:100]}", code="not_found", param="batch_id")
         return JSONResponse(render(b))  # already checked against `Batch`: no second validation
 
     @app.post("/v1/batches/{batch_id}/cancel")
-    def cancel_batch(batch_id: str, who: Who) -> dict[str, Any]:
+    def cancel_batch(batch_id: ObjectId, who: Who) -> dict[str, Any]:
         return render(svc.cancel_batch(who.scope, batch_id))
 
     install(app, svc)  # the live page, a batch's webhook attempts, a key's usage

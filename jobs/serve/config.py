@@ -19,6 +19,8 @@ DEFAULT_MODEL = "smollm2-135m"
 #: The job spec keys a served model may set (the rest are the batch's: input, output, ids).
 MODEL_KEYS = ("engine", "sampling", "batching", "runner", "cache", "price_per_hour", "prices", "s3_endpoint_url")
 _WINDOW = re.compile(r"(\d+)([smhd])")
+#: A completion window as a JSON Schema pattern (the body's schema: jobs/serve/requests.py).
+WINDOW_PATTERN = f"^{_WINDOW.pattern}$"
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from tokenmill.jobs.metrics.catalog import VIEWS, fmt
 from tokenmill.jobs.serve.auth import Caller, SessionPolicy, same_site
 from tokenmill.jobs.serve.objects import batch_status
+from tokenmill.jobs.serve.requests import JobId, JobStatus, Offset
 from tokenmill.schemas import storage as S
 
 #: The session cookie: a session's random id (the key is never a cookie).
@@ -230,9 +231,8 @@ def page_router() -> APIRouter:
     def style() -> Response:
         return Response((_HERE / "page.css").read_text(), media_type="text/css", headers=HEADERS)
 
-    @router.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def jobs(request: Request, offset: int = Query(0, ge=0), status: str | None = Query(None, max_length=16)
-             ) -> Response:
+    @router.get("/", response_class=HTMLResponse)
+    def jobs(request: Request, offset: Offset = 0, status: JobStatus = None) -> Response:
         who = viewer(request)
         if who is None:
             return RedirectResponse("/login", status_code=303, headers=HEADERS)
@@ -256,8 +256,8 @@ def page_router() -> APIRouter:
                     more=more, page_size=PAGE_SIZE, status=status, engines=engines, now=now, waiting=waits,
                     n_waiting=n_waiting)
 
-    @router.get("/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
-    def job_page(job_id: str, request: Request) -> Response:
+    @router.get("/jobs/{job_id}", response_class=HTMLResponse)
+    def job_page(job_id: JobId, request: Request) -> Response:
         who = viewer(request)
         if who is None:
             return RedirectResponse("/login", status_code=303, headers=HEADERS)

@@ -15,6 +15,7 @@ from tokenmill.jobs.serve.auth import SessionPolicy, Who
 from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.objects import batch_status
 from tokenmill.jobs.serve.page import PageContext, RelativeRedirects, key_resolver, page_router
+from tokenmill.jobs.serve.requests import ObjectId
 from tokenmill.jobs.serve.service import BatchService
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.storage.usage import DAY_S
@@ -23,7 +24,7 @@ router = APIRouter()
 
 
 @router.get("/v1/batches/{batch_id}/webhooks")
-def batch_webhooks(batch_id: str, who: Who, request: Request) -> dict[str, Any]:
+def batch_webhooks(batch_id: ObjectId, who: Who, request: Request) -> dict[str, Any]:
     svc = request.app.state.service
     if svc.batches.get(batch_id, who.scope) is None:
         raise ApiError(404, f"No such Batch object: {batch_id[:100]}", code="not_found", param="batch_id")

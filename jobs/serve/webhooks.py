@@ -239,7 +239,7 @@ class WebhookSender:
             check_url(url, self.cfg.allow_networks, self.resolve)
         except Refused as err:
             return str(err)
-        except OSError as err:
+        except (OSError, UnicodeError) as err:  # UnicodeError: a host name the IDNA codec refuses
             return f"webhook host of {url[:200]!r} does not resolve: {first_line(err)}"
         return None
 

@@ -1,0 +1,99 @@
+"""What a request to `tokenmill serve` may hold, bounded before it reaches the database or an
+engine: ids, cursors, offsets, filters and the body of `POST /v1/batches`.  Whatever is out of
+range, longer than the column it is compared with or stored in, or holds a control character
+(PostgreSQL refuses NUL in text) is refused as a 400 in OpenAI's error shape naming the field
+(app.py's handler of `RequestValidationError`), never a 500."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import Path, Query
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from tokenmill.jobs.serve.config import WINDOW_PATTERN
+from tokenmill.schemas.wire.openai.request import ENDPOINTS
+
+#: No control characters: a string compared with or stored in a text column.
+PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
+#: The width of the service's id columns (`api_files.id`, `api_batches.id`: schemas/tables.py).
+ID_CHARS = 64
+#: The width of `jobs.id`: a job's page takes the id of any job, run by the service or not.
+JOB_ID_CHARS = 128
+#: The largest page offset: past any row a database here holds, inside every backend's integer.
+MAX_OFFSET = 2**31 - 1
+#: `metadata.priority` is stored in a 32-bit column.
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+#: OpenAI's bounds of `output_expires_after.seconds`: one hour to 30 days.
+OUTPUT_EXPIRY_S = (3600, 30 * 24 * 3600)
+
+Text = Annotated[str, StringConstraints(pattern=PRINTABLE)]
+ObjectId = Annotated[str, Path(min_length=1, max_length=ID_CHARS, pattern=PRINTABLE)]
+"""A file's or a batch's id in a route's path."""
+JobId = Annotated[str, Path(min_length=1, max_length=JOB_ID_CHARS, pattern=PRINTABLE)]
+"""A job's id in the page's path."""
+After = Annotated[str | None, Query(max_length=ID_CHARS, pattern=PRINTABLE)]
+"""A list's cursor: the id of the last object of the page before."""
+Purpose = Annotated[str | None, Query(max_length=32, pattern=PRINTABLE)]
+"""A file list's filter (`api_files.purpose` is 32 wide)."""
+Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET)]
+"""The page's row offset."""
+JobStatus = Annotated[str | None, Query(max_length=16, pattern=PRINTABLE)]
+"""The page's status filter."""
+
+
+class OutputExpiresAfter(BaseModel):
+    """OpenAI's `output_expires_after`: how long after its anchor a batch's output is kept."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=OUTPUT_EXPIRY_S[0], le=OUTPUT_EXPIRY_S[1])
+
+
+class CreateBatch(BaseModel):
+    """The body of `POST /v1/batches`, each field no longer than its column (schemas/tables.py);
+    metadata as OpenAI bounds it (keys of 64 characters, values of 512; the number of keys is
+    the server's `limits.max_metadata_keys`, checked by the service)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: Annotated[Text, StringConstraints(min_length=1, max_length=ID_CHARS)]
+    # what the service accepts, described for clients and the fuzzer; the service refuses the
+    # rest with its own message (service.create_batch)
+    endpoint: Annotated[Text, StringConstraints(max_length=64), Field(json_schema_extra={"enum": list(ENDPOINTS)})]
+    completion_window: Annotated[Text, StringConstraints(max_length=16),
+                                 Field(json_schema_extra={"pattern": WINDOW_PATTERN})]
+    metadata: dict[Annotated[str, StringConstraints(max_length=64)],
+                   Annotated[str, StringConstraints(max_length=512)]] | None = None
+    output_expires_after: OutputExpiresAfter | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _priority_in_range(cls, meta: dict[str, str] | None) -> dict[str, str] | None:
+        raw = (meta or {}).get("priority")
+        if raw is None:
+            return meta
+        try:
+            n = int(raw)
+        except ValueError:
+            return meta  # not a whole number: the service says so (service.priority_of)
+        lo, hi = PRIORITY_RANGE
+        if not lo <= n <= hi:
+            raise ValueError(f"priority must be a whole number from {lo} to {hi}, got {raw[:40]!r}")
+        return meta
+
+
+def stored_filename(name: str | None, default: str = "upload.jsonl") -> str:
+    """An upload's file name as it is stored: control characters dropped, at most 512
+    characters (`api_files.filename`)."""
+    kept = "".join(ch for ch in (name or "") if ch.isprintable())[:512]
+    return kept or default
+
+
+def describe_upload() -> dict[str, Any]:
+    """The OpenAPI body of `POST /v1/files` (the route reads its form itself, bounded)."""
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["purpose", "file"],
+        "properties": {"purpose": {"type": "string", "enum": ["batch"]},
+                       "file": {"type": "string", "format": "binary"}}}}}}}
