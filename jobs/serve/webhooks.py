@@ -202,7 +202,8 @@ class SecretBox:
 
 class Refused(ValueError):
     """A webhook URL the server will not call: its message (one line: what and why) is what a
-    key is told; `detail` adds, for the operator's own log and CLI, the address refused."""
+    key is told (in a 400 and in the attempt log `GET /v1/batches/{id}/webhooks` shows);
+    `detail` adds, for the server's log and the operator's CLI only, the address refused."""
 
     def __init__(self, message: str, detail: str | None = None):
         super().__init__(message)
@@ -342,6 +343,7 @@ class WebhookSender:
         t0 = self.clock()
         key = self.keys.get(ev["owner"])
         problem: str | None = None
+        detail: str | None = None  # for the server's log alone: the attempt log is the key's to read
         addrs: list[str] = []
         secret = ""
         if key is None or key.get("revoked_at") is not None:
@@ -353,7 +355,7 @@ class WebhookSender:
                 secret = self.box.open(key["webhook_secret"])
                 addrs = check_url(ev["url"], self.cfg.allow_networks, self.resolve)
             except Refused as err:
-                problem = err.detail  # the server's own record: the address refused may be named
+                problem, detail = str(err), err.detail
             except SecretError as err:
                 problem = str(err)
             except OSError as err:
@@ -361,7 +363,7 @@ class WebhookSender:
         if problem is not None:
             self.store.record(ev, {"attempt": n, "at": t0, "outcome": "refused", "error": problem[:2000]},
                               next_at=None, gave_up_at=t0)
-            log.warning("webhook %s of batch %s refused: %s", ev["id"], ev["batch_id"], problem)
+            log.warning("webhook %s of batch %s refused: %s", ev["id"], ev["batch_id"], detail or problem)
             return "refused"
         headers = {"content-type": "application/json", "user-agent": USER_AGENT,
                    **signed_headers(secret, ev["id"], ev["body"], t0)}
