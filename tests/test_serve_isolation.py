@@ -197,3 +197,20 @@ def test_files_outputs_job_folders_and_the_database_are_the_owners_alone(tmp_pat
     for f in ("1", "2"):
         assert _mode(svc.blobs.path("file-" + f * 24)) == 0o600
     D._ENGINES.pop(url).dispose()
+
+
+def test_a_cancel_that_loses_to_finalizing_is_refused_and_leaves_no_cancelling_mark(tmp_path, sqlite_url):
+    svc = _service(tmp_path, sqlite_url)
+    b = svc.create_batch("key_a", _upload(svc, tmp_path, "key_a"), "/v1/chat/completions", "24h", None)
+    read = svc.batches.get
+
+    def read_then_finalize(batch_id, owner=None):  # the scheduler finalizes between cancel's read and its write
+        row = read(batch_id, owner)
+        svc.batches.set(batch_id, unless="finalizing_at", finalizing_at=time.time())
+        return row
+
+    svc.batches.get = read_then_finalize  # type: ignore[method-assign]
+    with pytest.raises(ApiError) as err:
+        svc.cancel_batch("key_a", b["id"])
+    assert (err.value.status, err.value.code) == (409, "batch_not_cancellable")
+    assert read(b["id"])["cancelling_at"] is None
