@@ -27,6 +27,16 @@ def default_db_url() -> str:
 _ENGINES: dict[str, Engine] = {}
 
 
+def _private_file(path: Path) -> None:
+    """A SQLite database file made here is its owner's alone (0600, its folder 0700 when made
+    here; SQLite gives its -wal and -shm files the database's mode).  An existing one is left."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # an empty file is an empty database
+    except FileExistsError:
+        pass
+
+
 def db_engine(url: str) -> Engine:
     """One pooled engine per URL per process (workers reuse it across bundles)."""
     eng = _ENGINES.get(url)
@@ -35,7 +45,7 @@ def db_engine(url: str) -> Engine:
         kwargs: dict[str, Any] = {"future": True}
         if u.get_backend_name() == "sqlite":
             if u.database and u.database != ":memory:":
-                Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+                _private_file(Path(u.database).expanduser())
             kwargs["connect_args"] = {"timeout": 60}
         else:
             kwargs["pool_pre_ping"] = True

@@ -139,7 +139,9 @@ def test_the_sender_gives_up_after_retry_for_s_and_never_calls_a_refused_url(tmp
         assert refused.got == []
         (b_ev,) = S.WebhookStore(eng).events("batch_b")
         assert [a["outcome"] for a in b_ev["attempt_log"]] == ["refused"] and b_ev["gave_up_at"]
-        assert "127.0.0.2" in b_ev["attempt_log"][0]["error"]
+        # the key reads its attempts: told why, never what its host resolved to
+        assert "not a public address" in b_ev["attempt_log"][0]["error"]
+        assert "127.0.0.2" not in b_ev["attempt_log"][0]["error"]
         (a_ev,) = S.WebhookStore(eng).events("batch_a")
         assert [a["outcome"] for a in a_ev["attempt_log"]] == ["failed"] * 3 and a_ev["gave_up_at"]
         assert len(failing.got) == 3
@@ -190,7 +192,7 @@ def test_a_name_that_resolves_to_loopback_by_delivery_is_refused_and_never_calle
         assert rebinding.send_due() == 1
         (ev,) = S.WebhookStore(eng).events("batch_1")
         assert [a["outcome"] for a in ev["attempt_log"]] == ["refused"] and ev["gave_up_at"]
-        assert "127.0.0.1" in ev["attempt_log"][0]["error"] and "loopback" in ev["attempt_log"][0]["error"]
+        assert "not a public address" in ev["attempt_log"][0]["error"] and "127.0.0.1" not in ev["attempt_log"][0]["error"]
         # `localhost`, resolved by this host's own resolver at delivery
         S.KeyStore(eng).add("key_b", "b", "tm-b", webhook_url=f"http://localhost:{port}/hook",
                             webhook_secret=new_secret())
@@ -199,7 +201,8 @@ def test_a_name_that_resolves_to_loopback_by_delivery_is_refused_and_never_calle
         assert _end(eng, sender, "batch_2", "key_b")
         assert sender.send_due() == 1
         (ev,) = S.WebhookStore(eng).events("batch_2")
-        assert [a["outcome"] for a in ev["attempt_log"]] == ["refused"] and "loopback" in ev["attempt_log"][0]["error"]
+        assert [a["outcome"] for a in ev["attempt_log"]] == ["refused"]
+        assert "not a public address" in ev["attempt_log"][0]["error"]  # what the key reads names no address
         assert rx.got == []
     finally:
         rx.close()
@@ -400,3 +403,27 @@ def test_the_page_lists_batches_that_are_no_job_yet_each_key_its_own(tmp_path):
     assert shown("tm-aaaa") == {"batch_0": "validating", "batch_1": "in_progress"}
     assert shown("tm-bbbb") == {"batch_2": "validating"}
     assert shown("tmui-token") == {"batch_0": "validating", "batch_1": "in_progress", "batch_2": "validating"}
+
+
+@pytest.mark.parametrize("v4", ["127.0.0.1", "10.1.2.3", "169.254.169.254", "192.168.7.9"])
+@pytest.mark.parametrize("form", ["::ffff:{}", "::{}", "64:ff9b::{}", "64:ff9b:1::{}", "2002:{:04x}:{:04x}::1",
+                                  "2001:0:5db8:1::{:04x}:{:04x}"])
+def test_every_ipv6_form_embedding_a_private_ipv4_is_refused_without_naming_an_address(form, v4):
+    import ipaddress
+
+    n = int(ipaddress.IPv4Address(v4))
+    if form.startswith("2002:"):  # 6to4: the IPv4 address in bits 16-48
+        addr = form.format(n >> 16, n & 0xFFFF)
+    elif form.startswith("2001:0:"):  # Teredo: the client's IPv4 address, inverted, in the last 32 bits
+        addr = form.format((~n >> 16) & 0xFFFF, ~n & 0xFFFF)
+    else:
+        addr = form.format(v4)
+    with pytest.raises(Refused) as err:
+        check_url("https://hooks.example.com/x", [], _resolving(addr))
+    msg = str(err.value)
+    assert "not a public address" in msg
+    assert not re.search(r"\d+\.\d+\.\d+\.\d+|[0-9a-f]*:[0-9a-f]*:", msg), msg
+
+
+def test_the_same_forms_of_a_public_ipv4_pass():
+    check_url("https://hooks.example.com/x", [], _resolving("64:ff9b::93.184.216.34", "2002:5db8:d822::1"))

@@ -199,7 +199,7 @@ def _check_webhook(config_path, db_url, url: str) -> None:
     try:
         check_url(url, _config(config_path, db=db_url).webhooks.allow_networks)
     except Refused as err:
-        raise Failure(str(err), code=2) from None
+        raise Failure(err.detail, code=2) from None  # the operator's CLI: the address may be named
     except OSError as err:
         raise Failure(f"webhook host of {url!r} does not resolve: {err}", code=2) from None
 

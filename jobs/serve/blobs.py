@@ -20,6 +20,17 @@ FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 CHUNK = 1 << 20
 
 
+#: The store's files and its folder are its owner's alone: they hold the clients' requests and answers.
+FILE_MODE, DIR_MODE = 0o600, 0o700
+
+
+def _private(path: Path) -> IO[bytes]:
+    """`path` opened for writing, new or emptied, readable by its owner only from its first byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)  # a file left by an earlier run keeps its mode through O_CREAT
+    return os.fdopen(fd, "wb")
+
+
 class BlobError(ValueError):
     """A file id that is not one of the store's (never a path)."""
 
@@ -32,11 +43,11 @@ def _check(file_id: str) -> str:
 
 class LocalBlobs:
     """Files in a local folder, `<root>/<file id>.jsonl`; written under a temporary name and
-    renamed, so a file is there whole or not at all."""
+    renamed, so a file is there whole or not at all; each file 0600, a folder made here 0700."""
 
     def __init__(self, root: str):
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
 
     def path(self, file_id: str) -> Path:
         return self.root / f"{_check(file_id)}.jsonl"
@@ -48,7 +59,8 @@ class LocalBlobs:
     def put_file(self, file_id: str, src: str) -> None:
         dst = self.path(file_id)
         tmp = dst.with_suffix(".part")
-        shutil.copyfile(src, tmp)
+        with open(src, "rb") as fh, _private(tmp) as out:
+            shutil.copyfileobj(fh, out, CHUNK)
         os.replace(tmp, dst)
 
     def move_file(self, file_id: str, src: str) -> None:
@@ -56,6 +68,7 @@ class LocalBlobs:
         dst = self.path(file_id)
         tmp = dst.with_suffix(".part")
         shutil.move(src, tmp)
+        os.chmod(tmp, FILE_MODE)  # the job wrote it with its own mode
         os.replace(tmp, dst)
 
     @contextmanager
@@ -64,7 +77,7 @@ class LocalBlobs:
         dst = self.path(file_id)
         tmp = dst.with_suffix(".part")
         try:
-            with open(tmp, "wb") as fh:
+            with _private(tmp) as fh:
                 yield fh
             os.replace(tmp, dst)
         finally:
@@ -73,7 +86,8 @@ class LocalBlobs:
     def put_index(self, file_id: str, data: bytes) -> None:
         dst = Path(index_location(self.url(file_id)))
         tmp = dst.with_suffix(".part")
-        tmp.write_bytes(data)
+        with _private(tmp) as fh:
+            fh.write(data)
         os.replace(tmp, dst)
 
     def open(self, file_id: str) -> IO[bytes]:

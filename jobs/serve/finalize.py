@@ -26,7 +26,6 @@ from tokenmill.jobs.serve.config import ServeConfig
 from tokenmill.jobs.serve.validate import check_file
 from tokenmill.jobs.serve.webhooks import WebhookSender
 from tokenmill.schemas import storage as S
-from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import DeadLetterRow, OutputRow
 from tokenmill.schemas.wire.lines import LineIndex
 from tokenmill.schemas.wire.openai.objects import line_error, usage_of
@@ -70,7 +69,8 @@ class BatchFiles:
                                max_errors=lim.max_line_errors)
         except OSError as err:
             found = None
-            problem = first_line(err)
+            # the error's own text names the server's path: a client is told the file and the reason only
+            problem = f"the input file {b['input_file_id']} could not be read: {err.strerror or type(err).__name__}"
         finally:
             if temp:
                 os.unlink(path)

@@ -30,8 +30,10 @@ from tokenmill.jobs.serve.engines import EngineProcess
 from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.finalize import JOB_DONE, BatchFiles
 from tokenmill.jobs.serve.quotas import Quotas
+from tokenmill.jobs.serve.validate import length_of, storable
 from tokenmill.jobs.serve.webhooks import METADATA_KEY, WebhookSender
 from tokenmill.schemas import storage as S
+from tokenmill.schemas import tables as T
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.wire.openai.objects import ENDED, batch_status, line_error
 from tokenmill.schemas.wire.openai.request import ENDPOINTS
@@ -43,6 +45,8 @@ MAX_ATTEMPTS = 3
 TICK_S = 0.5
 #: How long a running batch's live request counts are reused (they change batch by batch).
 COUNTS_TTL_S = 1.0
+#: The largest `metadata.priority` either way (the column is a 32-bit integer).
+PRIORITY_MAX = 2**31 - 1
 
 
 def new_id(prefix: str) -> str:
@@ -67,31 +71,33 @@ class BatchService:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        cfg.work_root().mkdir(parents=True, exist_ok=True)
+        cfg.work_root().mkdir(parents=True, exist_ok=True, mode=0o700)  # the jobs' folders: the owner's alone
 
     # ------------------------------------------------------------------ what the routes call
 
     def add_file(self, owner: str, filename: str, purpose: str, path: str, nbytes: int, lines: int) -> dict[str, Any]:
-        row: dict[str, Any] = {"id": new_id("file-"), "owner": owner, "filename": filename[:512] or "upload.jsonl",
+        name = filename.replace("\x00", "")[:length_of(T.api_files.c.filename)] or "upload.jsonl"  # cosmetic: cut
+        row: dict[str, Any] = {"id": new_id("file-"), "owner": owner, "filename": name,
                "purpose": purpose, "bytes": nbytes, "lines": lines, "created_at": time.time(), "deleted_at": None}
         self.blobs.put_file(row["id"], path)
         self.files.add(row)
         return row
 
     def delete_file(self, owner: str | None, file_id: str) -> None:
-        f = self.files.get(file_id, owner)
-        if f is None:
-            raise ApiError(404, f"No such File object: {file_id}", code="not_found", param="file_id")
-        using = [b["id"] for b in self.batches.unfinished() if b["input_file_id"] == file_id]
-        if using:
-            raise ApiError(409, f"file {file_id} is the input of batch {using[0]}, which has not ended; cancel it "
+        # the check and the deletion in one transaction: a batch created over the file meanwhile
+        # is either named here or refused there, never both done
+        deleted, using = self.files.delete_unused(file_id, owner)
+        if using is not None:
+            raise ApiError(409, f"file {file_id} is the input of batch {using}, which has not ended; cancel it "
                                 "first", code="file_in_use")
-        self.files.delete(file_id, owner)
+        if not deleted:
+            raise ApiError(404, f"No such File object: {file_id[:100]}", code="not_found", param="file_id")
         self.blobs.delete(file_id)
 
     def create_batch(self, owner: str, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None) -> dict[str, Any]:
         limits = self.cfg.limits
+        storable(completion_window, T.api_batches.c.completion_window, "completion_window")
         if endpoint not in ENDPOINTS:
             raise ApiError(400, f"endpoint must be one of {list(ENDPOINTS)}, got {endpoint[:80]!r}", param="endpoint",
                            code="invalid_value")
@@ -116,7 +122,8 @@ class BatchService:
             row: dict[str, Any] = {"id": new_id("batch_"), "owner": owner, "endpoint": endpoint, "input_file_id": input_file_id,
                    "completion_window": completion_window, "metadata": meta, "priority": priority_of(meta),
                    "created_at": now, "expires_at": now + window}
-            self.batches.add(row)
+            if not self.batches.add_over_file(row):  # deleted since: the file's row is held while the batch is added
+                raise ApiError(404, f"No such File object: {input_file_id}", code="not_found", param="input_file_id")
         self._wake.set()
         return self.batches.get(row["id"]) or row
 
@@ -127,7 +134,11 @@ class BatchService:
         status = batch_status(b)
         if status in ENDED or status == "finalizing":
             raise ApiError(409, f"Cannot cancel a batch with status '{status}'.", code="batch_not_cancellable")
-        self.batches.set(batch_id, unless="cancelling_at", cancelling_at=time.time())
+        # only while nothing else has begun to end it: a batch finalized since is not marked cancelling
+        if not self.batches.set(batch_id, unless=S.BatchStore.NOT_CANCELLABLE, cancelling_at=time.time()):
+            status = batch_status(self.batches.get(batch_id) or b)
+            if status != "cancelling":
+                raise ApiError(409, f"Cannot cancel a batch with status '{status}'.", code="batch_not_cancellable")
         self._wake.set()
         return self.batches.get(batch_id) or b
 
@@ -298,8 +309,11 @@ def priority_of(meta: dict[str, str] | None) -> int:
     if raw is None:
         return 0
     try:
-        return int(raw)
+        n = int(raw)
     except ValueError:
-        raise ApiError(400, f"metadata.priority must be a whole number, got {raw[:40]!r}",
-                       param="metadata.priority", code="invalid_value") from None
+        n = None
+    if n is None or not -PRIORITY_MAX <= n <= PRIORITY_MAX:  # the column is a 32-bit integer
+        raise ApiError(400, f"metadata.priority must be a whole number from {-PRIORITY_MAX} to {PRIORITY_MAX}, got "
+                            f"{raw[:40]!r}", param="metadata.priority", code="invalid_value")
+    return n
 

@@ -10,10 +10,12 @@ One event per batch ending (its id derives from the batch and the type), kept in
 with every attempt; a background thread sends what is due and retries a failure (no answer, or
 not 2xx) after `first_retry_s`, doubling up to `max_retry_s`, until `retry_for_s` after the
 event was made.  A URL that is not http(s), or whose host resolves to an address that is not
-public (loopback, link-local and the cloud metadata address, private and shared ranges), is
-refused unless `webhooks.allow_networks` names its range: when a batch names it (400), when a
-key is given it (`tokenmill keys webhook`), and again at each attempt (a name may resolve
-elsewhere later): the name is resolved once, every address checked, and the connection made to
+public (loopback, link-local and the cloud metadata address, private and shared ranges; an
+IPv6 address is checked with every IPv4 address it embeds: IPv4-mapped and -compatible, NAT64,
+6to4, Teredo), is refused with a message that does not name the address, unless
+`webhooks.allow_networks` names its range: when a batch names it (400), when a key is given
+it (`tokenmill keys webhook`), and again at each attempt (a name may resolve elsewhere
+later): the name is resolved once, every address checked, and the connection made to
 a checked address with the name in the Host header and TLS's SNI (`pinned`), so a name that
 answers a public address to the check and a private one to the connection reaches no private
 address.  A refused attempt is recorded and the event given up, the URL never called."""
@@ -84,7 +86,16 @@ def _resolve(host: str, port: int) -> list[str]:
     return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)})
 
 
-def _kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+#: IPv6 ranges that carry an IPv4 address in their last 32 bits: IPv4-compatible (::a.b.c.d) and
+#: NAT64's well-known and local-use prefixes (RFC 6052, RFC 8215).
+_LOW32 = tuple(ipaddress.ip_network(n) for n in ("::/96", "64:ff9b::/96", "64:ff9b:1::/48"))
+#: Ranges Python's `is_global` still calls global that no public host answers from: NAT64's
+#: local-use prefix (RFC 8215) and the deprecated IPv4-compatible form.
+_NOT_PUBLIC = tuple(ipaddress.ip_network(n) for n in ("64:ff9b:1::/48", "::/96"))
+
+
+def _kind(ip: IPAddress) -> str:
     if ip.is_loopback:
         return "a loopback address"
     if ip.is_link_local:
@@ -92,6 +103,25 @@ def _kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
     if ip.is_private:
         return "a private address"
     return "not a public address"
+
+
+def address_forms(ip: IPAddress) -> list[IPAddress]:
+    """`ip` and every IPv4 address it embeds (IPv4-mapped, IPv4-compatible, NAT64, 6to4,
+    Teredo's server and client): a connection to any of these forms may reach the IPv4 one."""
+    forms: list[IPAddress] = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        for v4 in (ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ())):
+            if v4 is not None:
+                forms.append(v4)
+        if any(ip in n for n in _LOW32):
+            forms.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return forms
+
+
+def is_public(ip: IPAddress) -> bool:
+    """Whether `ip` and every IPv4 address it embeds are globally reachable."""
+    return all(f.is_global and not any(f.version == n.version and f in n for n in _NOT_PUBLIC)
+               for f in address_forms(ip))
 
 
 #: How a sealed secret starts in `api_keys.webhook_secret`; a value without it is a secret stored
@@ -171,7 +201,13 @@ class SecretBox:
 
 
 class Refused(ValueError):
-    """A webhook URL the server will not call (one line: what and why)."""
+    """A webhook URL the server will not call: its message (one line: what and why) is what a
+    key is told (in a 400 and in the attempt log `GET /v1/batches/{id}/webhooks` shows);
+    `detail` adds, for the server's log and the operator's CLI only, the address refused."""
+
+    def __init__(self, message: str, detail: str | None = None):
+        super().__init__(message)
+        self.detail = detail or message
 
 
 def check_url(url: str, allow_networks: list[str], resolve: Resolver = _resolve) -> list[str]:
@@ -195,12 +231,14 @@ def check_url(url: str, allow_networks: list[str], resolve: Resolver = _resolve)
     for addr in addrs:
         ip = ipaddress.ip_address(addr.split("%")[0])
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
+            ip = ip.ipv4_mapped  # the same host: ::ffff:127.0.0.1 is 127.0.0.1, allowed or not alike
         if any(ip.version == n.version and ip in n for n in nets):
             continue
-        if not ip.is_global:
-            raise Refused(f"webhook host {host!r} is {ip}, {_kind(ip)}; webhooks go to public addresses unless the "
-                          "server's webhooks.allow_networks names the range")
+        if not is_public(ip):
+            # the resolved address is not named: a refusal must not tell a key what an internal name is
+            why = "webhooks go to public addresses unless the server's webhooks.allow_networks names the range"
+            raise Refused(f"webhook host is not a public address; {why}",
+                          f"webhook host {host!r} is {ip}, {_kind(ip)}; {why}")
     return addrs
 
 
@@ -305,6 +343,7 @@ class WebhookSender:
         t0 = self.clock()
         key = self.keys.get(ev["owner"])
         problem: str | None = None
+        detail: str | None = None  # for the server's log alone: the attempt log is the key's to read
         addrs: list[str] = []
         secret = ""
         if key is None or key.get("revoked_at") is not None:
@@ -315,14 +354,16 @@ class WebhookSender:
             try:
                 secret = self.box.open(key["webhook_secret"])
                 addrs = check_url(ev["url"], self.cfg.allow_networks, self.resolve)
-            except (Refused, SecretError) as err:
+            except Refused as err:
+                problem, detail = str(err), err.detail
+            except SecretError as err:
                 problem = str(err)
             except OSError as err:
                 return self._failed(ev, n, t0, None, f"the host does not resolve: {first_line(err)}")
         if problem is not None:
             self.store.record(ev, {"attempt": n, "at": t0, "outcome": "refused", "error": problem[:2000]},
                               next_at=None, gave_up_at=t0)
-            log.warning("webhook %s of batch %s refused: %s", ev["id"], ev["batch_id"], problem)
+            log.warning("webhook %s of batch %s refused: %s", ev["id"], ev["batch_id"], detail or problem)
             return "refused"
         headers = {"content-type": "application/json", "user-agent": USER_AGENT,
                    **signed_headers(secret, ev["id"], ev["body"], t0)}

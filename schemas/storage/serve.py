@@ -15,13 +15,17 @@ from typing import Any
 from sqlalchemy import func, insert, select, update
 
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.storage.database import SqlStore
+from tokenmill.schemas.storage.database import SqlStore, write_lock
 
 
 def key_hash(secret: str) -> str:
     """How a key is stored and looked up: its SHA-256, hex (keys are long random strings, so a
     plain hash is enough; the secret itself is never stored)."""
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+#: A batch that has ended: one of these is set.
+TERMINAL = ("completed_at", "failed_at", "expired_at", "cancelled_at")
 
 
 class KeyStore(SqlStore):
@@ -103,7 +107,7 @@ class FileStore(SqlStore):
         q = select(f).where(_owned(f, owner), f.c.deleted_at.is_(None))
         if purpose:
             q = q.where(f.c.purpose == purpose)
-        q = _page(q, f, after, newest_first)
+        q = _page(q, f, owner, after, newest_first)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q.limit(limit)).mappings()]
 
@@ -114,12 +118,40 @@ class FileStore(SqlStore):
                              .values(deleted_at=time.time())).rowcount
         return bool(n)
 
+    def delete_unused(self, file_id: str, owner: str | None) -> tuple[bool, str | None]:
+        """Delete the file unless a batch not ended reads it, in one transaction that holds the
+        file's row (`live_file`), so a batch created over it meanwhile is either seen here or
+        refused there: (whether it was deleted, the id of a batch that uses it)."""
+        f, b = T.api_files, T.api_batches
+        with self.engine.begin() as conn:
+            if live_file(conn, file_id, owner) is None:
+                return False, None
+            using = conn.execute(select(b.c.id).where(b.c.input_file_id == file_id, *[b.c[c].is_(None) for c in TERMINAL])
+                                 .order_by(b.c.created_at, b.c.id).limit(1)).scalar()
+            if using is not None:
+                return False, str(using)
+            conn.execute(update(f).where(f.c.id == file_id).values(deleted_at=time.time()))
+        return True, None
 
-def _page(q, tbl, after: str | None, newest_first: bool):
-    """Order by creation (newest first, as OpenAI lists) and start after the row `after`."""
+
+def live_file(conn, file_id: str, owner: str | None) -> dict[str, Any] | None:
+    """The file's row, not deleted and `owner`'s, held until the transaction ends: SQLite's
+    write lock taken first, PostgreSQL's row lock (SELECT ... FOR UPDATE; a row deleted while
+    this waited is not found)."""
+    write_lock(conn)
+    f = T.api_files
+    row = conn.execute(select(f).where(f.c.id == file_id, _owned(f, owner), f.c.deleted_at.is_(None))
+                       .with_for_update()).mappings().first()
+    return dict(row) if row else None
+
+
+def _page(q, tbl, owner: str | None, after: str | None, newest_first: bool):
+    """Order by creation (newest first, as OpenAI lists) and start after the row `after`, looked
+    up among `owner`'s rows only: another key's id is an unknown one (an empty page), so a key
+    learns neither that it exists nor when it was made."""
     order = (tbl.c.created_at.desc(), tbl.c.id.desc()) if newest_first else (tbl.c.created_at, tbl.c.id)
     if after:
-        at = select(tbl.c.created_at).where(tbl.c.id == after).scalar_subquery()
+        at = select(tbl.c.created_at).where(tbl.c.id == after, _owned(tbl, owner)).scalar_subquery()
         if newest_first:
             q = q.where((tbl.c.created_at < at) | ((tbl.c.created_at == at) & (tbl.c.id < after)))
         else:
@@ -127,16 +159,25 @@ def _page(q, tbl, after: str | None, newest_first: bool):
     return q.order_by(*order)
 
 
-#: A batch that has ended: one of these is set.
-TERMINAL = ("completed_at", "failed_at", "expired_at", "cancelled_at")
-
-
 class BatchStore(SqlStore):
     """The `api_batches` table."""
+
+    #: A batch may be marked cancelling only while none of these is set (`set(unless=...)`).
+    NOT_CANCELLABLE = ("cancelling_at", "finalizing_at", *TERMINAL)
 
     def add(self, row: dict[str, Any]) -> None:
         with self.engine.begin() as conn:
             conn.execute(insert(T.api_batches).values(**row))
+
+    def add_over_file(self, row: dict[str, Any]) -> bool:
+        """Add the batch if its input file is still there (not deleted, its owner's), in one
+        transaction holding the file's row (`live_file`): a deletion of the file cannot pass
+        between the check and the insert.  Returns whether it was added."""
+        with self.engine.begin() as conn:
+            if live_file(conn, row["input_file_id"], row["owner"]) is None:
+                return False
+            conn.execute(insert(T.api_batches).values(**row))
+        return True
 
     def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
         b = T.api_batches
@@ -146,17 +187,17 @@ class BatchStore(SqlStore):
 
     def page(self, owner: str | None, *, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
         b = T.api_batches
-        q = _page(select(b).where(_owned(b, owner)), b, after, True)
+        q = _page(select(b).where(_owned(b, owner)), b, owner, after, True)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q.limit(limit)).mappings()]
 
-    def set(self, batch_id: str, *, unless: str | None = None, **values: Any) -> bool:
-        """Set columns of a batch; with `unless` (a column), only while that column is unset (a
-        compare-and-set: a terminal time is written once).  Returns whether the row changed."""
+    def set(self, batch_id: str, *, unless: str | tuple[str, ...] | None = None, **values: Any) -> bool:
+        """Set columns of a batch; with `unless` (a column, or several), only while each is unset
+        (a compare-and-set: a terminal time is written once).  Returns whether the row changed."""
         b = T.api_batches
         q = update(b).where(b.c.id == batch_id)
-        if unless:
-            q = q.where(b.c[unless].is_(None))
+        for col in (unless,) if isinstance(unless, str) else unless or ():
+            q = q.where(b.c[col].is_(None))
         with self.engine.begin() as conn:
             return bool(conn.execute(q.values(**values)).rowcount)
 

@@ -16,7 +16,14 @@ from typing import Any, Callable, Iterable
 
 from tokenmill.schemas.config import TASKS
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.sampling import STRUCTURED_KEYS, RowSampling, structured_kind
+from tokenmill.schemas.sampling import (
+    STRUCTURED_KEYS,
+    RowSampling,
+    RowSamplingError,
+    base_type,
+    structured_kind,
+    validate_row_sampling,
+)
 from tokenmill.schemas.wire.lines import LineError, LineIndex, scan
 from tokenmill.schemas.wire.lines import short as _short
 
@@ -43,6 +50,11 @@ SO_ROW_KEYS = tuple(k for k in STRUCTURED_KEYS if k != "response_format")
 #: Body names of a sampling key where the API has more than one (the first present wins);
 #: every other RowSampling key is read under its own name.
 BODY_NAMES = {"max_tokens": ("max_completion_tokens", "max_tokens")}
+#: OpenAI's bounds where they are narrower than RowSampling's (which holds the rest: `n` 1-64,
+#: `top_p` in (0, 1], `max_tokens` > 0, `top_logprobs` 0-20): (least, most) of a body field.
+OPENAI_BOUNDS: dict[str, tuple[float, float]] = {"temperature": (0.0, 2.0), "seed": (-2**63, 2**63 - 1)}
+#: The numeric sampling keys, checked when a file is validated (`check_sampling`).
+NUMERIC_KEYS = tuple(k for k, f in RowSampling.model_fields.items() if base_type(f.annotation) in (int, float))
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,21 @@ def request_fields(obj: Any) -> dict[str, Any]:
                             f"both set a structured output; set one")
         out.update(so)
     return out
+
+
+def check_sampling(fields: dict[str, Any]) -> None:
+    """The numeric sampling values of a request's fields (`request_fields`) in range, as OpenAI
+    refuses them before a batch runs: RowSampling's bounds, and OpenAI's narrower ones
+    (`OPENAI_BOUNDS`).  Raises LineError naming the body field and the value."""
+    try:
+        validate_row_sampling({k: fields[k] for k in NUMERIC_KEYS if k in fields})
+    except RowSamplingError as err:
+        raise LineError(f"body.{err.key}: {err}", code="invalid_value", param=f"body.{err.key}") from None
+    for key, (least, most) in OPENAI_BOUNDS.items():
+        value = fields.get(key)
+        if value is not None and not least <= value <= most:
+            raise LineError(f"body.{key}: {key} must be in [{least:g}, {most:g}], got {_short(value)}",
+                            code="invalid_value", param=f"body.{key}")
 
 
 def peek(line: bytes) -> tuple[str, str | None, str | None]:
