@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tokenmill.jobs.lifecycle.caps import CapError, CapWatch, before_start, capped
+from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.jobs.lifecycle.export import finished_export, write_marker
 from tokenmill.jobs.lifecycle.jobrow import hardware, job_values, versions
 from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight
@@ -31,10 +32,6 @@ from tokenmill.transforms.engines.protocol import EngineStartError
 from tokenmill.transforms.spill import remove_job_spill
 
 log = logging.getLogger(__name__)
-
-
-class JobError(RuntimeError):
-    """A job that cannot run or did not finish; the message is one line."""
 
 
 @dataclass
