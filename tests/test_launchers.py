@@ -52,14 +52,14 @@ class _Pool:
         return self.proc.launch(job_id, spec, db_url)
 
 
-def _launcher(kind, tmp_path, got):
+def _launcher(kind, tmp_path, got, stages):
     from tokenmill.jobs.lifecycle.launchers.inprocess import InProcessLauncher
     from tokenmill.jobs.lifecycle.launchers.spawned import SpawnedLauncher
 
     if kind == "in-process":
         return InProcessLauncher(got.put)
     if kind == "subprocess":
-        return SpawnedLauncher(got.put, lambda line: None, tmp_path)
+        return SpawnedLauncher(got.put, stages.append, tmp_path)
     return _Pool(tmp_path, got)
 
 
@@ -96,10 +96,13 @@ def test_each_launcher_reports_a_success_a_failure_and_a_cancel_as_the_same_type
         quick = write_parquet(tmp_path / "quick.parquet", [{"id": f"r{i}", "prompt": f"question {i}"} for i in range(3)])
         slow = write_parquet(tmp_path / "slow.parquet",
                              [{"id": f"r{i}", "prompt": f"[[slow]] question {i}"} for i in range(40)])
-        launcher = _launcher(kind, tmp_path, got)
+        stages: list[str] = []
+        launcher = _launcher(kind, tmp_path, got, stages)
         try:
             assert launcher.launch("ok", spec("ok", quick), sqlite_url)
             assert got.get(timeout=300) == Launched("ok", "succeeded", None)
+            if kind == "subprocess":  # its stage lines came over the pipe too
+                assert any(line.startswith("checked: 3 input rows") for line in stages), stages
             assert launcher.launch("bad", spec("bad", tmp_path / "gone.parquet"), sqlite_url)
             bad = got.get(timeout=300)
             assert (bad.job_id, bad.status, bad.raised) == ("bad", "failed", True) and "does not exist" in bad.note
