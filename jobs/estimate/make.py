@@ -23,7 +23,7 @@ from tokenmill.jobs.estimate.measure import (
 )
 from tokenmill.jobs.estimate.profile import InputProfile, profile_input
 from tokenmill.jobs.estimate.sample import FILL_TOKENS, SampleError, default_sample_rows, draw, write_sample
-from tokenmill.jobs.lifecycle.runner import JobError
+from tokenmill.jobs.lifecycle.errors import JobError
 
 #: What the sample job's id adds to the job's (job ids allow letters, digits, `._:-`).
 SAMPLE_SUFFIX = ":estimate"

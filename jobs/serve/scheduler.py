@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
 
@@ -23,10 +23,12 @@ from tokenmill.jobs.lifecycle.launchers import DONE, Event, Launched, ProcessDie
 from tokenmill.jobs.serve.config import ServeConfig
 from tokenmill.jobs.serve.engines import EngineProcess
 from tokenmill.jobs.serve.objects import batch_status
-from tokenmill.jobs.serve.quotas import Quotas
 from tokenmill.jobs.serve.validate import line_error
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.errors import first_line
+
+if TYPE_CHECKING:  # the service makes it; only its type here
+    from tokenmill.jobs.serve.quotas import Quotas
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class Scheduler:
     db_url: str
     eng: Engine
     batches: S.BatchStore
-    quotas: Quotas
+    quotas: "Quotas"
     blobs: Any
     engines: dict[str, EngineProcess]
     _wake: threading.Event
