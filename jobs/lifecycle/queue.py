@@ -99,10 +99,6 @@ def spec_of(job: dict[str, Any]) -> JobSpec:
         raise QueueError(str(err)) from None
 
 
-#: What `run_pending` reports of each job: the launchers' typed result.
-Outcome = Launched
-
-
 def run_pending(
     eng: Engine,
     run: Callable[[JobSpec], Launched],
