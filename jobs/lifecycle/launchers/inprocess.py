@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 from tokenmill.jobs.lifecycle import runner
 from tokenmill.jobs.lifecycle.launchers import Launched, settle
-from tokenmill.schemas.config import JobSpec, load_spec
+from tokenmill.schemas.config import JobSpec, SpecError, load_spec
+from tokenmill.schemas.errors import first_line
 
 
 def run_here(spec: JobSpec, *, db_url: str | None = None, session_factory=None,
@@ -29,6 +30,10 @@ class InProcessLauncher:
     session_factory: Any = None
 
     def launch(self, job_id: str, spec: dict[str, Any], db_url: str) -> bool:
-        self.report(settle(job_id, lambda: runner.run_job(load_spec(spec, source=f"job {job_id}"), db_url=db_url,
-                                                          session_factory=self.session_factory)))
+        try:
+            job = load_spec(spec, source=f"job {job_id}")
+        except SpecError as err:  # a stored spec this version cannot read: the job's failure, not the launcher's
+            self.report(Launched(job_id, "failed", first_line(err, 1000), raised=True, error=err))
+            return True
+        self.report(run_here(job, db_url=db_url, session_factory=self.session_factory))
         return True
