@@ -30,6 +30,7 @@ from tokenmill.jobs.cli.common import (
     json_option,
     spec_overrides,
 )
+from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.transforms.engines.kinds import engine_of
 
 #: run-pending's exit code: the most serious outcome among the jobs it ran.
@@ -58,7 +59,6 @@ def submit(spec_file, as_json, **kw):
 
     spec = build_spec(spec_file, spec_overrides(kw))
     eng = connect(kw.get("db_url") or spec.db)
-    from tokenmill.jobs.lifecycle.errors import JobError
     from tokenmill.jobs.lifecycle.runner import resolve_workers
 
     try:  # `auto` stays in the queued spec: it is counted on the host that runs the job
@@ -139,7 +139,6 @@ def run_pending(db_url, limit, quiet, as_json):
 def check_spec(spec) -> dict[str, Any]:
     """The checks `run` makes before a worker starts (preflight.py), without a database:
     returns what was found; raises Failure with every problem on one line."""
-    from tokenmill.jobs.lifecycle.errors import JobError
     from tokenmill.jobs.lifecycle.preflight import preflight
     from tokenmill.jobs.lifecycle.runner import resolve_workers
 

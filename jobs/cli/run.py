@@ -25,6 +25,7 @@ from tokenmill.jobs.cli.common import (
     json_option,
     spec_overrides,
 )
+from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.jobs.metrics.catalog import values
 
 
@@ -75,7 +76,6 @@ def execute_job(spec, db_url, quiet: bool, as_json: bool, verbose: bool = False)
     """Run the job with engine and library output in its log file (`console.JobConsole`);
     the terminal gets a line per stage, the row bar, the summary and any error."""
     from tokenmill.jobs.cli.console import JobConsole
-    from tokenmill.jobs.lifecycle.errors import JobError
     from tokenmill.jobs.lifecycle.launchers.inprocess import run_here
     from tokenmill.jobs.lifecycle.launchers.spawned import Reporter
     from tokenmill.schemas import storage as S

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.jobs.lifecycle.preflight import preflight
 from tokenmill.jobs.modeltools.compare import CompareError, compare_jobs
 from tokenmill.jobs.modeltools.tune.budget import Budget
@@ -82,7 +83,6 @@ def tune(spec_data: dict[str, Any], *, sample: int, out: str | Path, db_url: str
     under `out`.  `session_factory`: the engine (tests pass a fake; default vLLM).
     `eval_set`: questions with a `reference` column for the default gate where the job's
     rows have no references (default: the bundled EVAL_SET)."""
-    from tokenmill.jobs.lifecycle.errors import JobError
     from tokenmill.jobs.lifecycle.launchers.inprocess import run_here  # Beam: only when a tune runs
 
     try:
