@@ -55,6 +55,12 @@ jobs = Table(
     Column("failed", Integer),
     Column("error", Text),
     Column("metrics", JSON),
+    # the queue: higher priority first, then submission; a served batch's job names its API key
+    # (`api_key`: the server runs it, run-pending does not); runs that ended in an error or a dead
+    # process, counted here so that a restarted server keeps the count
+    Column("priority", Integer, nullable=False, default=0, server_default="0"),
+    Column("api_key", String(64), index=True),
+    Column("attempts", Integer, nullable=False, default=0, server_default="0"),
 )
 
 _SQL: dict[str, type[TypeEngine]] = {"text": Text, "int": Integer, "bigint": BigInteger, "float": Float, "json": JSON,
@@ -203,6 +209,7 @@ api_batches = Table(
     Column("completion_window", String(16), nullable=False),
     Column("metadata", JSON),
     Column("priority", Integer, nullable=False, default=0, server_default="0"),
+    Column("validation_attempts", Integer, nullable=False, default=0, server_default="0"),
     Column("lines", Integer),
     Column("errors", JSON),
     Column("created_at", Float, nullable=False, index=True),

@@ -15,6 +15,7 @@ from tests.fakes import FakeSession
 from tests.helpers import assert_one_line_error, cli, job_spec, one_error_line
 from tokenmill.jobs.cli import main
 from tokenmill.jobs.lifecycle import queue as Q
+from tokenmill.jobs.lifecycle.launchers.inprocess import run_here
 from tokenmill.jobs.lifecycle.runner import run_job
 from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
@@ -25,7 +26,7 @@ def prompts(tmp_path, n=3, name="in.parquet"):
 
 
 def fake_run(db_url):
-    return lambda spec: run_job(spec, db_url=db_url, session_factory=FakeSession)
+    return lambda spec: run_here(spec, db_url=db_url, session_factory=FakeSession)
 
 
 # ---------------------------------------------------------------- submit
@@ -135,7 +136,7 @@ def test_one_failing_job_does_not_stop_the_queue(tmp_path, sqlite_url):
     Q.submit(eng, job_spec(prompts(tmp_path), tmp_path / "y", job_id="good"))
     outcomes = Q.run_pending(eng, fake_run(sqlite_url))
     assert [(o.job_id, o.status) for o in outcomes] == [("bad", "failed"), ("good", "succeeded")]
-    assert "does not exist" in outcomes[0].error
+    assert "does not exist" in outcomes[0].note
     assert S.JobStore(eng).get("bad")["status"] == "failed" and "does not exist" in S.JobStore(eng).get("bad")["error"]
 
 
@@ -143,7 +144,8 @@ def test_run_pending_cli_exit_code_is_the_most_serious_outcome(tmp_path, sqlite_
     import tokenmill.jobs.lifecycle.runner as runner_mod
 
     real = runner_mod.run_job
-    monkeypatch.setattr(runner_mod, "run_job", lambda spec, **kw: real(spec, **kw, session_factory=FakeSession))
+    monkeypatch.setattr(runner_mod, "run_job",
+                        lambda spec, session_factory=None, **kw: real(spec, **kw, session_factory=FakeSession))
     eng = S.connect(sqlite_url)
     ok = prompts(tmp_path, 2)
     partial = write_parquet(tmp_path / "p.parquet", [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": ""}])
@@ -269,7 +271,8 @@ def test_run_json_and_quiet_outputs(tmp_path, sqlite_url, monkeypatch):
     import tokenmill.jobs.lifecycle.runner as runner_mod
 
     real = runner_mod.run_job
-    monkeypatch.setattr(runner_mod, "run_job", lambda spec, **kw: real(spec, **kw, session_factory=FakeSession))
+    monkeypatch.setattr(runner_mod, "run_job",
+                        lambda spec, session_factory=None, **kw: real(spec, **kw, session_factory=FakeSession))
     inp = prompts(tmp_path, 3)
     res = cli("run", "--input", str(inp), "--output", str(tmp_path / "o"), "--job-id", "j1",
               "--db", sqlite_url, "--json")

@@ -226,7 +226,7 @@ class _Engine:
     def alive(self):
         return True
 
-    def submit(self, batch_id, spec, db_url):
+    def launch(self, batch_id, spec, db_url):
         if self.gone:  # died since alive() said otherwise
             self.gone -= 1
             return False
@@ -263,14 +263,14 @@ def test_one_models_queued_batches_run_one_at_a_time_by_priority_then_age(tmp_pa
         svc.tick()  # nothing else starts while the model's engine is busy
         assert [s[0] for s in engine.submitted] == order
         engine.running = None
-        svc.finished[order[-1]] = ("cancelled", None)
+        S.JobStore(svc.eng).finish(order[-1], status="cancelled")  # its job's row: how its run ended
         svc.tick()
     assert order == [made[1], made[0], made[2], made[3]]
     assert engine.submitted[0][1:] == (made[1], "openai-jsonl")  # the batch's job has its id
 
 
 def test_a_batch_whose_validation_raises_is_tried_again_then_failed_never_left_validating(tmp_path, caplog):
-    from tokenmill.jobs.serve.service import MAX_ATTEMPTS
+    from tokenmill.jobs.serve.scheduler import MAX_ATTEMPTS
 
     svc, engine, fid = _service(tmp_path)
     real, calls = svc.blobs.local_copy, []
@@ -310,7 +310,7 @@ def test_a_batch_handed_to_an_engine_process_that_just_died_stays_queued_for_the
     parent, child = mp.Pipe()
     child.close()  # the process is gone: its end of the pipe with it
     dead = EngineProcess("m", 60.0, str(tmp_path / "e.log"), lambda model, msg: None, conn=parent)
-    assert dead.submit("batch_x", {}, "sqlite://") is False and dead.running is None
+    assert dead.launch("batch_x", {}, "sqlite://") is False and dead.running is None
     svc, engine, fid = _service(tmp_path)
     engine.gone = 1
     a = svc.create_batch("k", fid, "/v1/chat/completions", "24h", None)["id"]
@@ -366,7 +366,8 @@ def test_an_engine_process_unloads_its_engine_when_idle_and_answers_each_batch(m
     from multiprocessing import Pipe
 
     from tokenmill.jobs.lifecycle import runner
-    from tokenmill.jobs.serve.engines import engine_main
+    from tokenmill.jobs.lifecycle.launchers import EngineLoaded, Launched
+    from tokenmill.jobs.serve.engines import Launch, engine_main
     from tokenmill.transforms.engines import registry
 
     held: list[str] = []
@@ -374,7 +375,7 @@ def test_an_engine_process_unloads_its_engine_when_idle_and_answers_each_batch(m
     class Done:
         status, note = "succeeded", None
 
-    def run_job(spec, db_url):
+    def run_job(spec, db_url, **kw):
         if spec.job_id == "held-elsewhere":
             raise S.JobBusy("job 'held-elsewhere' is running (owner host:1)")
         held.append(spec.job_id)  # the engine is loaded by the job
@@ -388,14 +389,15 @@ def test_an_engine_process_unloads_its_engine_when_idle_and_answers_each_batch(m
                          daemon=True)
     t.start()
     spec = ServeConfig(models={"m": {}}).job_spec("m", input="x.jsonl", output=str(tmp_path / "o"), job_id="b1")
-    ours.send(("b1", spec.model_dump(mode="json", exclude_none=True), "sqlite://"))
-    assert ours.recv() == ("done", "b1", "succeeded", None)
-    assert ours.recv() == ("loaded", True) and held == ["b1"]
-    assert ours.poll(5) and ours.recv() == ("loaded", False) and held == []  # idle 0.5 s: unloaded
+    ours.send(Launch("b1", spec.model_dump(mode="json", exclude_none=True), "sqlite://"))
+    assert ours.recv() == Launched("b1", "succeeded", None)
+    assert ours.recv() == EngineLoaded("m", True) and held == ["b1"]
+    assert ours.poll(5) and ours.recv() == EngineLoaded("m", False) and held == []  # idle 0.5 s: unloaded
     busy = ServeConfig(models={"m": {}}).job_spec("m", input="x.jsonl", output=str(tmp_path / "o"),
                                                   job_id="held-elsewhere")
-    ours.send(("held-elsewhere", busy.model_dump(mode="json", exclude_none=True), "sqlite://"))
-    assert ours.recv()[:2] == ("busy", "held-elsewhere")  # not an error: the scheduler runs it again later
+    ours.send(Launch("held-elsewhere", busy.model_dump(mode="json", exclude_none=True), "sqlite://"))
+    got = ours.recv()  # not an error: the scheduler runs it again later
+    assert (got.job_id, got.status, got.raised) == ("held-elsewhere", "busy", False)
     ours.send(None)
     t.join(5)
     assert not t.is_alive()

@@ -3,6 +3,7 @@
 `StorageContract` holds the tests; each backend subclasses it with its own `db_url`
 fixture (as Dagster's run storage tests do), so a new backend is one subclass."""
 
+import datetime as dt
 import multiprocessing as mp
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -420,6 +421,20 @@ class StorageContract:
         job = S.JobStore(eng).get("q1")
         assert (job["status"], job["spec"], job["error"], job["owner"]) == ("pending", {"input": "y"}, None, None)
         assert S.JobStore(eng).requeue("q1", "failed", {"spec": {"input": "z"}}) is False  # a second racer loses
+
+    def test_the_queue_orders_by_priority_then_age_keeps_served_jobs_apart_and_counts_attempts(self, db_url):
+        eng = S.connect(db_url)
+        js = S.JobStore(eng)
+        t0 = S.utcnow()
+        for i, (jid, priority, key) in enumerate([("old", 0, None), ("new", 0, None), ("urgent", 5, None),
+                                                   ("served-low", 0, "key_a"), ("served-high", 9, "key_b")]):
+            js.submit({"id": jid, "name": jid, "status": "pending", "spec": {}, "cancel_requested": False,
+                       "submitted_at": t0 + dt.timedelta(seconds=i), "priority": priority, "api_key": key})
+        assert [j["id"] for j in js.queued()] == ["urgent", "old", "new"]  # run-pending's: no served batch's job
+        assert [j["id"] for j in js.queued(served=True)] == ["served-high", "served-low"]
+        assert js.get("old")["attempts"] == 0
+        assert js.add_attempt("old") == 1 and js.add_attempt("old") == 2 and js.add_attempt("old", 3) == 5
+        assert js.get("old")["attempts"] == 5 and js.add_attempt("no-such-job") == 0
 
     def test_worker_rows_cancel_flag_and_engine_info(self, db_url):
         eng = S.connect(db_url)

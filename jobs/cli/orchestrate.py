@@ -30,6 +30,7 @@ from tokenmill.jobs.cli.common import (
     json_option,
     spec_overrides,
 )
+from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.transforms.engines.kinds import engine_of
 
 #: run-pending's exit code: the most serious outcome among the jobs it ran.
@@ -58,7 +59,7 @@ def submit(spec_file, as_json, **kw):
 
     spec = build_spec(spec_file, spec_overrides(kw))
     eng = connect(kw.get("db_url") or spec.db)
-    from tokenmill.jobs.lifecycle.runner import JobError, resolve_workers
+    from tokenmill.jobs.lifecycle.runner import resolve_workers
 
     try:  # `auto` stays in the queued spec: it is counted on the host that runs the job
         checked = resolve_workers(spec, here=False)
@@ -96,9 +97,9 @@ def run_pending(db_url, limit, quiet, as_json):
     Example:
       tokenmill run-pending --db postgresql://tokenmill@db/tokenmill
     """
+    from tokenmill.jobs.lifecycle.launchers.inprocess import run_here
     from tokenmill.jobs.lifecycle.queue import QueueBusy
     from tokenmill.jobs.lifecycle.queue import run_pending as run_queue
-    from tokenmill.jobs.lifecycle.runner import run_job
     from tokenmill.schemas.db import default_db_url
 
     url = db_url or default_db_url()
@@ -109,7 +110,7 @@ def run_pending(db_url, limit, quiet, as_json):
         p = Progress.for_output(quiet, as_json)
         progress.append(p)
         try:
-            return run_job(spec, db_url=url, progress=p)
+            return run_here(spec, db_url=url, progress=p)
         finally:
             p.close()
 
@@ -119,7 +120,7 @@ def run_pending(db_url, limit, quiet, as_json):
 
     def done(o) -> None:
         if not as_json:
-            click.echo(f"job {o.job_id}: {o.status}" + (f" ({o.error})" if o.error else ""))
+            click.echo(f"job {o.job_id}: {o.status}" + (f" ({o.note})" if o.note else ""))
 
     try:
         outcomes = run_queue(eng, run, limit=limit, on_start=started, on_done=done)
@@ -128,7 +129,7 @@ def run_pending(db_url, limit, quiet, as_json):
     code = next((c for status, c in SEVERITY if any(o.status == status for o in outcomes)), EXIT_OK)
     if as_json:
         emit_json({"exit_code": code, "jobs": [
-            {"job_id": o.job_id, "status": o.status, "error": o.error,
+            {"job_id": o.job_id, "status": o.status, "error": o.note,
              **({"summary": o.result.summary()} if o.result is not None else {})} for o in outcomes]})
     elif not outcomes and not quiet:
         click.echo("no pending jobs")
@@ -139,7 +140,7 @@ def check_spec(spec) -> dict[str, Any]:
     """The checks `run` makes before a worker starts (preflight.py), without a database:
     returns what was found; raises Failure with every problem on one line."""
     from tokenmill.jobs.lifecycle.preflight import preflight
-    from tokenmill.jobs.lifecycle.runner import JobError, resolve_workers
+    from tokenmill.jobs.lifecycle.runner import resolve_workers
 
     try:
         spec = resolve_workers(spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -24,6 +25,7 @@ from tokenmill.jobs.cli.common import (
     json_option,
     spec_overrides,
 )
+from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.jobs.metrics.catalog import values
 
 
@@ -74,24 +76,38 @@ def execute_job(spec, db_url, quiet: bool, as_json: bool, verbose: bool = False)
     """Run the job with engine and library output in its log file (`console.JobConsole`);
     the terminal gets a line per stage, the row bar, the summary and any error."""
     from tokenmill.jobs.cli.console import JobConsole
-    from tokenmill.jobs.lifecycle.runner import JobError, run_job
+    from tokenmill.jobs.lifecycle.launchers.inprocess import run_here
+    from tokenmill.jobs.lifecycle.launchers.spawned import Reporter
     from tokenmill.schemas import storage as S
     from tokenmill.transforms.engines.registry import shutdown_all
 
+    reporter = Reporter.from_env()  # a launcher that started this process reads its stages and end there
     console = JobConsole(spec.derived_job_id(), verbose=verbose, show=not quiet and not as_json)
     with console:
         if console.log is not None:
             console.stage(f"log: {console.log}")
+
+        def stage(line: str) -> None:
+            console.stage(line)
+            reporter.stage(line)
+
         progress = Progress.for_output(quiet, as_json, console.terminal)
         try:
-            result = run_job(spec, db_url=db_url, progress=progress, stage=console.stage)
-        except S.JobBusy as err:
-            raise Failure(str(err), EXIT_BUSY) from None
-        except (JobError, S.StorageError) as err:
-            raise Failure(_with_log(str(err), console)) from None
+            launched = run_here(spec, db_url=db_url, progress=progress, stage=stage)
         finally:
             progress.close()
             shutdown_all()  # inside: the engines' own shutdown lines go to the log too
+    failure = None
+    if isinstance(launched.error, S.JobBusy):
+        failure = Failure(str(launched.error), EXIT_BUSY)
+    elif isinstance(launched.error, (JobError, S.StorageError)):
+        failure = Failure(_with_log(str(launched.error), console))
+    reporter.done(launched if failure is None else replace(launched, note=failure.message))
+    if failure is not None:
+        raise failure
+    if launched.error is not None:
+        raise launched.error
+    result = launched.result
     summary = result.summary()
     summary["resumed"] = result.resumed
     if console.log is not None:

@@ -147,15 +147,11 @@ def estimate_job(spec, *, db_url: str | None = None, sample: int | None = None,
 
 def _run_sample(sspec, pf, eng, db_url: str, tmp: Path, say: Callable[[str], None]) -> dict[str, Any]:
     """Run the sample job afresh (an earlier sample job of the id removed first) as `tokenmill
-    run` runs a job, in a process of its own: its start-up, imports and engine load are the
-    job's, not this process's warm ones, and its engine is gone when it ends.  Its stage lines
-    are passed on; returns its job row (metrics and all)."""
-    import os
-    import subprocess
-    import sys
-
-    import yaml
-
+    run` runs a job, in a process of its own (the subprocess launcher): its start-up, imports
+    and engine load are the job's, not this process's warm ones, and its engine is gone when it
+    ends.  Its stage lines are passed on; returns its job row (metrics and all)."""
+    from tokenmill.jobs.lifecycle.launchers import Launched
+    from tokenmill.jobs.lifecycle.launchers.spawned import SpawnedLauncher
     from tokenmill.schemas import storage as S
     from tokenmill.transforms.engines.kinds import engine_of
     from tokenmill.transforms.engines.protocol import EngineStartError
@@ -167,24 +163,14 @@ def _run_sample(sspec, pf, eng, db_url: str, tmp: Path, say: Callable[[str], Non
             engine_of(sspec.engine.kind).prepare_launcher(sspec.engine, pf.model_path, say)
         except EngineStartError as err:
             raise EstimateError(str(err)) from None
-    spec_file = tmp / "sample-job.yaml"
-    spec_file.write_text(yaml.safe_dump({k: v for k, v in sspec.model_dump(mode="json", exclude_none=True).items()
-                                         if k != "db"}))
-    env = {**os.environ, "TOKENMILL_DB_URL": db_url}  # not on the command line, where `ps` shows it
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.jobs.cli", "run", str(spec_file)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    errors = []
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if line.startswith("· "):
-            say(f"sample: {line[2:].rstrip()}")
-        elif line.startswith("error:"):
-            errors.append(line[len("error:"):].strip())
-    code = proc.wait()
+    ended: list[Launched] = []
+    child = SpawnedLauncher(ended.append, lambda line: say(f"sample: {line}"), tmp)
+    child.launch(sid, sspec.model_dump(mode="json", exclude_none=True), db_url)
     job = S.JobStore(eng).get(sid) or {}
-    if code not in (0, 3) or job.get("status") not in ("succeeded", "partial"):  # 3: some rows dead-lettered
-        raise EstimateError(f"the sample job {sid} failed (exit {code}): "
-                            f"{errors[-1] if errors else job.get('error') or 'no error line'}")
+    if ended[0].status not in ("succeeded", "partial") or job.get("status") not in ("succeeded", "partial"):
+        error = ended[0].note if ended[0].raised or ended[0].status == "busy" else None
+        raise EstimateError(f"the sample job {sid} failed (exit {child.exit_code}): "
+                            f"{error or job.get('error') or 'no error line'}")
     return job
 
 

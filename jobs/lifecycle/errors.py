@@ -1,4 +1,5 @@
-"""The job lifecycle's own error, importable by every launcher without the runner."""
+"""The job lifecycle's own error, apart from the runner so that what only reports a job's
+failure (the launchers, the estimate) need not import the runner."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The pending-job queue: `submit` records a job, `run_pending` runs the queue.
+"""The pending-job queue: `submit` records a job, `run_pending` runs the queue (the
+coordinator's `take` picks each job, a launcher runs it).
 
 The jobs table is the queue.  `submit` inserts a `pending` row holding the job
 spec and returns at once (no model, no engine: a terminal or a service can
@@ -18,10 +19,11 @@ from typing import Any, Callable
 
 from sqlalchemy.engine import Engine
 
+from tokenmill.jobs.lifecycle.coordinator import take
 from tokenmill.jobs.lifecycle.jobrow import job_values
+from tokenmill.jobs.lifecycle.launchers import Launched
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import JobSpec, SpecError, load_spec
-from tokenmill.schemas.errors import first_line
 
 LOCK_NAME = "run-pending"
 #: A job in one of these states may be submitted again: it goes back to the queue
@@ -97,60 +99,51 @@ def spec_of(job: dict[str, Any]) -> JobSpec:
         raise QueueError(str(err)) from None
 
 
-@dataclass
-class Outcome:
-    job_id: str
-    status: str
-    """succeeded, partial, failed, cancelled, or busy (another live run holds the id)."""
-    error: str | None = None
-    result: Any = None
-
-
 def run_pending(
     eng: Engine,
-    run: Callable[[JobSpec], Any],
+    run: Callable[[JobSpec], Launched],
     *,
     limit: int | None = None,
     on_start: Callable[[dict[str, Any]], None] | None = None,
-    on_done: Callable[[Outcome], None] | None = None,
-) -> list[Outcome]:
-    """Run pending jobs oldest first under the `run-pending` database lock.
+    on_done: Callable[[Launched], None] | None = None,
+) -> list[Launched]:
+    """Run pending jobs oldest first (the coordinator's order: priority, then age) under the
+    `run-pending` database lock.
 
-    `run(spec)` runs one job (normally `runner.run_job`) and returns an object with
-    a `status`; its exceptions become a `failed` outcome for that job (or `busy`
-    for storage.JobBusy) and the queue moves on.  Jobs submitted while the queue
-    runs are picked up too.  Raises QueueBusy if another live process holds the lock.
+    `run(spec)` runs one job (normally the in-process launcher's `run_here`) and reports its
+    `Launched`; a job whose stored spec cannot be read is `failed`, and the queue moves on.
+    Jobs submitted while the queue runs are picked up too.  Raises QueueBusy if another live
+    process holds the lock.
     """
-    outcomes: list[Outcome] = []
+    outcomes: list[Launched] = []
     with S.JobStore(eng).named_lock(LOCK_NAME) as got:
         if not got:
             raise QueueBusy("another `tokenmill run-pending` holds the queue lock; not starting a second runner")
         tried: set[str] = set()
         while limit is None or len(outcomes) < limit:
-            nxt = next((j for j in pending_jobs(eng) if j["id"] not in tried), None)
-            if nxt is None:
+            nxt = take((j for j in pending_jobs(eng) if j["id"] not in tried), slots=1)
+            if not nxt:
                 break
-            tried.add(nxt["id"])
+            tried.add(nxt[0]["id"])
             if on_start:
-                on_start(nxt)
-            outcome = _run_one(eng, nxt, run)
+                on_start(nxt[0])
+            outcome = _run_one(eng, nxt[0], run)
             outcomes.append(outcome)
             if on_done:
                 on_done(outcome)
     return outcomes
 
 
-def _run_one(eng: Engine, job: dict[str, Any], run: Callable[[JobSpec], Any]) -> Outcome:
+def _run_one(eng: Engine, job: dict[str, Any], run: Callable[[JobSpec], Launched]) -> Launched:
     job_id = job["id"]
     try:
         spec = spec_of(job)
-        result = run(spec)
-        return Outcome(job_id, result.status, getattr(result, "note", None), result)
-    except S.JobBusy as err:
-        return Outcome(job_id, "busy", str(err))
-    except Exception as err:  # one job's failure must not stop the queue
-        msg = first_line(err, 1000)
+    except QueueError as err:
+        done = Launched(job_id, "failed", str(err), raised=True, error=err)
+    else:
+        done = run(spec)
+    if done.status == "failed" and done.raised:
         cur = S.JobStore(eng).get(job_id)
         if cur is not None and cur["status"] == "pending":  # failed before it was claimed
-            S.JobStore(eng).finish(job_id, status="failed", error=msg[:1000])
-        return Outcome(job_id, "failed", msg)
+            S.JobStore(eng).finish(job_id, status="failed", error=(done.note or "")[:1000])
+    return done

@@ -1,5 +1,6 @@
-"""One engine process per served model: it runs that model's batches one after another, each
-a job through `runner.run_job` (the lifecycle `tokenmill run` uses), and keeps the engine
+"""One engine process per served model, the warm engine pool's launcher: it runs that model's
+batches one after another, each a job through the in-process launcher (the lifecycle
+`tokenmill run` uses), and keeps the engine
 loaded between them (the engine registry holds one session per process), so a batch of a
 few lines costs about its generation time.  An engine idle for `idle_unload_s` is shut
 down; the process stays and loads it again for the next batch.
@@ -20,6 +21,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
+from tokenmill.jobs.lifecycle.launchers import EngineLoaded, Event, Launched, ProcessDied
+
 log = logging.getLogger(__name__)
 
 #: How often an engine process looks for its server.
@@ -36,55 +39,59 @@ def _leave_with_owner(owner: int) -> None:
     threading.Thread(target=watch, daemon=True, name="tokenmill-serve-owner").start()
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What the server sends an engine process: run the job `job_id` of this spec."""
+
+    job_id: str
+    spec: dict[str, Any]
+    db_url: str
+
+
 def engine_main(model: str, conn: Connection, owner: int, idle_unload_s: float, log_path: str) -> None:
-    """The engine process: receives (batch id, job spec as a dict, database URL), answers
-    ("done", batch id, status, note), ("busy", batch id, message) where another live process
-    still holds the job, or ("error", batch id, message); says ("loaded", bool) when its engine
-    is loaded or unloaded."""
+    """The engine process: receives `Launch`es (None: leave), runs each job here (the
+    in-process launcher) and answers its `Launched` (`busy` where another live process still
+    holds the job); says `EngineLoaded` when its engine is loaded or unloaded."""
     _leave_with_owner(owner)
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(filename=log_path, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tokenmill.jobs.lifecycle.runner import run_job
-    from tokenmill.schemas import storage as S
-    from tokenmill.schemas.config import load_spec
-    from tokenmill.schemas.errors import first_line
+    from tokenmill.jobs.lifecycle.launchers.inprocess import InProcessLauncher
     from tokenmill.transforms.engines import registry
 
+    def report(done: Launched) -> None:
+        if done.raised:
+            log.error("batch %s", done.job_id, exc_info=done.error)
+        conn.send(done.portable())
+
+    here = InProcessLauncher(report)
     loaded = False
     while True:
         if not conn.poll(idle_unload_s if loaded else None):
             registry.shutdown_all()  # idle: free the engine's memory; the next batch loads it again
             loaded = False
-            conn.send(("loaded", False))
+            conn.send(EngineLoaded(model, False))
             continue
-        msg = conn.recv()
+        msg: Launch | None = conn.recv()
         if msg is None:
             break
-        batch_id, spec, db_url = msg
-        try:
-            res = run_job(load_spec(spec, source=f"batch {batch_id}"), db_url=db_url)
-            conn.send(("done", batch_id, res.status, res.note))
-        except S.JobBusy as err:  # the job's last owner is still alive (a server restarted at once): not a failure
-            conn.send(("busy", batch_id, first_line(err, 1000)))
-        except Exception as err:
-            log.exception("batch %s", batch_id)
-            conn.send(("error", batch_id, first_line(err, 1000)))
+        here.launch(msg.job_id, msg.spec, msg.db_url)
         loaded = bool(registry.sessions())
-        conn.send(("loaded", loaded))
+        conn.send(EngineLoaded(model, loaded))
     registry.shutdown_all()
 
 
 @dataclass
 class EngineProcess:
-    """The server's handle on one model's engine process: what it runs now, whether its engine
-    is loaded; `on_message(model, message)` is called from a reader thread for each answer,
-    and with ("died", batch id or None) when the process is gone."""
+    """The server's handle on one model's engine process (the warm engine pool's launcher):
+    what it runs now, whether its engine is loaded; `on_message(model, event)` is called from
+    a reader thread for each `Launched` and `EngineLoaded`, and with `ProcessDied` when the
+    process is gone."""
 
     model: str
     idle_unload_s: float
     log_path: str
-    on_message: Callable[[str, tuple], None]
+    on_message: Callable[[str, Event], None]
     running: str | None = None
     loaded: bool = False
     proc: Any = None
@@ -104,14 +111,14 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
 
-    def submit(self, batch_id: str, spec: dict[str, Any], db_url: str) -> bool:
+    def launch(self, batch_id: str, spec: dict[str, Any], db_url: str) -> bool:
         """Hand the process a batch; False when it is gone (it died since `alive()` said
         otherwise, and its reader has already reported it): then it is stopped, and the batch
         stays queued for the process the next tick starts."""
         assert self.conn is not None
         self.running = batch_id  # before the send: the answer may come back before it returns
         try:
-            self.conn.send((batch_id, spec, db_url))
+            self.conn.send(Launch(batch_id, spec, db_url))
         except OSError:
             self.running = None
             self.stop(timeout=1)
@@ -123,10 +130,10 @@ class EngineProcess:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                self.on_message(self.model, ("died", self.running))
+                self.on_message(self.model, ProcessDied(self.model, self.running))
                 return
-            if msg[0] == "loaded":
-                self.loaded = bool(msg[1])
+            if isinstance(msg, EngineLoaded):
+                self.loaded = msg.loaded
             self.on_message(self.model, msg)
 
     def stop(self, timeout: float = 30.0) -> None:

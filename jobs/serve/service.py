@@ -6,11 +6,11 @@ every batch up where its row says):
 
 1. `validating`: the scheduler checks the input file (validate.py) and stores its line index
    (finalize.py); a bad line fails the batch whole, with the lines named, and nothing runs.
-2. `in_progress`: queued for its model's engine process (priority from `metadata.priority`,
-   then age) and run there as the job of the batch's id.  A job whose process died, or whose
-   server was killed, is run again: `run_job` resumes it from the database, so every line is
-   answered once.  A cancel, or the end of the completion window, asks the job to stop after
-   its batches in flight (`JobStore.request_cancel`).
+2. `in_progress`: queued as the job of the batch's id (its row in the jobs table: priority from
+   `metadata.priority`, then age) for its model's engine process and run there (scheduler.py).
+   A job whose process died, or whose server was killed, is run again: `run_job` resumes it
+   from the database, so every line is answered once.  A cancel, or the end of the completion
+   window, asks the job to stop after its batches in flight (`JobStore.request_cancel`).
 3. `finalizing`: the batch's output and error files are written into the files store
    (finalize.py), a line that never ran an error line (`batch_cancelled`, `batch_expired`),
    and the request counts and usage are stored.
@@ -28,20 +28,18 @@ from tokenmill.jobs.serve.blobs import blob_store
 from tokenmill.jobs.serve.config import ServeConfig, window_seconds
 from tokenmill.jobs.serve.engines import EngineProcess
 from tokenmill.jobs.serve.errors import ApiError
-from tokenmill.jobs.serve.finalize import JOB_DONE, BatchFiles
+from tokenmill.jobs.serve.finalize import BatchFiles
 from tokenmill.jobs.serve.quotas import Quotas
+from tokenmill.jobs.serve.scheduler import Scheduler
 from tokenmill.jobs.serve.validate import length_of, storable
 from tokenmill.jobs.serve.webhooks import METADATA_KEY, WebhookSender
 from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.wire.openai.objects import ENDED, batch_status, line_error
+from tokenmill.schemas.wire.openai.objects import ENDED, batch_status
 from tokenmill.schemas.wire.openai.request import ENDPOINTS
 
 log = logging.getLogger(__name__)
 
-#: Runs of one batch's job that ended in an error or a dead engine process before the batch fails.
-MAX_ATTEMPTS = 3
 TICK_S = 0.5
 #: How long a running batch's live request counts are reused (they change batch by batch).
 COUNTS_TTL_S = 1.0
@@ -53,7 +51,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
-class BatchService:
+class BatchService(Scheduler):
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
         self.db_url = cfg.db_url()
@@ -63,8 +61,6 @@ class BatchService:
         self.webhooks, self.quotas = WebhookSender(self.eng, cfg.webhooks), Quotas(self.eng, cfg.limits)
         self.results = BatchFiles(cfg, self.eng, self.blobs, self.webhooks, self._count)
         self.engines: dict[str, EngineProcess] = {}
-        self.attempts: dict[str, int] = {}
-        self.finished: dict[str, tuple[str, str | None]] = {}  # batch id → (job status, note) from its engine
         self.counters: dict[tuple[str, ...], float] = {}  # (metric, model, label) → value
         self._counts: dict[str, tuple[float, dict[str, int]]] = {}  # batch id → (when, its live counts)
         self._wake = threading.Event()
@@ -157,7 +153,7 @@ class BatchService:
         self._counts[b["id"]] = (now, counts)
         return counts
 
-    # ------------------------------------------------------------------ the scheduler
+    # ------------------------------------------------------------------ the scheduler (scheduler.py)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="tokenmill-serve-scheduler")
@@ -182,85 +178,6 @@ class BatchService:
             self._wake.wait(TICK_S)
             self._wake.clear()
 
-    def _on_engine(self, model: str, msg: tuple) -> None:
-        kind = msg[0]
-        e = self.engines.get(model)
-        if kind == "done":
-            self.finished[msg[1]] = (msg[2], msg[3])
-        elif kind in ("error", "died") and msg[1] is not None:
-            self.attempts[msg[1]] = self.attempts.get(msg[1], 0) + 1
-            if self.attempts[msg[1]] >= MAX_ATTEMPTS:
-                self.finished[msg[1]] = ("failed", f"the batch's job failed {MAX_ATTEMPTS} times; last: "
-                                                   f"{msg[2] if kind == 'error' else 'its engine process died'}")
-            log.warning("batch %s: %s (attempt %d)", msg[1], msg[2] if kind == "error" else "engine process died",
-                        self.attempts[msg[1]])
-        if kind in ("done", "error", "died", "busy") and e is not None:
-            e.running = None  # "busy": run again at a later tick, once the job's last owner is gone
-        self._wake.set()
-
-    def tick(self) -> None:
-        now = time.time()
-        queued: list[dict[str, Any]] = []
-        for b in self.batches.unfinished():
-            status = batch_status(b)
-            running = any(e.running == b["id"] for e in self.engines.values())
-            if status == "validating":
-                if self.quotas.holds(b):
-                    continue
-                try:
-                    valid = self._validate(b)
-                except Exception as err:  # the server's fault or its store's, not the file's: tried again
-                    self._validation_fault(b, err)
-                    valid = None
-                if valid is not None:
-                    queued.append(valid)
-            elif status == "finalizing" or b["id"] in self.finished:
-                self._finalize(b)
-            elif running:
-                if status == "cancelling" or now >= b["expires_at"]:
-                    self._ask_job_to_stop(b["id"])
-            elif status == "cancelling" or now >= b["expires_at"]:
-                self._finalize(b)
-            else:
-                job = S.JobStore(self.eng).get(b["id"])
-                if job is not None and job["status"] in JOB_DONE:  # it ended while no server watched
-                    self.finished[b["id"]] = (job["status"], job.get("error"))
-                    self._finalize(b)
-                else:
-                    queued.append(b)
-        self._dispatch(queued)
-
-    def _dispatch(self, queued: list[dict[str, Any]]) -> None:
-        busy = sum(1 for e in self.engines.values() if e.running)
-        for b in sorted(queued, key=lambda b: (-b["priority"], b["created_at"], b["id"])):
-            if busy >= self.cfg.concurrent_models:
-                return
-            e = self.engines.get(b["model"])
-            if e is not None and e.running:
-                continue  # its model's engine is busy: the batch waits its turn
-            if e is None or not e.alive():
-                e = self._engine(b["model"])
-            spec = self.cfg.job_spec(b["model"], input=self.blobs.url(b["input_file_id"]),
-                                     output=str(self.cfg.work_root() / b["id"]), job_id=b["id"])
-            if e.submit(b["id"], spec.model_dump(mode="json", exclude_none=True), self.db_url):
-                busy += 1
-
-    def _engine(self, model: str) -> EngineProcess:
-        old = self.engines.get(model)
-        if old is not None:
-            old.stop(timeout=1)
-        e = EngineProcess(model, self.cfg.idle_unload_s, str(self.cfg.home() / "logs" / f"engine-{model}.log"),
-                          self._on_engine)
-        e.start()
-        self.engines[model] = e
-        return e
-
-    def _ask_job_to_stop(self, batch_id: str) -> None:
-        js = S.JobStore(self.eng)
-        job = js.get(batch_id)
-        if job is not None and job["status"] == "running" and not job.get("cancel_requested"):
-            js.request_cancel(batch_id)
-
     def _validate(self, b: dict[str, Any]) -> dict[str, Any] | None:
         """Check the batch's file (finalize.BatchFiles.validate): failed (None), or queued (the row)."""
         return self.results.validate(b)
@@ -269,20 +186,8 @@ class BatchService:
                          model: str | None) -> None:
         self.results.fail_validating(b, errors, lines=lines, model=model)
 
-    def _validation_fault(self, b: dict[str, Any], err: Exception) -> None:
-        """Validation raised (a store that did not answer, a fault in the server): checked again at
-        the next ticks, and after `MAX_ATTEMPTS` the batch fails with the reason, so it never waits
-        in `validating` for good."""
-        log.exception("batch %s: validation", b["id"])
-        n = self.attempts[b["id"]] = self.attempts.get(b["id"], 0) + 1
-        if n >= MAX_ATTEMPTS:
-            self._fail_validating(b, [line_error("validation_failed", f"the server could not check the file "
-                                                 f"({n} tries); last: {first_line(err, 500)}", None)],
-                                  lines=0, model=None)
-
     def _finalize(self, b: dict[str, Any]) -> None:
-        self.results.finalize(b, *self.finished.pop(b["id"], (None, None)))
-        self.attempts.pop(b["id"], None)
+        self.results.finalize(b)  # how its job ended: the job's row (scheduler.ended)
 
     def _count(self, metric: str, model: str, label: str, n: float) -> None:
         with self._lock:

@@ -175,14 +175,24 @@ class JobStore(SqlStore):
             )
         return res.rowcount == 1
 
-    def queued(self) -> list[dict[str, Any]]:
-        """Jobs `pending` or `running`, in submission order (oldest first; ties by id)."""
+    def queued(self, *, served: bool = False) -> list[dict[str, Any]]:
+        """Jobs `pending` or `running`, highest priority first, then in submission order (oldest
+        first; ties by id): those of served batches (an `api_key`) with `served`, else the others."""
+        j = T.jobs.c
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(T.jobs).where(T.jobs.c.status.in_(("pending", "running")))
-                .order_by(T.jobs.c.submitted_at, T.jobs.c.id)
+                select(T.jobs).where(j.status.in_(("pending", "running")),
+                                     j.api_key.is_not(None) if served else j.api_key.is_(None))
+                .order_by(j.priority.desc(), j.submitted_at, j.id)
             ).mappings().all()
         return [dict(r) for r in rows]
+
+    def add_attempt(self, job_id: str, n: int = 1) -> int:
+        """Count `n` more runs of a job that ended in an error (one statement: two counters
+        cannot lose one); returns the new count, 0 when there is no such job."""
+        with self.engine.begin() as conn:
+            conn.execute(update(T.jobs).where(T.jobs.c.id == job_id).values(attempts=T.jobs.c.attempts + n))
+            return int(conn.execute(select(T.jobs.c.attempts).where(T.jobs.c.id == job_id)).scalar() or 0)
 
     @contextmanager
     def named_lock(self, name: str, stale_after_s: float = 6 * 3600) -> Iterator[bool]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.jobs.lifecycle.preflight import preflight
 from tokenmill.jobs.modeltools.compare import CompareError, compare_jobs
 from tokenmill.jobs.modeltools.tune.budget import Budget
@@ -108,7 +109,7 @@ def tune(spec_data: dict[str, Any], options: TuneOptions) -> TuneResult:
     sample, gate, budget_minutes, repeats, seed = (options.sample, options.gate, options.budget_minutes,
                                                    options.repeats, options.seed)
     session_factory, eval_set, echo = options.session_factory, options.eval_set, options.echo
-    from tokenmill.jobs.lifecycle.runner import JobError, run_job  # Beam: only when a tune runs
+    from tokenmill.jobs.lifecycle.launchers.inprocess import run_here  # Beam: only when a tune runs
 
     try:
         spec = load_spec(spec_data)
@@ -188,13 +189,15 @@ def tune(spec_data: dict[str, Any], options: TuneOptions) -> TuneResult:
         if job and job["status"] in ("succeeded", "partial") and job.get("metrics"):
             return job["metrics"], True
         t0 = time.time()
-        try:
-            res = run_job(load_spec(data), db_url=db_url, session_factory=session_factory)
-        except S.JobBusy as err:
-            raise TuneError(str(err)) from None
-        except (JobError, S.StorageError) as err:
+        ran = run_here(load_spec(data), db_url=db_url, session_factory=session_factory)
+        if isinstance(ran.error, S.JobBusy):
+            raise TuneError(str(ran.error))
+        if isinstance(ran.error, (JobError, S.StorageError)):
             charge(time.time() - t0)
-            raise CandidateFailed(first_line(err)) from None
+            raise CandidateFailed(first_line(ran.error))
+        if ran.error is not None:
+            raise ran.error
+        res = ran.result
         if res.status not in ("succeeded", "partial"):
             charge(res.wall_s)
             raise CandidateFailed(f"job {jid} ended {res.status}" + (f": {res.note}" if res.note else ""))

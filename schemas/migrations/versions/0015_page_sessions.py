@@ -1,7 +1,7 @@
 """The live page's login sessions (`page_sessions`): a random id's SHA-256, its key, its end.
 
 Revision ID: 0015
-Revises: 0013 (0014 once the jobs columns are merged: the lead renumbers)
+Revises: 0014
 Create Date: 2026-12-07
 """
 
@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0015"
-down_revision = "0013"
+down_revision = "0014"
 branch_labels = None
 depends_on = None
 

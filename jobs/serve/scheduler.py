@@ -1,0 +1,161 @@
+"""The server's scheduler: each tick moves every unfinished batch along (validate it, run its
+job, ask the job to stop, finalize it), and the coordinator (`coordinator.take`: priority,
+then age; `concurrent_models`; one job per model's engine) starts queued jobs on the warm
+engine pool (engines.py), whose typed reports (`Launched`, `ProcessDied`) end them.
+
+A batch's job row is the queue and run store (`JobStore`): it holds the batch's priority and
+API key, and its `attempts`, the runs that ended in an error or a dead engine process, so a
+restarted server keeps counting where the last one stopped; a batch whose job failed
+`MAX_ATTEMPTS` times fails.  Whether a batch's run is over is read from its job's row (`ended`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.engine import Engine
+
+from tokenmill.jobs.lifecycle.coordinator import queue_order, take
+from tokenmill.jobs.lifecycle.jobrow import job_values
+from tokenmill.jobs.lifecycle.launchers import DONE, Event, Launched, ProcessDied
+from tokenmill.jobs.serve.config import ServeConfig
+from tokenmill.jobs.serve.engines import EngineProcess
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.errors import first_line
+from tokenmill.schemas.wire.openai.objects import batch_status, line_error
+
+if TYPE_CHECKING:  # the service makes it; only its type here
+    from tokenmill.jobs.serve.quotas import Quotas
+
+log = logging.getLogger(__name__)
+
+#: Runs of one batch's job that ended in an error or a dead engine process before the batch
+#: fails (and checks of its input that raised before it fails in validation).
+MAX_ATTEMPTS = 3
+
+
+def ended(job: dict[str, Any] | None) -> bool:
+    """Whether a batch's job has run its last: every row answered or dead-lettered, cancelled,
+    or failed with no attempt left."""
+    if job is None:
+        return False
+    return job["status"] in (*DONE, "cancelled") or (job["status"] == "failed"
+                                                     and int(job.get("attempts") or 0) >= MAX_ATTEMPTS)
+
+
+class Scheduler:
+    """The scheduler half of `BatchService` (service.py), which holds the stores and the
+    batch steps it calls (`_validate`, `_fail_validating`, `_finalize`)."""
+
+    cfg: ServeConfig
+    db_url: str
+    eng: Engine
+    batches: S.BatchStore
+    quotas: "Quotas"
+    blobs: Any
+    engines: dict[str, EngineProcess]
+    _wake: threading.Event
+
+    def _validate(self, b: dict[str, Any]) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _fail_validating(self, b: dict[str, Any], errors: list[dict[str, Any]], *, lines: int,
+                         model: str | None) -> None:
+        raise NotImplementedError
+
+    def _finalize(self, b: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def tick(self) -> None:
+        now = time.time()
+        queued: list[dict[str, Any]] = []
+        for b in self.batches.unfinished():
+            status = batch_status(b)
+            running = any(e.running == b["id"] for e in self.engines.values())
+            if status == "validating":
+                if self.quotas.holds(b):
+                    continue
+                try:
+                    valid = self._validate(b)
+                except Exception as err:  # the server's fault or its store's, not the file's: tried again
+                    self._validation_fault(b, err)
+                    valid = None
+                if valid is not None:
+                    queued.append(valid)
+            elif status == "finalizing":
+                self._finalize(b)
+            elif running:
+                if status == "cancelling" or now >= b["expires_at"]:
+                    self._ask_job_to_stop(b["id"])
+            elif status == "cancelling" or now >= b["expires_at"] or ended(S.JobStore(self.eng).get(b["id"])):
+                self._finalize(b)  # its job ended, perhaps while no server watched
+            else:
+                queued.append(b)
+        self._dispatch(queued)
+
+    def _dispatch(self, queued: list[dict[str, Any]]) -> None:
+        busy = [model for model, e in self.engines.items() if e.running]
+        for b in take(sorted(queued, key=lambda b: queue_order(b, at="created_at")),
+                      slots=self.cfg.concurrent_models, busy=busy, model_of=lambda b: b["model"]):
+            e = self.engines.get(b["model"])
+            if e is None or not e.alive():
+                e = self._engine(b["model"])
+            spec = self.cfg.job_spec(b["model"], input=self.blobs.url(b["input_file_id"]),
+                                     output=str(self.cfg.work_root() / b["id"]), job_id=b["id"])
+            # the job's row, queued: its priority, its key and the count of its attempts (once; a rerun keeps it)
+            S.JobStore(self.eng).submit({"id": b["id"], **job_values(spec), "status": "pending",
+                                         "submitted_at": S.utcnow(), "cancel_requested": False,
+                                         "priority": b["priority"], "api_key": b["owner"]})
+            e.launch(b["id"], spec.model_dump(mode="json", exclude_none=True), self.db_url)
+
+    def _engine(self, model: str) -> EngineProcess:
+        old = self.engines.get(model)
+        if old is not None:
+            old.stop(timeout=1)
+        e = EngineProcess(model, self.cfg.idle_unload_s, str(self.cfg.home() / "logs" / f"engine-{model}.log"),
+                          self._on_engine)
+        e.start()
+        self.engines[model] = e
+        return e
+
+    def _on_engine(self, model: str, event: Event) -> None:
+        """An engine process's report (its reader thread): a run's end frees the engine; one
+        that raised or died counts an attempt; one that ended `failed` is not tried again."""
+        if isinstance(event, ProcessDied) and event.job_id is not None:
+            self._count_attempt(event.job_id, "its engine process died")
+        elif isinstance(event, Launched) and event.raised:
+            self._count_attempt(event.job_id, event.note or "the job failed")
+        elif isinstance(event, Launched) and event.status == "failed":  # its rows do not reconcile: final
+            S.JobStore(self.eng).add_attempt(event.job_id, MAX_ATTEMPTS)
+        e = self.engines.get(model)
+        if isinstance(event, (Launched, ProcessDied)) and e is not None:
+            e.running = None  # busy: run again at a later tick, once the job's last owner is gone
+        self._wake.set()
+
+    def _count_attempt(self, job_id: str, why: str) -> None:
+        js = S.JobStore(self.eng)
+        n = js.add_attempt(job_id)
+        log.warning("batch %s: %s (attempt %d)", job_id, why, n)
+        if n >= MAX_ATTEMPTS:
+            js.finish(job_id, status="failed", error=f"the batch's job failed {MAX_ATTEMPTS} times; last: {why}"[:1000],
+                      heartbeat_at=None, owner=None)
+
+    def _ask_job_to_stop(self, batch_id: str) -> None:
+        js = S.JobStore(self.eng)
+        job = js.get(batch_id)
+        if job is not None and job["status"] == "running" and not job.get("cancel_requested"):
+            js.request_cancel(batch_id)
+
+    def _validation_fault(self, b: dict[str, Any], err: Exception) -> None:
+        """Validation raised (a store that did not answer, a fault in the server): checked again at
+        the next ticks, and after `MAX_ATTEMPTS` the batch fails with the reason, so it never waits
+        in `validating` for good (the count is the batch row's, kept across a restart)."""
+        log.exception("batch %s: validation", b["id"])
+        n = int(b.get("validation_attempts") or 0) + 1
+        self.batches.set(b["id"], validation_attempts=n)
+        if n >= MAX_ATTEMPTS:
+            self._fail_validating(b, [line_error("validation_failed", f"the server could not check the file "
+                                                 f"({n} tries); last: {first_line(err, 500)}", None)],
+                                  lines=0, model=None)
