@@ -46,13 +46,13 @@ class _InProcessEngine:
     def stop(self, timeout: float | None = None) -> None:
         pass
 
-    def submit(self, batch_id: str, spec: dict[str, Any], db_url: str) -> bool:
-        from tokenmill.jobs.lifecycle.runner import run_job
+    def launch(self, batch_id: str, spec: dict[str, Any], db_url: str) -> None:
+        """Run the job here through the in-process launcher's path; its job row then says how it
+        ended, as the scheduler reads it."""
+        from tokenmill.jobs.lifecycle.launchers.inprocess import run_here
         from tokenmill.schemas.config import JobSpec
 
-        res = run_job(JobSpec.model_validate(spec), db_url=db_url, session_factory=FakeSession)
-        self.svc.finished[batch_id] = (res.status, None)
-        return True
+        self.svc._on_engine(MODEL, run_here(JobSpec.model_validate(spec), db_url=db_url, session_factory=FakeSession))
 
 
 def test_a_served_batchs_input_is_opened_and_parsed_twice_validation_and_the_pipeline(tmp_path, monkeypatch):

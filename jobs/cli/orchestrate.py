@@ -59,7 +59,7 @@ def submit(spec_file, as_json, **kw):
 
     spec = build_spec(spec_file, spec_overrides(kw))
     eng = connect(kw.get("db_url") or spec.db)
-    from tokenmill.jobs.lifecycle.runner import resolve_workers
+    from tokenmill.jobs.lifecycle.preflight import resolve_workers
 
     try:  # `auto` stays in the queued spec: it is counted on the host that runs the job
         checked = resolve_workers(spec, here=False)
@@ -139,8 +139,7 @@ def run_pending(db_url, limit, quiet, as_json):
 def check_spec(spec) -> dict[str, Any]:
     """The checks `run` makes before a worker starts (preflight.py), without a database:
     returns what was found; raises Failure with every problem on one line."""
-    from tokenmill.jobs.lifecycle.preflight import preflight
-    from tokenmill.jobs.lifecycle.runner import resolve_workers
+    from tokenmill.jobs.lifecycle.preflight import preflight, resolve_workers
 
     try:
         spec = resolve_workers(spec)

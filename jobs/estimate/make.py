@@ -88,7 +88,7 @@ def estimate_job(spec, *, db_url: str | None = None, sample: int | None = None,
     from tokenmill.schemas import storage as S
     from tokenmill.schemas.db import default_db_url
     from tokenmill.transforms.counting import TokenCounter
-    from tokenmill.transforms.engines.checks import effective_block_size
+    from tokenmill.transforms.engines.kinds import engine_of
 
     say = stage or (lambda line: None)
     if sample is not None and sample < 1:
@@ -103,7 +103,7 @@ def estimate_job(spec, *, db_url: str | None = None, sample: int | None = None,
     pf = preflight(spec, db_url=db_url)
     if pf.problems:
         raise EstimateError(pf.problems[0])
-    block = effective_block_size(spec.engine, on_gpu=pf.on_gpu)
+    block = engine_of(spec.engine.kind).launch_side(spec.engine).block_size(on_gpu=pf.on_gpu)
     counter = pf.counter
     if counter is None:  # the model's own tokenizer, in the folder the engine's preflight found
         if pf.model_path is None:
@@ -160,7 +160,7 @@ def _run_sample(sspec, pf, eng, db_url: str, tmp: Path, say: Callable[[str], Non
     S.JobStore(eng).delete(sid)
     if sspec.runner.runner == "DirectRunner":  # `dtype: auto` measured (once) outside the sample's held time
         try:
-            engine_of(sspec.engine.kind).prepare_launcher(sspec.engine, pf.model_path, say)
+            engine_of(sspec.engine.kind).launch_side(sspec.engine).prepare(pf.model_path, say)
         except EngineStartError as err:
             raise EstimateError(str(err)) from None
     ended: list[Launched] = []
