@@ -108,39 +108,11 @@ def scan(root: Path) -> dict:
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected groups of more than one module (Tarjan), each sorted."""
-    index, low, stack, on, out = {}, {}, [], set(), []
-    counter = [0]
+    """Strongly connected groups of more than one module, each sorted (the lint contract's own
+    search, lint/import_cycles.py)."""
+    from lint.import_cycles import strongly_connected
 
-    def strong(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    import sys
-
-    sys.setrecursionlimit(10000)
-    for v in graph:
-        if v not in index:
-            strong(v)
-    return sorted(out)
+    return sorted(sorted(g) for g in strongly_connected({m: sorted(t) for m, t in graph.items()}))
 
 
 def main() -> None:
