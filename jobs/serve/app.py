@@ -23,7 +23,15 @@ from tokenmill.jobs.serve.config import ServeConfig
 from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.guard import FORM_OVERHEAD, BodyLimit
 from tokenmill.jobs.serve.objects import batch_object, error_body, file_deleted, file_object, page
-from tokenmill.jobs.serve.requests import After, CreateBatch, ObjectId, Purpose, describe_upload, stored_filename
+from tokenmill.jobs.serve.requests import (
+    After,
+    CreateBatch,
+    ObjectId,
+    Purpose,
+    describe_upload,
+    error_param,
+    stored_filename,
+)
 from tokenmill.jobs.serve.service import BatchService
 from tokenmill.jobs.serve.watch import install
 
@@ -48,7 +56,7 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, err: RequestValidationError):
         first = err.errors()[0] if err.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        where = error_param(first.get("loc", ()))
         return JSONResponse(error_body(f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None,
                                        code="invalid_value"), status_code=400)
 

@@ -97,3 +97,18 @@ def describe_upload() -> dict[str, Any]:
         "type": "object", "required": ["purpose", "file"],
         "properties": {"purpose": {"type": "string", "enum": ["batch"]},
                        "file": {"type": "string", "format": "binary"}}}}}}}
+
+
+#: Request fields that are mappings of the client's own keys: an error inside one names the
+#: field, never a key (a key is the client's data, and OpenAI's `param` is the field).
+MAPPING_FIELDS = ("metadata",)
+
+
+def error_param(loc: tuple | list) -> str:
+    """OpenAI's `param` for a validation error at pydantic's `loc`: the field's dotted path, cut
+    at a mapping field (`metadata`, not `metadata.<key>`)."""
+    parts = [str(p) for p in loc if p != "body"]
+    for i, part in enumerate(parts):
+        if part in MAPPING_FIELDS:
+            return ".".join(parts[: i + 1])
+    return ".".join(parts)
