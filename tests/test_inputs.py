@@ -12,7 +12,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tokenmill.transforms import inputs
 from tokenmill.transforms.inputs import InputError, expand_input, match
+
+
+@pytest.fixture(autouse=True)
+def _no_earlier_jobs_s3_options(monkeypatch):
+    """Planning falls back on the S3 options the last job's preflight set in this process
+    (`inputs.use_options`, as Beam's filesystems keep theirs): an earlier test module's job
+    would leave its own, now closed, endpoint there; a worker's reads take Beam's (host_model)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    monkeypatch.setattr(inputs, "_options", None)
+    monkeypatch.setattr(FileSystems, "_pipeline_options", None)
 
 PATTERNS = ["*.parquet", "*", "**", "**.parquet", "a?.parquet", "[ab]*.parquet", "[!a]*.parquet", "sub/",
             "sub/*.parquet", "*/*.parquet", ".hidden.parquet", "a1.parquet", "nothing*.parquet", "no-such-file",
