@@ -30,7 +30,6 @@ from tokenmill.jobs.serve.requests import (
     Purpose,
     describe_upload,
     error_param,
-    stored_filename,
 )
 from tokenmill.jobs.serve.service import BatchService
 from tokenmill.jobs.serve.watch import install
@@ -95,7 +94,7 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
             if lines > lim.max_file_lines:
                 raise ApiError(400, f"the file has {lines:,} lines; a batch file holds at most "
                                     f"{lim.max_file_lines:,} requests", param="file", code="too_many_lines")
-            row = svc.add_file(who.key_id, stored_filename(upload.filename), purpose, tmp, nbytes, lines)
+            row = svc.add_file(who.key_id, upload.filename, purpose, tmp, nbytes, lines)
         finally:
             os.unlink(tmp)
         return file_object(row)

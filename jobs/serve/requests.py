@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import Path, Query
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from tokenmill.jobs.serve.config import WINDOW_PATTERN
 from tokenmill.schemas.wire.openai.request import ENDPOINTS
@@ -22,8 +22,6 @@ ID_CHARS = 64
 JOB_ID_CHARS = 128
 #: The largest page offset: past any row a database here holds, inside every backend's integer.
 MAX_OFFSET = 2**31 - 1
-#: `metadata.priority` is stored in a 32-bit column.
-PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 #: OpenAI's bounds of `output_expires_after.seconds`: one hour to 30 days.
 OUTPUT_EXPIRY_S = (3600, 30 * 24 * 3600)
 
@@ -53,8 +51,9 @@ class OutputExpiresAfter(BaseModel):
 
 class CreateBatch(BaseModel):
     """The body of `POST /v1/batches`, each field no longer than its column (schemas/tables.py);
-    metadata as OpenAI bounds it (keys of 64 characters, values of 512; the number of keys is
-    the server's `limits.max_metadata_keys`, checked by the service)."""
+    metadata as OpenAI bounds it (keys of 64 characters, values of 512; the number of keys,
+    `limits.max_metadata_keys`, and `metadata.priority`, a 32-bit integer, are the service's
+    checks: `service.priority_of` is the one place a priority is read)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -67,21 +66,6 @@ class CreateBatch(BaseModel):
     metadata: dict[Annotated[str, StringConstraints(max_length=64)],
                    Annotated[str, StringConstraints(max_length=512)]] | None = None
     output_expires_after: OutputExpiresAfter | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _priority_in_range(cls, meta: dict[str, str] | None) -> dict[str, str] | None:
-        raw = (meta or {}).get("priority")
-        if raw is None:
-            return meta
-        try:
-            n = int(raw)
-        except ValueError:
-            return meta  # not a whole number: the service says so (service.priority_of)
-        lo, hi = PRIORITY_RANGE
-        if not lo <= n <= hi:
-            raise ValueError(f"priority must be a whole number from {lo} to {hi}, got {raw[:40]!r}")
-        return meta
 
 
 def stored_filename(name: str | None, default: str = "upload.jsonl") -> str:

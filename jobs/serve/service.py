@@ -30,8 +30,9 @@ from tokenmill.jobs.serve.engines import EngineProcess
 from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.finalize import BatchFiles
 from tokenmill.jobs.serve.quotas import Quotas
+from tokenmill.jobs.serve.requests import stored_filename
 from tokenmill.jobs.serve.scheduler import Scheduler
-from tokenmill.jobs.serve.validate import length_of, storable
+from tokenmill.jobs.serve.validate import storable
 from tokenmill.jobs.serve.webhooks import METADATA_KEY, WebhookSender
 from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
@@ -71,9 +72,9 @@ class BatchService(Scheduler):
 
     # ------------------------------------------------------------------ what the routes call
 
-    def add_file(self, owner: str, filename: str, purpose: str, path: str, nbytes: int, lines: int) -> dict[str, Any]:
-        name = filename.replace("\x00", "")[:length_of(T.api_files.c.filename)] or "upload.jsonl"  # cosmetic: cut
-        row: dict[str, Any] = {"id": new_id("file-"), "owner": owner, "filename": name,
+    def add_file(self, owner: str, filename: str | None, purpose: str, path: str, nbytes: int,
+                 lines: int) -> dict[str, Any]:
+        row: dict[str, Any] = {"id": new_id("file-"), "owner": owner, "filename": stored_filename(filename),
                "purpose": purpose, "bytes": nbytes, "lines": lines, "created_at": time.time(), "deleted_at": None}
         self.blobs.put_file(row["id"], path)
         self.files.add(row)
