@@ -55,3 +55,28 @@ def stale_output_job(eng, job_id: str) -> None:
         c.execute(T.outputs.insert().values(job_id=job_id, id="stale", input_file=0, input_row=9, text="old",
                                             prompt_tokens=1, output_tokens=1, cached_tokens=0))
         c.execute(T.jobs.update().values(status="failed", owner=None, heartbeat_at=None))
+
+
+class RecordingEngine:
+    """A stand-in for a served model's engine process (jobs/serve/engines.py): records what it
+    was handed, `(batch id, job id, output format)`; `gone` launches fail first, as a process
+    that died since `alive()` said otherwise."""
+
+    def __init__(self):
+        self.running, self.submitted, self.gone = None, [], 0
+
+    def alive(self):
+        return True
+
+    def launch(self, batch_id, spec, db_url):
+        if self.gone:
+            self.gone -= 1
+            return False
+        self.running = batch_id
+        self.submitted.append((batch_id, spec["job_id"], spec["output_format"]))
+        return True
+
+    @property
+    def launched(self) -> list[str]:
+        """The batch ids handed over, in order."""
+        return [s[0] for s in self.submitted]

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.conftest import write_parquet
-from tests.helpers import job_spec
+from tests.helpers import RecordingEngine, job_spec
 from tests.openai_server import FaultServer
 from tokenmill.jobs.lifecycle.coordinator import queue_order, take
 from tokenmill.jobs.lifecycle.launchers import Launched
@@ -120,28 +120,13 @@ def test_each_launcher_reports_a_success_a_failure_and_a_cancel_as_the_same_type
 # ---------------------------------------------------------------- attempts across a restart
 
 
-class _Engine:
-    """A stand-in for a model's engine process: records what it was handed."""
-
-    def __init__(self):
-        self.running, self.launched = None, []
-
-    def alive(self):
-        return True
-
-    def launch(self, batch_id, spec, db_url):
-        self.running = batch_id
-        self.launched.append(batch_id)
-        return True
-
-
 def _service(tmp_path):
     from tokenmill.jobs.serve.service import BatchService
 
     cfg = ServeConfig(db=f"sqlite:///{tmp_path / 's.db'}", files=str(tmp_path / "files"), work=str(tmp_path / "runs"),
                       models={"m": {}})
     svc = BatchService(cfg)
-    engine = _Engine()
+    engine = RecordingEngine()
     svc.engines["m"] = engine  # type: ignore[assignment]
     svc._engine = lambda model: engine  # type: ignore[method-assign]
     return svc, engine

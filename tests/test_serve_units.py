@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.helpers import RecordingEngine
 from tokenmill.jobs.serve.blobs import BlobError, LocalBlobs
 from tokenmill.jobs.serve.config import ServeConfig, load_config, window_seconds
 from tokenmill.jobs.serve.finalize import derived_file_id
@@ -217,31 +218,13 @@ def test_keys_files_and_batches_are_each_owners_own(backend, request, tmp_path):
     assert batches.in_flight("a") == 0 and [b["id"] for b in batches.unfinished()] == ["batch_1"]
 
 
-class _Engine:
-    """A stand-in for a model's engine process: records what it was handed."""
-
-    def __init__(self):
-        self.running, self.submitted, self.gone = None, [], 0
-
-    def alive(self):
-        return True
-
-    def launch(self, batch_id, spec, db_url):
-        if self.gone:  # died since alive() said otherwise
-            self.gone -= 1
-            return False
-        self.running = batch_id
-        self.submitted.append((batch_id, spec["job_id"], spec["output_format"]))
-        return True
-
-
 def _service(tmp_path):
     from tokenmill.jobs.serve.service import BatchService
 
     cfg = ServeConfig(db=f"sqlite:///{tmp_path / 's.db'}", files=str(tmp_path / "files"), work=str(tmp_path / "runs"),
                       models={"m": {}})
     svc = BatchService(cfg)
-    engine = _Engine()
+    engine = RecordingEngine()
     svc.engines["m"] = engine  # type: ignore[assignment]
     svc._engine = lambda model: engine  # type: ignore[method-assign]
     src = tmp_path / "in.jsonl"
@@ -350,7 +333,7 @@ def test_batches_of_two_models_run_side_by_side_up_to_concurrent_models(tmp_path
         cfg = ServeConfig(db=f"sqlite:///{tmp_path / f's{limit}.db'}", files=str(tmp_path / "files"),
                           work=str(tmp_path / "runs"), models={"m": {}, "n": {}}, concurrent_models=limit)
         svc = BatchService(cfg)
-        engines = {"m": _Engine(), "n": _Engine()}
+        engines = {"m": RecordingEngine(), "n": RecordingEngine()}
         svc._engine = lambda model, svc=svc, engines=engines: svc.engines.setdefault(model, engines[model])  # type: ignore
         for model in ("m", "n"):
             src.write_bytes(_line("a", model=model) + b"\n")
