@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llamacpp-convert llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-lora bench-quant bench-tune bench-scale bench-rerun bench-cache bench-ceiling bench-10m bench-estimate bench-serve bench-layout bench-report bench-db bench-page gpu-check clean help
+.PHONY: install lint airflow llamacpp llamacpp-convert llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-lora bench-quant bench-tune bench-scale bench-rerun bench-cache bench-ceiling bench-10m bench-estimate bench-serve bench-revs bench-layout bench-report bench-db bench-page gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -35,6 +35,7 @@ help:
 	@echo "make bench-ceiling - tokenmill with a stand-in engine against a plain loop on the same 100,000 rows, A B B A (bench/ceiling.py)"
 	@echo "make bench-10m - 1M and 10M rows with the stand-in engine, peak RSS per process, a finished and a 90%-done rerun (bench/tenmillion.py)"
 	@echo "make bench-serve - tokenmill serve against tokenmill run: a 20-line and a 2,000-line batch, 20 pollers, 50 batches' memory (bench/serve.py)"
+	@echo "make bench-revs - two git revisions side by side, A B B A: warm servers' 20-line and 2,000-line batches, the ceiling (bench/revs.py; BENCH_ARGS=\"--revs A B\")"
 	@echo "make bench-estimate - tokenmill estimate against the job it predicts, 3 inputs x vLLM and llama.cpp (bench/estimate.py)"
 	@echo "make bench-layout - one row group against 8,192-row groups, the same rows side by side (bench/layout.py)"
 	@echo "make bench-page - the live page's answer time with 10,000 jobs, SQLite and PostgreSQL (bench/page.py)"
@@ -253,6 +254,11 @@ bench-estimate: prepare llamacpp
 # on 2 cores.  Shorter: make bench-serve BENCH_ARGS="--large-lines 400 --memory-batches 20".
 bench-serve: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.serve $(BENCH_ARGS)
+
+# Two revisions of the code side by side (a redesign's "no loss", issue 51): a warm server of each, batches alternating
+# A B B A, then the ceiling's tokenmill-1 and plain arms per revision (bench/revs.py); ~25 min on 2 cores.
+bench-revs: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.revs $(BENCH_ARGS)
 
 # The same N rows as one row group and as 8,192-row groups, rounds alternating (bench/layout.py, issue 26): rows/s,
 # peak RSS per process and the bytes read of the file, one group / small groups; ~20 min at the default 200,000 rows.
