@@ -52,7 +52,7 @@ class _InProcessEngine:
         from tokenmill.jobs.lifecycle.launchers.inprocess import run_here
         from tokenmill.schemas.config import JobSpec
 
-        self.svc._on_engine(MODEL, run_here(JobSpec.model_validate(spec), db_url=db_url, session_factory=FakeSession))
+        self.svc.scheduler.on_engine(MODEL, run_here(JobSpec.model_validate(spec), db_url=db_url, session_factory=FakeSession))
 
 
 def test_a_served_batchs_input_is_opened_and_parsed_twice_validation_and_the_pipeline(tmp_path, monkeypatch):
@@ -62,7 +62,7 @@ def test_a_served_batchs_input_is_opened_and_parsed_twice_validation_and_the_pip
                       models={MODEL: {"sampling": {"max_tokens": 3}}})
     svc = BatchService(cfg)
     engine = _InProcessEngine(svc)
-    svc._engine = lambda model: engine  # type: ignore[method-assign]
+    svc.scheduler._engine = lambda model: engine  # type: ignore[method-assign]
     n = 5
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -85,8 +85,8 @@ def test_a_served_batchs_input_is_opened_and_parsed_twice_validation_and_the_pip
     monkeypatch.setattr(io, "open", counting_open)
 
     b = svc.create_batch("k", f["id"], "/v1/chat/completions", "24h", None)["id"]
-    svc.tick()  # validates (the first parse) and runs the job (the pipeline's: the second)
-    svc.tick()  # finalizes: the result files into the store
+    svc.scheduler.tick()  # validates (the first parse) and runs the job (the pipeline's: the second)
+    svc.scheduler.tick()  # finalizes: the result files into the store
     row = svc.batches.get(b)
     assert batch_status(row) == "completed" and row["request_counts"] == {"total": n, "completed": n, "failed": 0}
     with svc.blobs.open(row["output_file_id"]) as fh:
