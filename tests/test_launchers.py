@@ -127,8 +127,8 @@ def _service(tmp_path):
                       models={"m": {}})
     svc = BatchService(cfg)
     engine = RecordingEngine()
-    svc.engines["m"] = engine  # type: ignore[assignment]
-    svc._engine = lambda model: engine  # type: ignore[method-assign]
+    svc.scheduler.engines["m"] = engine  # type: ignore[assignment]
+    svc.scheduler._engine = lambda model: engine  # type: ignore[method-assign]
     return svc, engine
 
 
@@ -142,20 +142,20 @@ def test_attempts_survive_a_server_restart_a_batch_whose_job_failed_twice_fails_
     src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n")
     f = svc.add_file("k", "in.jsonl", "batch", str(src), src.stat().st_size, 1)
     b = svc.create_batch("k", f["id"], "/v1/chat/completions", "24h", {"priority": "2"})["id"]
-    svc.tick()
+    svc.scheduler.tick()
     for _ in range(2):  # its job fails twice: run again each time
         assert engine.running == b
-        svc._on_engine("m", Launched(b, "failed", "job failed: boom", raised=True))
-        svc.tick()
+        svc.scheduler.on_engine("m", Launched(b, "failed", "job failed: boom", raised=True))
+        svc.scheduler.tick()
     assert engine.launched == [b] * 3 and batch_status(svc.batches.get(b)) == "in_progress"
     job = S.JobStore(svc.eng).get(b)
     assert (job["attempts"], job["priority"], job["api_key"]) == (2, 2, "k")  # the queue's row says it
 
     again, engine = _service(tmp_path)  # the server restarted: one more attempt, not three
-    again.tick()
+    again.scheduler.tick()
     assert engine.launched == [b]
-    again._on_engine("m", Launched(b, "failed", "job failed: boom", raised=True))
-    again.tick()
+    again.scheduler.on_engine("m", Launched(b, "failed", "job failed: boom", raised=True))
+    again.scheduler.tick()
     row = again.batches.get(b)
     assert batch_status(row) == "failed" and engine.launched == [b]
     assert f"failed {MAX_ATTEMPTS} times; last: job failed: boom" in row["errors"][0]["message"]

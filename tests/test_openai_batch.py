@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -336,7 +337,8 @@ def embedding_line(cid, text, model="smollm2-135m", **body):
 
 
 def test_a_pass_reads_its_own_tasks_lines_and_leaves_the_others_to_theirs(tmp_path):
-    lines = [chat_line("c", "hi"), embedding_line("e", "x"), embedding_line("e-bad", ["a", "b"])]
+    lines = [chat_line("c", "hi"), embedding_line("e", "x"), embedding_line("e-bad", ["a", "b"]),
+             {**chat_line("no-url", "hi"), "url": "/v1/moderations"}]
     plan = plan_jsonl(str(write_jsonl(tmp_path / "mixed.jsonl", lines)))
     assert plan.tasks == ["generate", "embed"]
 
@@ -344,8 +346,17 @@ def test_a_pass_reads_its_own_tasks_lines_and_leaves_the_others_to_theirs(tmp_pa
         plan.task = task
         return {r["id"]: (r.get("_error") or ("ok",))[0] for shard in plan.shards for r in read_jsonl_shard(shard, plan.rules())}
 
-    assert read("generate") == {"c": "ok", "e-bad": "bad_request"}  # a malformed line is a dead letter in any pass
-    assert read("embed") == {"e": "ok", "e-bad": "bad_request"}
+    # a line naming an endpoint is read by its task's pass alone, malformed or not; one naming
+    # no served endpoint is a dead letter in any pass
+    assert read("generate") == {"c": "ok", "no-url": "bad_request"}
+    assert read("embed") == {"e": "ok", "e-bad": "bad_request", "no-url": "bad_request"}
+    assert [s.endpoints for s in plan.shards] == ["022?"]
+    for task in ("generate", "embed"):  # without the shard's note each pass reads every line, as before
+        plan.task = task
+        got = {r["id"] for s in plan.shards for r in read_jsonl_shard(replace(s, endpoints=None), plan.rules())}
+        assert got == ({"c", "e-bad", "no-url"} if task == "generate" else {"e", "e-bad", "no-url"})
+    single = plan_jsonl(str(write_jsonl(tmp_path / "chat.jsonl", [chat_line("c", "hi"), ""])))
+    assert [s.endpoints for s in single.shards] == [None]  # one pass: no note
     assert plan_jsonl(str(write_jsonl(tmp_path / "e.jsonl", lines[1:2]))).tasks == ["embed"]
     assert plan_jsonl(str(write_jsonl(tmp_path / "bad.jsonl", ["{bad"]))).tasks == []
 

@@ -1,6 +1,7 @@
-"""A served batch's input file is read and parsed twice, no more: once by validation (which
-stores the file's per-line index) and once by the pipeline; planning, the export and
-finalization read the index.  The service runs here in this process, its job too (the fake
+"""A served batch's input file is parsed twice, no more: once by validation (which stores the
+file's per-line index) and once by the pipeline, whose passes (one per engine task a file
+mixing chat and embedding lines names) each parse their own lines only; planning, the export
+and finalization read the index.  The service runs here in this process, its job too (the fake
 engine), so every parse goes through the wire format's one `decode` and is counted."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import builtins
 import io
 import json
 from typing import Any
+
+import pytest
 
 from tests.fakes import FakeSession
 from tokenmill.jobs.serve.config import ServeConfig
@@ -52,22 +55,33 @@ class _InProcessEngine:
         from tokenmill.jobs.lifecycle.launchers.inprocess import run_here
         from tokenmill.schemas.config import JobSpec
 
-        self.svc._on_engine(MODEL, run_here(JobSpec.model_validate(spec), db_url=db_url, session_factory=FakeSession))
+        self.svc.scheduler.on_engine(MODEL, run_here(JobSpec.model_validate(spec), db_url=db_url, session_factory=FakeSession))
 
 
-def test_a_served_batchs_input_is_opened_and_parsed_twice_validation_and_the_pipeline(tmp_path, monkeypatch):
+def _line(i: int, kind: str) -> dict[str, Any]:
+    if kind == "embedding":
+        return {"custom_id": f"q{i}", "method": "POST", "url": "/v1/embeddings",
+                "body": {"model": MODEL, "input": f"text {i}"}}
+    return {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}]}}
+
+
+@pytest.mark.parametrize("kinds,passes", [(("chat",), 1), (("chat", "embedding"), 2)], ids=["chat", "chat+embedding"])
+def test_a_served_batchs_input_is_parsed_twice_validation_and_the_pipeline(tmp_path, monkeypatch, kinds, passes):
+    """Each line parsed twice, whatever the kinds of request a file mixes; the file opened by
+    validation and by each of the job's passes (a mixed file's lines run one pass per engine
+    task, and each pass parses its own lines only)."""
     from tokenmill.jobs.serve.service import BatchService
 
     cfg = ServeConfig(db=f"sqlite:///{tmp_path / 's.db'}", files=str(tmp_path / "files"), work=str(tmp_path / "runs"),
                       models={MODEL: {"sampling": {"max_tokens": 3}}})
     svc = BatchService(cfg)
     engine = _InProcessEngine(svc)
-    svc._engine = lambda model: engine  # type: ignore[method-assign]
-    n = 5
+    svc.scheduler._engine = lambda model: engine  # type: ignore[method-assign]
+    n = 6
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-                                       "body": {"model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}]}})
-                           + ("\n\n" if i == 2 else "\n") for i in range(n)))
+    src.write_text("".join(json.dumps(_line(i, kinds[i % len(kinds)])) + ("\n\n" if i == 2 else "\n")
+                           for i in range(n)))
     f = svc.add_file("k", "in.jsonl", "batch", str(src), src.stat().st_size, n)
     stored = str(svc.blobs.path(f["id"]))
 
@@ -85,15 +99,18 @@ def test_a_served_batchs_input_is_opened_and_parsed_twice_validation_and_the_pip
     monkeypatch.setattr(io, "open", counting_open)
 
     b = svc.create_batch("k", f["id"], "/v1/chat/completions", "24h", None)["id"]
-    svc.tick()  # validates (the first parse) and runs the job (the pipeline's: the second)
-    svc.tick()  # finalizes: the result files into the store
+    svc.scheduler.tick()  # validates (the first parse) and runs the job (the pipeline's: the second)
+    svc.scheduler.tick()  # finalizes: the result files into the store
     row = svc.batches.get(b)
     assert batch_status(row) == "completed" and row["request_counts"] == {"total": n, "completed": n, "failed": 0}
     with svc.blobs.open(row["output_file_id"]) as fh:
-        assert sorted(json.loads(x)["custom_id"] for x in fh.read().splitlines()) == [f"q{i}" for i in range(n)]
+        outs = [json.loads(x) for x in fh.read().splitlines()]
+    assert sorted(o["custom_id"] for o in outs) == [f"q{i}" for i in range(n)]
+    assert {o["response"]["body"]["object"] for o in outs} == {{"chat": "chat.completion", "embedding": "list"}[k]
+                                                                for k in kinds}
     assert counting.loads_calls == 2 * n, f"{counting.loads_calls} line parses for {n} lines: want validation's and " \
                                           "the pipeline's only"
-    assert len(opens) == 2, opens
+    assert len(opens) == 1 + passes, opens
 
 
 def test_both_files_stores_keep_an_inputs_index_beside_it_and_take_files_written_straight_in(tmp_path, request):

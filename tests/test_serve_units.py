@@ -225,8 +225,8 @@ def _service(tmp_path):
                       models={"m": {}})
     svc = BatchService(cfg)
     engine = RecordingEngine()
-    svc.engines["m"] = engine  # type: ignore[assignment]
-    svc._engine = lambda model: engine  # type: ignore[method-assign]
+    svc.scheduler.engines["m"] = engine  # type: ignore[assignment]
+    svc.scheduler._engine = lambda model: engine  # type: ignore[method-assign]
     src = tmp_path / "in.jsonl"
     src.write_bytes(_line("a") + b"\n" + _line("b") + b"\n")
     f = svc.add_file("k", "in.jsonl", "batch", str(src), src.stat().st_size, 2)
@@ -237,17 +237,17 @@ def test_one_models_queued_batches_run_one_at_a_time_by_priority_then_age(tmp_pa
     svc, engine, fid = _service(tmp_path)
     made = [svc.create_batch("k", fid, "/v1/chat/completions", "24h", meta)["id"]
             for meta in (None, {"priority": "5"}, None, {"priority": "-1"})]
-    svc.tick()  # validates all four (in_progress) and hands the first to the engine
+    svc.scheduler.tick()  # validates all four (in_progress) and hands the first to the engine
     assert [b["status"] for b in map(batch_object, map(svc.batches.get, made))] == ["in_progress"] * 4
     order = []
     for _ in made:
         assert engine.running is not None
         order.append(engine.running)
-        svc.tick()  # nothing else starts while the model's engine is busy
+        svc.scheduler.tick()  # nothing else starts while the model's engine is busy
         assert [s[0] for s in engine.submitted] == order
         engine.running = None
         S.JobStore(svc.eng).finish(order[-1], status="cancelled")  # its job's row: how its run ended
-        svc.tick()
+        svc.scheduler.tick()
     assert order == [made[1], made[0], made[2], made[3]]
     assert engine.submitted[0][1:] == (made[1], "openai-jsonl")  # the batch's job has its id
 
@@ -266,9 +266,9 @@ def test_a_batch_whose_validation_raises_is_tried_again_then_failed_never_left_v
 
     svc.blobs.local_copy = flaky  # type: ignore[method-assign]
     a = svc.create_batch("k", fid, "/v1/chat/completions", "24h", None)["id"]
-    svc.tick()
+    svc.scheduler.tick()
     assert batch_status(svc.batches.get(a)) == "validating" and engine.running is None
-    svc.tick()
+    svc.scheduler.tick()
     assert batch_status(svc.batches.get(a)) == "in_progress" and engine.running == a
 
     def broken(file_id):
@@ -277,7 +277,7 @@ def test_a_batch_whose_validation_raises_is_tried_again_then_failed_never_left_v
     svc.blobs.local_copy = broken  # type: ignore[method-assign]
     b = svc.create_batch("k", fid, "/v1/chat/completions", "24h", None)["id"]
     for _ in range(MAX_ATTEMPTS):
-        svc.tick()
+        svc.scheduler.tick()
     row = svc.batches.get(b)
     assert batch_status(row) == "failed" and row["output_file_id"] is None
     assert [(e["code"], e["line"]) for e in row["errors"]] == [("validation_failed", None)]
@@ -297,9 +297,9 @@ def test_a_batch_handed_to_an_engine_process_that_just_died_stays_queued_for_the
     svc, engine, fid = _service(tmp_path)
     engine.gone = 1
     a = svc.create_batch("k", fid, "/v1/chat/completions", "24h", None)["id"]
-    svc.tick()
+    svc.scheduler.tick()
     assert engine.running is None and engine.submitted == [] and batch_status(svc.batches.get(a)) == "in_progress"
-    svc.tick()  # the next process takes it
+    svc.scheduler.tick()  # the next process takes it
     assert engine.running == a and [s[0] for s in engine.submitted] == [a]
 
 
@@ -308,10 +308,10 @@ def test_a_queued_batch_cancelled_or_expired_ends_with_every_line_an_error_and_n
     engine.running = "busy-elsewhere"
     a = svc.create_batch("k", fid, "/v1/chat/completions", "24h", None)["id"]
     b = svc.create_batch("k", fid, "/v1/chat/completions", "1s", None)["id"]
-    svc.tick()
+    svc.scheduler.tick()
     assert svc.cancel_batch("k", a)["cancelling_at"]
     time.sleep(1.1)
-    svc.tick()
+    svc.scheduler.tick()
     for batch_id, status, code in ((a, "cancelled", "batch_cancelled"), (b, "expired", "batch_expired")):
         row = svc.batches.get(batch_id)
         assert batch_status(row) == status and row["output_file_id"] is None
@@ -334,12 +334,13 @@ def test_batches_of_two_models_run_side_by_side_up_to_concurrent_models(tmp_path
                           work=str(tmp_path / "runs"), models={"m": {}, "n": {}}, concurrent_models=limit)
         svc = BatchService(cfg)
         engines = {"m": RecordingEngine(), "n": RecordingEngine()}
-        svc._engine = lambda model, svc=svc, engines=engines: svc.engines.setdefault(model, engines[model])  # type: ignore
+        sched = svc.scheduler
+        sched._engine = lambda model, sched=sched, engines=engines: sched.engines.setdefault(model, engines[model])  # type: ignore
         for model in ("m", "n"):
             src.write_bytes(_line("a", model=model) + b"\n")
             f = svc.add_file("k", "in.jsonl", "batch", str(src), src.stat().st_size, 1)
             svc.create_batch("k", f["id"], "/v1/chat/completions", "24h", None)
-        svc.tick()
+        svc.scheduler.tick()
         assert sum(1 for e in engines.values() if e.submitted) == started
 
 

@@ -260,7 +260,7 @@ def kill(conn, cursor, statement, *a):
     if statement.lstrip().upper().startswith("INSERT INTO WEBHOOK_EVENTS"):
         os.kill(os.getpid(), signal.SIGKILL)
 event.listen(svc.eng, "before_cursor_execute", kill)
-svc.tick()
+svc.scheduler.tick()
 print("not killed")
 """
 
@@ -297,7 +297,7 @@ def test_a_server_killed_while_ending_a_batch_loses_no_event_and_its_restart_mak
         assert S.WebhookStore(svc.eng).events(b) == []  # ...and neither was its event: both or neither
         for _ in range(2):  # restarted, and restarted again: one ending, one event
             again = BatchService(cfg)
-            again.tick()
+            again.scheduler.tick()
             assert batch_status(again.batches.get(b)) == "cancelled"
             (ev,) = S.WebhookStore(again.eng).events(b)
             assert ev["type"] == "batch.cancelled"

@@ -28,6 +28,9 @@ A file may mix endpoints: the job runs one pass per engine task its lines name
 (`JsonlPlan.tasks`: chat and completions lines with the engine generating, then
 `/v1/embeddings` lines with the same engine config as `task: embed`), each pass
 reading its own task's lines (`LineRules`), into one job and one pair of output files.
+Planning notes each line's endpoint in its shard (`JsonlShard.endpoints`, from the stored
+index), so a pass parses only its own lines: each line is parsed once by the pipeline,
+whatever the number of passes.
 
 `n` (samples per request) is the row key `n`: the request's samples are its output
 rows, written back as one line with n choices.  Refused (`request.UNSUPPORTED`): `stream`,
@@ -42,13 +45,13 @@ shape per endpoint) are written at export: jobs/lifecycle/openai_export.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AbstractSet, Any, Iterator
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.wire.lines import LineError, LineIndex, index_location, scan
-from tokenmill.schemas.wire.openai.request import TASK_ENDPOINTS, parse_request, peek
+from tokenmill.schemas.wire.openai.request import ENDPOINTS, TASK_ENDPOINTS, parse_request, peek
 from tokenmill.transforms.inputs import InputError, InputPlan, expand_input, open_input, planning_client, stat
 
 JSONL_PATTERNS = ("*.jsonl", "*.jsonl.gz")
@@ -56,6 +59,21 @@ JSONL_PATTERNS = ("*.jsonl", "*.jsonl.gz")
 SHARD_LINES = 2048
 ERROR_KEY = "_error"  # (reason, message) of a line the reader could not make a row of
 RAW_KEY = "_raw"
+#: A line's code in `JsonlShard.endpoints` when it is blank, and when it names no endpoint
+#: tokenmill serves (every pass reads it: a dead letter); else its endpoint's place in ENDPOINTS.
+BLANK, UNKNOWN = " ", "?"
+
+
+def endpoint_code(url: str | None) -> str:
+    """A line's one-character code in `JsonlShard.endpoints` (None: a blank line)."""
+    if url is None:
+        return BLANK
+    return str(ENDPOINTS.index(url)) if url in ENDPOINTS else UNKNOWN
+
+
+def read_in_pass(code: str, urls: tuple[str, ...]) -> bool:
+    """Whether the pass that answers `urls` reads a line of this code."""
+    return code == UNKNOWN or (code != BLANK and ENDPOINTS[int(code)] in urls)
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,10 @@ class JsonlShard:
     start_line: int
     num_lines: int
     offset: int | None
+    endpoints: str | None = None
+    """For an input whose lines name more than one engine task: each line's endpoint, one
+    character a line (`endpoint_code`), so a pass reads only its own task's lines; None when
+    one pass reads every line."""
 
     @property
     def key(self) -> str:
@@ -110,7 +132,9 @@ class JsonlPlan(InputPlan[JsonlShard]):
 class LineRules:
     """What one pass of a job serves of the lines it reads: the model names (empty: any) and
     the endpoints of its task; a well-formed line to another task's endpoint is left for that
-    task's pass (`line_row` gives None), a malformed one is a dead letter in any pass."""
+    task's pass (`line_row` gives None), a malformed one is a dead letter in any pass (where
+    the shard notes each line's endpoint, `read_jsonl_shard` leaves a line naming another
+    task's endpoint unread, malformed or not)."""
 
     models: tuple[str, ...] = ()
     urls: tuple[str, ...] = TASK_ENDPOINTS["generate"]
@@ -173,10 +197,12 @@ def plan_jsonl(path: str, options: Any = None) -> JsonlPlan:
     for fi, f in enumerate(files):
         compressed = f.endswith(".gz")
         start = start_off = count = 0
+        codes: list[str] = []
         try:
             for i, (off, url, model) in enumerate(line_entries(f, client)):
                 if count == 0:  # the first line of a new shard
-                    start, start_off = i, off
+                    start, start_off, codes = i, off, []
+                codes.append(endpoint_code(url))
                 if url is not None:
                     total += 1
                     endpoints[url] = endpoints.get(url, 0) + 1
@@ -184,14 +210,17 @@ def plan_jsonl(path: str, options: Any = None) -> JsonlPlan:
                         models[model] = models.get(model, 0) + 1
                 count += 1
                 if count >= SHARD_LINES and not compressed:
-                    shards.append(JsonlShard(fi, f, start, count, start_off))
+                    shards.append(JsonlShard(fi, f, start, count, start_off, "".join(codes)))
                     count = 0
         except (OSError, EOFError) as err:
             raise InputError(f"input file {f!r} cannot be read: {first_line(err)}") from None
         if count:
-            shards.append(JsonlShard(fi, f, start, count, None if compressed else start_off))
-    return JsonlPlan(files=files, shards=shards, columns=["custom_id", "method", "url", "body"], total_rows=total,
+            shards.append(JsonlShard(fi, f, start, count, None if compressed else start_off, "".join(codes)))
+    plan = JsonlPlan(files=files, shards=shards, columns=["custom_id", "method", "url", "body"], total_rows=total,
                      endpoints=endpoints, models=models)
+    if len(plan.tasks) < 2:  # one pass reads every line: its shards need not say whose each line is
+        plan.shards = [replace(s, endpoints=None) for s in shards]
+    return plan
 
 
 # ---------------------------------------------------------------- lines → rows
@@ -227,7 +256,12 @@ def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | Non
 def read_jsonl_shard(shard: JsonlShard, served: LineRules | None = None,
                      skip: AbstractSet[int] = frozenset(), client: Any = None) -> Iterator[dict[str, Any]]:
     """The rows of a run of lines but those whose line number is in `skip` (a rerun's done
-    rows); an s3:// file read on `client` (a worker's: host_model.s3_client_here)."""
+    rows) and, where the shard notes each line's endpoint, those of another pass's task (not
+    parsed: their own pass reads them); an s3:// file read on `client` (a worker's:
+    host_model.s3_client_here)."""
+    urls, codes = (served or LineRules()).urls, shard.endpoints
+    if codes is not None and not any(read_in_pass(c, urls) for c in set(codes)):
+        return  # no line of this pass's: the file is not opened
     with open_input(shard.path, client, lines=True) as fh:
         first = shard.start_line
         if shard.offset is not None:
@@ -239,6 +273,8 @@ def read_jsonl_shard(shard: JsonlShard, served: LineRules | None = None,
             line = fh.readline()
             if not line:
                 break
+            if codes is not None and not read_in_pass(codes[k], urls):
+                continue
             if line.strip() and first + k not in skip:
                 row = line_row(line, shard.file_index, first + k, served)
                 if row is not None:

@@ -33,7 +33,7 @@ class _Collector:
         for s in STATUSES:
             g.add_metric([s], by_status.get(s, 0))
         yield g
-        running = {e.running for e in svc.engines.values() if e.running}
+        running = {e.running for e in svc.scheduler.engines.values() if e.running}
         queued = Counter(b["model"] or "" for b in rows if batch_status(b) == "in_progress" and b["id"] not in running)
         q = GaugeMetricFamily("tokenmill_serve_queued_batches", "Batches validated and waiting for their model's engine",
                               labels=["model"])
@@ -43,7 +43,7 @@ class _Collector:
         loaded = GaugeMetricFamily("tokenmill_serve_engines_loaded", "1 where the model's engine is loaded now",
                                    labels=["model"])
         for model in svc.cfg.models:
-            e = svc.engines.get(model)
+            e = svc.scheduler.engines.get(model)
             loaded.add_metric([model], 1 if e is not None and e.alive() and (e.loaded or e.running) else 0)
         yield loaded
         with svc._lock:

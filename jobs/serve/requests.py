@@ -2,7 +2,8 @@
 engine: ids, cursors, offsets, filters and the body of `POST /v1/batches`.  Whatever is out of
 range, longer than the column it is compared with or stored in, or holds a control character
 (PostgreSQL refuses NUL in text) is refused as a 400 in OpenAI's error shape naming the field
-(app.py's handler of `RequestValidationError`), never a 500."""
+(app.py's handler of `RequestValidationError`), never a 500.  A column's width is read from the
+column (schemas/tables.py), here for the API's schema and in `storable` for the service."""
 
 from __future__ import annotations
 
@@ -10,16 +11,35 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Path, Query
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from sqlalchemy import Column
 
 from tokenmill.jobs.serve.config import WINDOW_PATTERN
+from tokenmill.jobs.serve.errors import ApiError
+from tokenmill.schemas import tables as T
 from tokenmill.schemas.wire.openai.request import ENDPOINTS
+
+
+def length_of(column: Column) -> int | None:
+    """The most characters a string column stores (None: unbounded)."""
+    return getattr(column.type, "length", None)
+
+
+def storable(value: str, column: Column, param: str) -> str:
+    """`value` when `column` can store it: no longer than the column's length and without a NUL
+    (PostgreSQL refuses both at the insert); else a 400 naming `param`."""
+    most = length_of(column)
+    if (most is not None and len(value) > most) or "\x00" in value:
+        raise ApiError(400, f"{param} must be a string of at most {most} characters without NUL, got "
+                            f"{len(value):,} characters", param=param, code="invalid_value")
+    return value
+
 
 #: No control characters: a string compared with or stored in a text column.
 PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
-#: The width of the service's id columns (`api_files.id`, `api_batches.id`: schemas/tables.py).
-ID_CHARS = 64
+#: The width of the service's id columns (`api_files.id`, `api_batches.id`).
+ID_CHARS = length_of(T.api_files.c.id)
 #: The width of `jobs.id`: a job's page takes the id of any job, run by the service or not.
-JOB_ID_CHARS = 128
+JOB_ID_CHARS = length_of(T.jobs.c.id)
 #: The largest page offset: past any row a database here holds, inside every backend's integer.
 MAX_OFFSET = 2**31 - 1
 #: OpenAI's bounds of `output_expires_after.seconds`: one hour to 30 days.
@@ -32,11 +52,11 @@ JobId = Annotated[str, Path(min_length=1, max_length=JOB_ID_CHARS, pattern=PRINT
 """A job's id in the page's path."""
 After = Annotated[str | None, Query(max_length=ID_CHARS, pattern=PRINTABLE)]
 """A list's cursor: the id of the last object of the page before."""
-Purpose = Annotated[str | None, Query(max_length=32, pattern=PRINTABLE)]
-"""A file list's filter (`api_files.purpose` is 32 wide)."""
+Purpose = Annotated[str | None, Query(max_length=length_of(T.api_files.c.purpose), pattern=PRINTABLE)]
+"""A file list's filter (as wide as `api_files.purpose`)."""
 Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET)]
 """The page's row offset."""
-JobStatus = Annotated[str | None, Query(max_length=16, pattern=PRINTABLE)]
+JobStatus = Annotated[str | None, Query(max_length=length_of(T.jobs.c.status), pattern=PRINTABLE)]
 """The page's status filter."""
 
 
@@ -60,8 +80,9 @@ class CreateBatch(BaseModel):
     input_file_id: Annotated[Text, StringConstraints(min_length=1, max_length=ID_CHARS)]
     # what the service accepts, described for clients and the fuzzer; the service refuses the
     # rest with its own message (service.create_batch)
-    endpoint: Annotated[Text, StringConstraints(max_length=64), Field(json_schema_extra={"enum": list(ENDPOINTS)})]
-    completion_window: Annotated[Text, StringConstraints(max_length=16),
+    endpoint: Annotated[Text, StringConstraints(max_length=length_of(T.api_batches.c.endpoint)),
+                        Field(json_schema_extra={"enum": list(ENDPOINTS)})]
+    completion_window: Annotated[Text, StringConstraints(max_length=length_of(T.api_batches.c.completion_window)),
                                  Field(json_schema_extra={"pattern": WINDOW_PATTERN})]
     metadata: dict[Annotated[str, StringConstraints(max_length=64)],
                    Annotated[str, StringConstraints(max_length=512)]] | None = None
@@ -69,9 +90,9 @@ class CreateBatch(BaseModel):
 
 
 def stored_filename(name: str | None, default: str = "upload.jsonl") -> str:
-    """An upload's file name as it is stored: control characters dropped, at most 512
-    characters (`api_files.filename`)."""
-    kept = "".join(ch for ch in (name or "") if ch.isprintable())[:512]
+    """An upload's file name as it is stored: control characters dropped, cut to the width of
+    `api_files.filename`."""
+    kept = "".join(ch for ch in (name or "") if ch.isprintable())[:length_of(T.api_files.c.filename)]
     return kept or default
 
 

@@ -1,7 +1,8 @@
 """The server's scheduler: each tick moves every unfinished batch along (validate it, run its
 job, ask the job to stop, finalize it), and the coordinator (`coordinator.take`: priority,
 then age; `concurrent_models`; one job per model's engine) starts queued jobs on the warm
-engine pool (engines.py), whose typed reports (`Launched`, `ProcessDied`) end them.
+engine pool (engines.py), whose typed reports (`Launched`, `ProcessDied`) end them.  What is
+done with a batch's files at its steps is the service's (`BatchSteps`, finalize.BatchFiles).
 
 A batch's job row is the queue and run store (`JobStore`): it holds the batch's priority and
 API key, and its `attempts`, the runs that ended in an error or a dead engine process, so a
@@ -13,27 +14,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sqlalchemy.engine import Engine
 
 from tokenmill.jobs.lifecycle.coordinator import queue_order, take
 from tokenmill.jobs.lifecycle.jobrow import job_values
 from tokenmill.jobs.lifecycle.launchers import DONE, Event, Launched, ProcessDied
+from tokenmill.jobs.serve.blobs import Blobs
 from tokenmill.jobs.serve.config import ServeConfig
 from tokenmill.jobs.serve.engines import EngineProcess
+from tokenmill.jobs.serve.quotas import Quotas
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.wire.openai.objects import batch_status, line_error
-
-if TYPE_CHECKING:  # the service makes it; only its type here
-    from tokenmill.jobs.serve.quotas import Quotas
 
 log = logging.getLogger(__name__)
 
 #: Runs of one batch's job that ended in an error or a dead engine process before the batch
 #: fails (and checks of its input that raised before it fails in validation).
 MAX_ATTEMPTS = 3
+#: The longest wait between ticks (a new batch, a cancel or an engine's report wakes it sooner).
+TICK_S = 0.5
 
 
 def ended(job: dict[str, Any] | None) -> bool:
@@ -45,28 +47,62 @@ def ended(job: dict[str, Any] | None) -> bool:
                                                      and int(job.get("attempts") or 0) >= MAX_ATTEMPTS)
 
 
+class BatchSteps(Protocol):
+    """What the scheduler has done at a batch's steps, with its files and its row
+    (finalize.BatchFiles)."""
+
+    def validate(self, b: dict[str, Any]) -> dict[str, Any] | None:
+        """Check the batch's input file: its row failed with the errors (None), or queued (the row)."""
+        ...
+
+    def fail_validating(self, b: dict[str, Any], errors: list[dict[str, Any]], *, lines: int,
+                        model: str | None) -> None:
+        """End the batch `failed` in validation, with its errors."""
+        ...
+
+    def finalize(self, b: dict[str, Any]) -> None:
+        """End the batch as its job's row says its job ended, with its result files."""
+        ...
+
+
 class Scheduler:
-    """The scheduler half of `BatchService` (service.py), which holds the stores and the
-    batch steps it calls (`_validate`, `_fail_validating`, `_finalize`)."""
+    """The service's scheduler thread (`start`, `stop`) and the warm engines it starts jobs on
+    (`engines`, by model).  `steps` does what a batch's files need at validation and at its
+    end; `quotas` holds a key's batches back in `validating`."""
 
-    cfg: ServeConfig
-    db_url: str
-    eng: Engine
-    batches: S.BatchStore
-    quotas: "Quotas"
-    blobs: Any
-    engines: dict[str, EngineProcess]
-    _wake: threading.Event
+    def __init__(self, cfg: ServeConfig, eng: Engine, steps: BatchSteps, *, quotas: Quotas, blobs: Blobs):
+        self.cfg, self.eng, self.steps, self.quotas, self.blobs = cfg, eng, steps, quotas, blobs
+        self.db_url = cfg.db_url()
+        self.batches = S.BatchStore(eng)
+        self.engines: dict[str, EngineProcess] = {}
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def _validate(self, b: dict[str, Any]) -> dict[str, Any] | None:
-        raise NotImplementedError
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="tokenmill-serve-scheduler")
+        self._thread.start()
 
-    def _fail_validating(self, b: dict[str, Any], errors: list[dict[str, Any]], *, lines: int,
-                         model: str | None) -> None:
-        raise NotImplementedError
+    def stop(self) -> None:
+        """End the thread (after its tick) and stop every engine process."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        for e in self.engines.values():
+            e.stop()
 
-    def _finalize(self, b: dict[str, Any]) -> None:
-        raise NotImplementedError
+    def wake(self) -> None:
+        """Tick now: a batch was created or asked to stop."""
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # one bad batch or a database hiccup must not stop the service
+                log.exception("scheduler tick failed")
+            self._wake.wait(TICK_S)
+            self._wake.clear()
 
     def tick(self) -> None:
         now = time.time()
@@ -78,19 +114,19 @@ class Scheduler:
                 if self.quotas.holds(b):
                     continue
                 try:
-                    valid = self._validate(b)
+                    valid = self.steps.validate(b)
                 except Exception as err:  # the server's fault or its store's, not the file's: tried again
                     self._validation_fault(b, err)
                     valid = None
                 if valid is not None:
                     queued.append(valid)
             elif status == "finalizing":
-                self._finalize(b)
+                self.steps.finalize(b)
             elif running:
                 if status == "cancelling" or now >= b["expires_at"]:
                     self._ask_job_to_stop(b["id"])
             elif status == "cancelling" or now >= b["expires_at"] or ended(S.JobStore(self.eng).get(b["id"])):
-                self._finalize(b)  # its job ended, perhaps while no server watched
+                self.steps.finalize(b)  # its job ended, perhaps while no server watched
             else:
                 queued.append(b)
         self._dispatch(queued)
@@ -115,12 +151,12 @@ class Scheduler:
         if old is not None:
             old.stop(timeout=1)
         e = EngineProcess(model, self.cfg.idle_unload_s, str(self.cfg.home() / "logs" / f"engine-{model}.log"),
-                          self._on_engine)
+                          self.on_engine)
         e.start()
         self.engines[model] = e
         return e
 
-    def _on_engine(self, model: str, event: Event) -> None:
+    def on_engine(self, model: str, event: Event) -> None:
         """An engine process's report (its reader thread): a run's end frees the engine; one
         that raised or died counts an attempt; one that ended `failed` is not tried again."""
         if isinstance(event, ProcessDied) and event.job_id is not None:
@@ -156,6 +192,6 @@ class Scheduler:
         n = int(b.get("validation_attempts") or 0) + 1
         self.batches.set(b["id"], validation_attempts=n)
         if n >= MAX_ATTEMPTS:
-            self._fail_validating(b, [line_error("validation_failed", f"the server could not check the file "
-                                                 f"({n} tries); last: {first_line(err, 500)}", None)],
-                                  lines=0, model=None)
+            error = line_error("validation_failed", f"the server could not check the file ({n} tries); last: "
+                                                    f"{first_line(err, 500)}", None)
+            self.steps.fail_validating(b, [error], lines=0, model=None)

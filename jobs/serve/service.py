@@ -18,7 +18,6 @@ every batch up where its row says):
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import uuid
@@ -26,22 +25,17 @@ from typing import Any
 
 from tokenmill.jobs.serve.blobs import blob_store
 from tokenmill.jobs.serve.config import ServeConfig, window_seconds
-from tokenmill.jobs.serve.engines import EngineProcess
 from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.finalize import BatchFiles
 from tokenmill.jobs.serve.quotas import Quotas
-from tokenmill.jobs.serve.requests import stored_filename
+from tokenmill.jobs.serve.requests import storable, stored_filename
 from tokenmill.jobs.serve.scheduler import Scheduler
-from tokenmill.jobs.serve.validate import storable
 from tokenmill.jobs.serve.webhooks import METADATA_KEY, WebhookSender
 from tokenmill.schemas import storage as S
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.wire.openai.objects import ENDED, batch_status
 from tokenmill.schemas.wire.openai.request import ENDPOINTS
 
-log = logging.getLogger(__name__)
-
-TICK_S = 0.5
 #: How long a running batch's live request counts are reused (they change batch by batch).
 COUNTS_TTL_S = 1.0
 #: The largest `metadata.priority` either way (the column is a 32-bit integer).
@@ -52,22 +46,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
-class BatchService(Scheduler):
+class BatchService:
+    """The service the routes call; its scheduler (`scheduler`, scheduler.py) moves the
+    batches along in its own thread, asking `results` (finalize.BatchFiles) for their files."""
+
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
-        self.db_url = cfg.db_url()
-        self.eng = S.connect(self.db_url)
+        self.eng = S.connect(cfg.db_url())
         self.blobs = blob_store(cfg.files_root())
         self.batches, self.files = S.BatchStore(self.eng), S.FileStore(self.eng)
         self.webhooks, self.quotas = WebhookSender(self.eng, cfg.webhooks), Quotas(self.eng, cfg.limits)
         self.results = BatchFiles(cfg, self.eng, self.blobs, self.webhooks, self._count)
-        self.engines: dict[str, EngineProcess] = {}
+        self.scheduler = Scheduler(cfg, self.eng, self.results, quotas=self.quotas, blobs=self.blobs)
         self.counters: dict[tuple[str, ...], float] = {}  # (metric, model, label) → value
         self._counts: dict[str, tuple[float, dict[str, int]]] = {}  # batch id → (when, its live counts)
-        self._wake = threading.Event()
-        self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         cfg.work_root().mkdir(parents=True, exist_ok=True, mode=0o700)  # the jobs' folders: the owner's alone
 
     # ------------------------------------------------------------------ what the routes call
@@ -121,7 +114,7 @@ class BatchService(Scheduler):
                    "created_at": now, "expires_at": now + window}
             if not self.batches.add_over_file(row):  # deleted since: the file's row is held while the batch is added
                 raise ApiError(404, f"No such File object: {input_file_id}", code="not_found", param="input_file_id")
-        self._wake.set()
+        self.scheduler.wake()
         return self.batches.get(row["id"]) or row
 
     def cancel_batch(self, owner: str | None, batch_id: str) -> dict[str, Any]:
@@ -136,7 +129,7 @@ class BatchService(Scheduler):
             status = batch_status(self.batches.get(batch_id) or b)
             if status != "cancelling":
                 raise ApiError(409, f"Cannot cancel a batch with status '{status}'.", code="batch_not_cancellable")
-        self._wake.set()
+        self.scheduler.wake()
         return self.batches.get(batch_id) or b
 
     def live_counts(self, b: dict[str, Any]) -> dict[str, int] | None:
@@ -154,41 +147,15 @@ class BatchService(Scheduler):
         self._counts[b["id"]] = (now, counts)
         return counts
 
-    # ------------------------------------------------------------------ the scheduler (scheduler.py)
+    # ------------------------------------------------------------------ the threads
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="tokenmill-serve-scheduler")
-        self._thread.start()
+        self.scheduler.start()
         self.webhooks.start()
 
     def stop(self) -> None:
         self.webhooks.stop()
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(10)
-        for e in self.engines.values():
-            e.stop()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:  # one bad batch or a database hiccup must not stop the service
-                log.exception("scheduler tick failed")
-            self._wake.wait(TICK_S)
-            self._wake.clear()
-
-    def _validate(self, b: dict[str, Any]) -> dict[str, Any] | None:
-        """Check the batch's file (finalize.BatchFiles.validate): failed (None), or queued (the row)."""
-        return self.results.validate(b)
-
-    def _fail_validating(self, b: dict[str, Any], errors: list[dict[str, Any]], *, lines: int,
-                         model: str | None) -> None:
-        self.results.fail_validating(b, errors, lines=lines, model=model)
-
-    def _finalize(self, b: dict[str, Any]) -> None:
-        self.results.finalize(b)  # how its job ended: the job's row (scheduler.ended)
+        self.scheduler.stop()
 
     def _count(self, metric: str, model: str, label: str, n: float) -> None:
         with self._lock:

@@ -10,9 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterable, Mapping
 
-from sqlalchemy import Column
-
-from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.schemas.wire.lines import LineError, LineIndex, scan
 from tokenmill.schemas.wire.openai.objects import line_error
 from tokenmill.schemas.wire.openai.request import ENDPOINTS, check_sampling, decode, request_fields
@@ -31,21 +28,6 @@ class Checked:
     index: LineIndex = field(default_factory=LineIndex)
     """Every line read, with its byte range, custom_id, endpoint and model (complete when there
     are no errors)."""
-
-
-def length_of(column: Column) -> int | None:
-    """The most characters a string column stores (None: unbounded)."""
-    return getattr(column.type, "length", None)
-
-
-def storable(value: str, column: Column, param: str) -> str:
-    """`value` when `column` can store it: no longer than the column's length and without a NUL
-    (PostgreSQL refuses both at the insert); else a 400 naming `param`."""
-    most = length_of(column)
-    if (most is not None and len(value) > most) or "\x00" in value:
-        raise ApiError(400, f"{param} must be a string of at most {most} characters without NUL, got "
-                            f"{len(value):,} characters", param=param, code="invalid_value")
-    return value
 
 
 #: How long a `model_not_found` message's list of the served names may grow.

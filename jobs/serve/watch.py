@@ -46,7 +46,7 @@ def install(app: FastAPI, svc: BatchService) -> None:
     def engines() -> dict[str, str]:
         out = {}
         for m in svc.cfg.models:
-            e = svc.engines.get(m)
+            e = svc.scheduler.engines.get(m)
             out[m] = ("not started" if e is None or not e.alive() else "running a batch" if e.running
                       else "loaded" if e.loaded else "not loaded")
         return out
