@@ -188,7 +188,8 @@ def parts_intact(folder: str, parts: Any) -> bool:
         have = _listing(folder)
     except OSError:
         return False
-    return all(isinstance(p, dict) and have.get(str(p.get("file"))) == p.get("bytes") for p in parts)
+    return all(isinstance(p, dict) and isinstance(p.get("rows"), int) and have.get(str(p.get("file"))) == p.get("bytes")
+               for p in parts)
 
 
 def _remove(folder: str, names: Any) -> None:
@@ -212,6 +213,8 @@ def _output_parts(eng: Engine, job_id: str, folder: str, previous: Any) -> tuple
     runs = [r["run_id"] for r in JobStore(eng).runs(job_id)]
     have = _listing(folder, make=True)
     parts = list(previous) if previous and parts_intact(folder, previous) else []
+    if not {r for p in parts for r in p.get("runs", ())} <= set(runs):  # another database's export of this id
+        parts = []
     _remove(folder, set(have) - {p["file"] for p in parts})  # parts no kept manifest names
     written = 0
     if parts:
