@@ -272,16 +272,16 @@ def job_figures(db_url: str, job_id: str, got: dict[str, Any]) -> dict[str, Any]
 
 
 def outputs_check(path: Path, n: int, dead: Path | None = None, sqlite: Path | None = None) -> dict[str, Any]:
-    """Every input id answered once: `n` distinct ids in the output file (and the SQLite
-    table), none twice, no dead letter."""
-    import pyarrow.parquet as pq
+    """Every input id answered once: `n` distinct ids in the output file or folder of parts (and
+    the SQLite table), none twice, no dead letter."""
+    import pyarrow.dataset as ds
 
-    if not path.is_file():
+    if not path.exists():
         return {"ok": False, "note": f"no {path.name}"}
-    ids = pq.read_table(path, columns=["id"]).column("id").to_pylist()
+    ids = ds.dataset(path, format="parquet").to_table(columns=["id"]).column("id").to_pylist()
     out: dict[str, Any] = {"outputs": len(ids), "distinct": len(set(ids))}
     if dead is not None:
-        out["dead_letters"] = pq.read_metadata(dead).num_rows if dead.is_file() else 0
+        out["dead_letters"] = ds.dataset(dead, format="parquet").count_rows() if dead.exists() else 0
     if sqlite is not None:
         import sqlite3
 

@@ -84,7 +84,10 @@ def row_table(record: type[StoredRow], *extra) -> Table:
     return Table(record.TABLE, metadata, *cols, *extra)
 
 
-outputs = row_table(OutputRow, Index("ix_outputs_job_input", "job_id", "input_file", "input_row"))
+#: `ix_outputs_job_batch`: one run's rows (its batch ids start with the run id), read by the export's
+#: parts and the run's request summary without reading the rest of the job (docs/JOBS.md, "Export parts")
+outputs = row_table(OutputRow, Index("ix_outputs_job_input", "job_id", "input_file", "input_row"),
+                    Index("ix_outputs_job_batch", "job_id", "batch_id"))
 dead_letters = row_table(DeadLetterRow, Index("ix_dead_letters_job_reason", "job_id", "reason"))
 batches = row_table(BatchStats)
 
@@ -101,6 +104,9 @@ runs = Table(
     Column("started_at", Float, nullable=False),
     Column("seen_at", Float),
     Column("finished_at", Float),
+    # the run's answered requests summed, counted and binned (storage/merged.py), written when a later
+    # accounting first reads the run; None until then
+    Column("summary", JSON(none_as_null=True)),
 )
 
 #: Which row of the input each id belongs to: the first in input order read so far

@@ -169,15 +169,17 @@ def test_a_finished_job_rerun_starts_nothing_and_keeps_its_export_until_somethin
     assert again.metrics == first.metrics and again.files == first.files and again.note
     with S.connect(sqlite_url).connect() as c:  # no run was recorded for it
         assert c.execute(select(func.count()).select_from(T.runs).where(T.runs.c.job_id == "done-once")).scalar() == 1
-    # The export's data file gone: the rerun exports again (and still generates nothing).
-    (out / "outputs.parquet").unlink()
+    # The export's data gone (a part of it): the rerun exports again (and still generates nothing).
+    next((out / "outputs.parquet").glob("part-*.parquet")).unlink()
     run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert pq.read_table(out / "outputs.parquet").num_rows == 5 and markers(out) == {"_SUCCESS.json"}
     assert not any(s.added for s in FakeSession.instances)
-    # A marker that disagrees with the database (another export's): exported again.
+    # A marker that disagrees with the database: the job is exported again, its intact part kept (it
+    # holds the job's every stored row) and the marker written anew.
     m = read(out, "_SUCCESS.json")
     (out / "_SUCCESS.json").write_text(json.dumps({**m, "succeeded": 4}))
-    before = (out / "outputs.parquet").stat().st_mtime_ns
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "outputs.parquet").iterdir()}
     time.sleep(0.01)
     run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
-    assert (out / "outputs.parquet").stat().st_mtime_ns != before and read(out, "_SUCCESS.json")["succeeded"] == 5
+    after = {p.name: p.stat().st_mtime_ns for p in (out / "outputs.parquet").iterdir()}
+    assert after == before and read(out, "_SUCCESS.json")["succeeded"] == 5

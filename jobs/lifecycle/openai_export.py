@@ -104,13 +104,15 @@ def dead_letter_lines(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[s
 
 
 class OpenAIBatchExport:
-    """outputs.jsonl and errors.jsonl in the OpenAI batch output format."""
+    """outputs.jsonl and errors.jsonl in the OpenAI batch output format, written whole each time (a
+    served batch's files are moved into the files store as one file each; no parts)."""
 
     format: ClassVar[str] = "openai-jsonl"
     files: ClassVar[Mapping[str, str]] = {"outputs": "outputs.jsonl", "errors": "errors.jsonl"}
 
-    def write(self, eng: Engine, job_id: str, paths: Mapping[str, str]) -> tuple[int, int]:
+    def write(self, eng: Engine, job_id: str, paths: Mapping[str, str],
+              previous: Mapping[str, Any] | None = None) -> tuple[int, int, dict[str, Any]]:
         rows = MetricsReader(eng)
         source = job_input(eng, job_id)  # the input tells each request's endpoint and model
         return (write_jsonl(paths["outputs"], output_lines(rows.stream_rows(OutputRow, job_id), source=source)),
-                write_jsonl(paths["errors"], dead_letter_lines(rows.stream_rows(DeadLetterRow, job_id))))
+                write_jsonl(paths["errors"], dead_letter_lines(rows.stream_rows(DeadLetterRow, job_id))), {})

@@ -20,7 +20,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from tokenmill.jobs.lifecycle.caps import CapError, CapWatch, before_start, capped
 from tokenmill.jobs.lifecycle.direct_runner import watch_sdk_workers, worker_died
 from tokenmill.jobs.lifecycle.errors import JobError
-from tokenmill.jobs.lifecycle.export import finished_export, write_marker
+from tokenmill.jobs.lifecycle.export import finished_export, previous_parts, write_marker
 from tokenmill.jobs.lifecycle.jobrow import hardware, job_values, versions
 from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight, resolve_workers
 from tokenmill.jobs.lifecycle.reconcile import mismatch_note
@@ -239,8 +239,10 @@ def run_job(
             S.JobStore(eng).finish_run(job_id, run_id, time.time())
             c = S.MetricsReader(eng).counts(job_id)
             S.JobStore(eng).finish(job_id, status="failed", error=error, **c, heartbeat_at=None, owner=None)
+            fmt = spec.output_format or "parquet"  # the earlier export's parts stay named, for the next run to keep
             _mark_failed(spec.output, {"job_id": job_id, "run_id": run_id, "rows_in": plan.total_rows, **c,
-                                       "files": {}}, f"the pipeline failed; this run exported nothing: {error or 'stopped'}")
+                                       "files": {}, "format": fmt, "parts": previous_parts(spec.output, job_id, fmt)},
+                         f"the pipeline failed; this run exported nothing: {error or 'stopped'}")
     if progress is not None:
         tick()
     if status != "done":
@@ -254,7 +256,7 @@ def run_job(
     say(f"exported {spec.output}: {files.get('outputs', 0):,} outputs, {files.get('dead_letters', 0):,} dead letters")
     S.JobStore(eng).finish_run(job_id, run_id, time.time())  # after export: the devices were held until now
     metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
-                              utilization=utilization)
+                              utilization=utilization, merged=True)
     metrics["input"] = input_read(read, plan)
     note = None
     if cancelled:
@@ -421,11 +423,11 @@ def input_read(counters: dict[str, int] | None, plan) -> dict[str, Any]:
 
 
 def compute_metrics(eng, job_id: str, spec: JobSpec, total: int, hw: dict[str, Any], job_wall_s: float | None = None,
-                    utilization: dict[str, Any] | None = None):
+                    utilization: dict[str, Any] | None = None, merged: bool = False):
     m = stored_metrics(eng, job_id, JobTerms(
         total=total, hardware=hw, price_per_hour=spec.price_per_hour, prices=spec.prices,
         engine_config=spec.engine.model_dump(mode="json"), token_budget=spec.batching.token_budget,
         job_wall_s=job_wall_s, utilization=utilization, cache_mode=spec.cache,
-    ))
+    ), merged=merged)
     m["hardware"] = hw
     return m

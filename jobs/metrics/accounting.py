@@ -216,6 +216,13 @@ def job_metrics(work: JobWork, terms: JobTerms) -> dict[str, Any]:
                    "cached": None if cache_unknown else cached,
                    "by_count_source": s.by_source,
                    "count_source_definition": COUNT_SOURCE_DEFINITION},
+        "percentiles": {
+            "relative_error_max": dict(s.percentile_error),
+            "definition": "the largest relative error of each column's p50/p95/p99 against numpy's linear "
+                          "percentile of every row: 0 exact (ranked by the database, or token counts binned by "
+                          "value); otherwise time percentiles read from the runs' merged log-binned summaries "
+                          "(docs/ACCOUNTING.md, \"Percentiles\"); counts, sums, means and maxima are exact",
+        },
         "latency_s": {
             "ttft": s.dists["ttft_s"],
             "tpot": s.dists["tpot_s"],

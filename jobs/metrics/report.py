@@ -304,6 +304,7 @@ def format_report(data: dict[str, Any]) -> str:
                 rows.append([lat.label, *(fmt(d.get(s), "s") for s in STATS), fmt(d.get("n")), _clock(data, lat.column)])
             lines += _plain(rows, headers=["", *STATS, "n", "clock"],
                             colalign=("left", *("right",) * (len(STATS) + 1), "left"), indent="  ")
+            lines.append(f"  {percentile_note(data)}")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -369,6 +370,16 @@ def _clock(data: dict[str, Any], col: str) -> str:
     return (data["metrics"].get("clocks") or {}).get(col) or CLOCKS[col]
 
 
+def percentile_note(data: dict[str, Any]) -> str:
+    """How close the latency percentiles are (the metrics' `percentiles`; docs/ACCOUNTING.md)."""
+    err = ((data["metrics"].get("percentiles") or {}).get("relative_error_max") or {})
+    worst = max((v for v in err.values() if v is not None), default=0.0)
+    if not worst:
+        return "percentiles: exact (numpy's linear interpolation over every request)"
+    return (f"percentiles: token counts exact, times within {worst:.1%} (merged from the runs' summaries; "
+            "counts, sums, means and maxima exact)")
+
+
 def _latency_table(data: dict[str, Any]) -> str:
     head = "<tr><th></th>" + "".join(f"<th class=n>{s}</th>" for s in STATS) + "<th class=n>n</th><th>clock</th></tr>"
     body = ""
@@ -376,7 +387,7 @@ def _latency_table(data: dict[str, Any]) -> str:
         d = get_path(data["metrics"], lat.path) or {}
         body += (f"<tr><td>{lat.label}</td>" + "".join(f"<td class=n>{html.escape(fmt(d.get(s), 's'))}</td>" for s in STATS)
                  + f"<td class=n>{fmt(d.get('n'))}</td><td class=muted>{html.escape(_clock(data, lat.column))}</td></tr>")
-    return f"<table>{head}{body}</table>"
+    return f"<table>{head}{body}</table><p class=muted>{html.escape(percentile_note(data))}</p>"
 
 
 def render_html(data: dict[str, Any], out_dir: str | Path) -> Path:

@@ -34,6 +34,7 @@ from tokenmill.schemas.storage.database import (
 )
 from tokenmill.schemas.storage.estimates import EstimateStore
 from tokenmill.schemas.storage.jobs import STALE_AFTER_S, JobBusy, JobStore, is_live
+from tokenmill.schemas.storage.merged import RunSummaries
 from tokenmill.schemas.storage.reader import CHUNK_ROWS, MetricsReader
 from tokenmill.schemas.storage.results import ResultWriter
 from tokenmill.schemas.storage.serve import BatchStore, FileStore, KeyStore
@@ -44,6 +45,6 @@ from tokenmill.schemas.storage.watch import WatchReader
 from tokenmill.schemas.storage.webhooks import WebhookStore
 
 __all__ = [
-    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "SessionStore", "StorageError", "UsageStore", "WatchReader", "WebhookStore",
+    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "RunSummaries", "SessionStore", "StorageError", "UsageStore", "WatchReader", "WebhookStore",
     "alembic_config", "connect", "current_revision", "head_revision", "is_live", "owner_tag", "upgrade", "utcnow",
 ]

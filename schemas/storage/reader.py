@@ -15,6 +15,11 @@ from tokenmill.schemas.storage.database import SqlStore, table
 CHUNK_ROWS = 5000
 
 
+def run_range(run_id: str) -> tuple[str, str]:
+    """The batch ids of one run: `[run-, run.)` (a batch id is `<run id>-...`; '.' follows '-')."""
+    return f"{run_id}-", f"{run_id}."
+
+
 class MetricsReader(SqlStore):
     """Read-only queries over one job's rows; each returns plain values or dicts of columns."""
 
@@ -61,22 +66,33 @@ class MetricsReader(SqlStore):
             for part in self._in_order(conn, record, job_id).mappings().partitions(CHUNK_ROWS):
                 yield [dict(r) for r in part]
 
-    def stream_columns(self, record: type[StoredRow], job_id: str,
-                       names: Sequence[str]) -> Iterator[dict[str, list[Any]]]:
-        """The columns `names` of a job's rows of one table, in the order of `stream_rows`, in
-        chunks of CHUNK_ROWS rows, each chunk as name → its values (no dict per row: the
-        exports build their files a column at a time)."""
+    def stream_columns(self, record: type[StoredRow], job_id: str, names: Sequence[str],
+                       run_id: str | None = None) -> Iterator[dict[str, list[Any]]]:
+        """The columns `names` of a job's rows of one table (of one run's batches with `run_id`:
+        outputs only, by `ix_outputs_job_batch`), in the order of `stream_rows`, in chunks of
+        CHUNK_ROWS rows, each chunk as name → its values (no dict per row: the exports build
+        their files a column at a time)."""
         with self.engine.connect() as conn:
-            for part in self._in_order(conn, record, job_id, names).partitions(CHUNK_ROWS):
+            for part in self._in_order(conn, record, job_id, names, run_id).partitions(CHUNK_ROWS):
                 yield dict(zip(names, map(list, zip(*part))))
 
+    def row_count(self, record: type[StoredRow], job_id: str) -> int:
+        """A job's rows of one table (an output row per sample)."""
+        tbl = table(record)
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(tbl).where(tbl.c.job_id == job_id)).scalar() or 0)
+
     @staticmethod
-    def _in_order(conn, record: type[StoredRow], job_id: str, names: Sequence[str] | None = None):
+    def _in_order(conn, record: type[StoredRow], job_id: str, names: Sequence[str] | None = None,
+                  run_id: str | None = None):
         tbl = table(record)
         order = [tbl.c.input_file, tbl.c.input_row, *([tbl.c.sample] if "sample" in tbl.c else [])]
         q = select(*(tbl.c[n] for n in names)) if names is not None else select(tbl)
-        return conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(
-            q.where(tbl.c.job_id == job_id).order_by(*order))
+        q = q.where(tbl.c.job_id == job_id)
+        if run_id is not None:
+            lo, hi = run_range(run_id)
+            q = q.where(tbl.c.batch_id >= lo, tbl.c.batch_id < hi)
+        return conn.execution_options(stream_results=True, yield_per=CHUNK_ROWS).execute(q.order_by(*order))
 
     def placed_rows(self, job_id: str) -> Iterator[tuple[int, int, str]]:
         """Where each input row of a job ended, in input order: (input_file, input_row, "output" or

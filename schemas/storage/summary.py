@@ -67,6 +67,9 @@ class RequestStats:
     """Per LoRA adapter (`adapter` None: the base model), base first then by name: input rows
     answered (`rows`, the cache's too, as `rows` above), and of the rows this job's engine
     answered the prompt and output tokens and the summed request time (`e2e_s`)."""
+    percentile_error: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIST_COLUMNS, 0.0))
+    """DIST_COLUMNS → the largest relative error of its percentiles: 0.0 where they are exact (ranked by
+    the database, or exact bins), `merged.ALPHA` for times read from merged run summaries."""
 
 
 def cache_counts(rows: int, samples: int, prompt: int, output: int, sources: dict[str, int]) -> dict[str, Any]:
@@ -125,7 +128,7 @@ class RequestSummary(SqlStore):
             served = self._served(conn, job_id)
             adapters = self._by_adapter(conn, job_id)
         return RequestStats(n=n, prompt=prompt, output=output, cached=cached, cached_known=cached_rows > 0,
-                            by_source=_by_source(groups), dists=dists,
+                            by_source=sources_of(groups), dists=dists,
                             mean_request_output_tok_per_s=None if per_req is None else float(per_req),
                             checked=int(checked or 0), valid=int(valid or 0), rows=int(rows or 0), cache=served,
                             by_adapter=adapters)
@@ -197,7 +200,7 @@ class RequestSummary(SqlStore):
         return out
 
 
-def _by_source(groups) -> dict[str, dict[str, int]]:
+def sources_of(groups) -> dict[str, dict[str, int]]:
     """GROUP BY token_count_source rows → records' count_sources shape and order."""
     order = {s: i for i, s in enumerate(TOKEN_COUNT_SOURCES)}
     merged: dict[str, dict[str, int]] = {}
