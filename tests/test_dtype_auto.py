@@ -210,7 +210,7 @@ def test_engines_that_do_not_start_within_the_budget_leave_float32_for_now_and_a
     model.mkdir()
     (model / "config.json").write_text("{}")
     calls: list = []
-    monkeypatch.setattr(P, "measure", lambda kw, env=None: calls.append(1) or {**res, "provisional": True})
+    monkeypatch.setattr(P, "measure", lambda kw, env=None, **_: calls.append(1) or {**res, "provisional": True})
     assert cpu.cpu_dtype(str(model), {}) == "float32" and cpu.cpu_dtype(str(model), {}) == "float32"
     assert len(calls) == 1  # the job's workers, and reruns for a while, use it
     monkeypatch.setattr(cpu, "PROVISIONAL_S", 0.0)

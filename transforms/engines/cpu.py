@@ -270,10 +270,12 @@ def cpu_dtype_measurement(model_path: str, engine_kwargs: dict[str, Any], *, on_
             return {**hit, "cached": True}
         if on_measure is not None:
             on_measure()
-        from tokenmill.transforms.engines.dtype_probe import measure
+        told = time.perf_counter()
+        from tokenmill.transforms.engines.dtype_probe import BUDGET_S, measure
 
         apply_cpu_env()
-        res = {**measure(engine_kwargs, env=single_process_omp_env() or {}),
+        env = single_process_omp_env() or {}  # imports vLLM here (seconds): within the budget told
+        res = {**measure(engine_kwargs, env=env, budget_s=BUDGET_S - (time.perf_counter() - told)),
                "key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if res.pop("provisional", False):
             res["provisional_at"] = time.time()
