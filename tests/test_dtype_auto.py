@@ -205,6 +205,11 @@ def test_engines_that_do_not_start_within_the_budget_leave_float32_for_now_and_a
                           rates={"float32": 300.0, "bfloat16": 600.0}, step_s={"float32": 0.1, "bfloat16": 0.1})
     assert res["choice"] == "float32" and res["provisional"] and "neither engine started within 44 s" in res["reason"]
     assert took <= P.START_BY_S
+    # the quality check cut off by the budget (engines slowed down by other work on the machine): the same
+    res2, _, took = _probe(monkeypatch, start_s={"float32": 40.0, "bfloat16": 40.0},
+                           rates={"float32": 300.0, "bfloat16": 600.0}, step_s={"float32": 0.4, "bfloat16": 0.2})
+    assert res2["choice"] == "float32" and res2["provisional"] and "did not answer 'greedy'" in res2["reason"]
+    assert took <= P.BUDGET_S
     monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path / "home"))
     model = tmp_path / "m"
     model.mkdir()

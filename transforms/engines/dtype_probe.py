@@ -173,9 +173,7 @@ def measure(engine_kwargs: dict[str, Any], env: dict[str, str] | None = None,
                 late += err.timed_out
         run.mark("started")
         if late == len(children):
-            res = {**_unchecked(REFERENCE, f"neither engine started within {start_by - t0:.0f} s (a busy or slow "
-                                f"machine): {REFERENCE}, the reference, until it is measured again"),
-                   "provisional": True}
+            res = _provisional(f"neither engine started within {start_by - t0:.0f} s")
         elif len(failed) == len(children):
             raise ProbeError("; ".join(failed.values()))
         elif failed:
@@ -185,9 +183,12 @@ def measure(engine_kwargs: dict[str, Any], env: dict[str, str] | None = None,
             try:
                 res = _measure_both(children, run, args)
             except ProbeError as err:  # W8A8 int8 checkpoints, say, refuse float32 activations on some CPUs
-                if err.dtype is None:
+                if err.timed_out:
+                    res = _provisional(f"the measurement did not fit in {budget_s:.0f} s ({err})")
+                elif err.dtype is None:
                     raise
-                res = _only(next(c.dtype for c in children if c.dtype != err.dtype), err.dtype, str(err))
+                else:
+                    res = _only(next(c.dtype for c in children if c.dtype != err.dtype), err.dtype, str(err))
     finally:
         for c in children:
             c.close()
@@ -261,6 +262,13 @@ def _unchecked(choice: str, reason: str, rates: dict[str, list[float]] | None = 
             "output_tok_per_s": {dt: statistics.median(v) for dt, v in (rates or {}).items() if v},
             "rounds_output_tok_per_s": rates or {}, "ratio": None,
             "quality": {"agreement_with_float32": {}, "what": "not checked"}, "workload": None}
+
+
+def _provisional(why: str) -> dict[str, Any]:
+    """float32 for now when the probe ran out of time (a busy or slow machine), not a measured
+    choice: `cpu_dtype_measurement` keeps it a while only, then measures again."""
+    return {**_unchecked(REFERENCE, f"{why} (a busy or slow machine?): {REFERENCE}, the reference, until it is "
+                         "measured again"), "provisional": True}
 
 
 def _only(choice: str, dtype: str, error: str) -> dict[str, Any]:
