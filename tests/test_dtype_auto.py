@@ -283,15 +283,21 @@ def test_the_probe_times_both_dtypes_in_the_real_engine_and_float32_agrees_with_
     cfg = VllmConfig(**{**TEST_ENGINE, "dtype": "auto"})
     kw = engine_kwargs(cfg, model_path, on_gpu=False, resolve_auto=False)
     cpu.apply_cpu_env()
-    res = P.measure(kw, env=cpu.single_process_omp_env() or {})
-    assert res["choice"] in P.CANDIDATES and res["measure_wall_s"] <= P.BUDGET_S
+    # a budget for a shared test machine (the 60 s bound is the fake-clock tests'): on an idle one it
+    # stops as soon as the slices decide, as the real probe does
+    res = P.measure(kw, env=cpu.single_process_omp_env() or {}, budget_s=240.0)
+    assert res["choice"] in P.CANDIDATES and not res.get("provisional"), res["reason"]
     rounds = res["rounds_output_tok_per_s"]
     assert sorted(rounds) == ["bfloat16", "float32"]
     assert all(len(v) >= 2 and len(v) % 2 == 0 and min(v) > 0 for v in rounds.values())
     q = res["quality"]
-    # teacher-forced on its own greedy tokens, float32 must pick every one of them: the check's own check
-    assert q["agreement_with_float32"]["float32"] == 1.0 and q["greedy_answers_identical_to_float32"]["float32"] == 8
-    assert 0.0 <= q["agreement_with_float32"]["bfloat16"] <= 1.0
+    if q["agreement_with_float32"]:  # checked where bfloat16 is the faster (AVX-512 bf16 hosts)
+        # teacher-forced on its own greedy tokens, float32 must pick every one of them: the check's own check
+        assert q["agreement_with_float32"]["float32"] == 1.0
+        assert q["greedy_answers_identical_to_float32"]["float32"] == 8
+        assert 0.0 <= q["agreement_with_float32"]["bfloat16"] <= 1.0
+    else:  # float32, the reference, the faster: nothing to check
+        assert res["choice"] == "float32" and res["reason"].startswith("float32 faster")
     # the choice follows from the figures by the documented rule
     again = P.decide("float32", "bfloat16", P.Measured(rounds, res["ratio"]["rounds"], q["agreement_with_float32"],
                                                        {"float32": [], "bfloat16": []}, []), workload={}, wall_s=0.0)

@@ -137,7 +137,8 @@ class _Run:
     slices: list[dict[str, Any]] = field(default_factory=list)
     """every slice as the engine reported it, warm-ups included, in the order run"""
     timeline: dict[str, float] = field(default_factory=dict)
-    """seconds from the start at which each phase ended"""
+    """seconds from the start at which each phase ended, and the CPU seconds each engine's
+    process took to start (`<dtype>_start_cpu_s`: what its start costs on an idle machine)"""
 
     def left(self) -> float:
         return self.deadline - self.clock()
@@ -167,7 +168,7 @@ def measure(engine_kwargs: dict[str, Any], env: dict[str, str] | None = None,
         late = 0
         for c in children:
             try:
-                c.ask("ready", timeout=start_by - clock())
+                run.timeline[f"{c.dtype}_start_cpu_s"] = c.ask("ready", timeout=start_by - clock()).get("start_cpu_s")
             except ProbeError as err:
                 failed[c.dtype] = str(err)
                 late += err.timed_out

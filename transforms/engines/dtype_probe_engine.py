@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -166,7 +167,11 @@ def serve(dtype: str, engine_args: dict[str, Any]) -> None:
                 hits += bool(entry and token in entry and entry[token].rank == 1)
         return {"agreement": hits / n if n else 0.0}
 
-    ops = {"ready": lambda: {"dtype": dtype, "kv_cache_memory_bytes": kv_bytes}, "speed": stream.run,
+    def ready() -> dict[str, Any]:
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        return {"dtype": dtype, "kv_cache_memory_bytes": kv_bytes, "start_cpu_s": round(use.ru_utime + use.ru_stime, 1)}
+
+    ops = {"ready": ready, "speed": stream.run,
            "greedy": greedy, "teacher": teacher}
     for line in sys.stdin:
         req = json.loads(line)
