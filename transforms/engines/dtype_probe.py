@@ -168,7 +168,7 @@ def measure(engine_kwargs: dict[str, Any], env: dict[str, str] | None = None,
         late = 0
         for c in children:
             try:
-                run.timeline[f"{c.dtype}_start_cpu_s"] = c.ask("ready", timeout=start_by - clock()).get("start_cpu_s")
+                run.timeline[f"{c.dtype}_start_cpu_s"] = c.ask("ready", timeout=start_by - clock()).get("start_cpu_s", 0.0)
             except ProbeError as err:
                 failed[c.dtype] = str(err)
                 late += err.timed_out
