@@ -186,6 +186,11 @@ def cpu_kv_cache(cfg: VllmConfig, model_path: str, dtype: str, *, job_tokens: kv
     return sizing.bytes, info
 
 
+#: how long a provisional `dtype: auto` choice (`dtype_probe.measure`: the engines did not start
+#: within its budget) is used before the CPU is measured again
+PROVISIONAL_S = 3600.0
+
+
 def _dtype_cache_file() -> Path:
     from tokenmill.schemas.models import tokenmill_home
 
@@ -242,8 +247,9 @@ def cpu_dtype_measurement(model_path: str, engine_kwargs: dict[str, Any], *, on_
     vllm_session.engine_kwargs gives them; dtype_probe.measure), kept in
     `cpu_dtype.json` under tokenmill's home by `dtype_key` and measured again when the key
     changes (another CPU, torch, vLLM or model).  One process measures at a time (a file
-    lock), the others then read its result.  `on_measure()` is called before a measurement
-    (it takes a minute or so): the CLI says so on the terminal."""
+    lock), the others then read its result; a provisional choice (float32 when the engines did not
+    start within the probe's budget) is kept for `PROVISIONAL_S` only.  `on_measure()` is called
+    before a measurement (at most dtype_probe.BUDGET_S): the CLI says so on the terminal."""
     import filelock
 
     key = dtype_key(model_path)
@@ -258,15 +264,21 @@ def cpu_dtype_measurement(model_path: str, engine_kwargs: dict[str, Any], *, on_
         if not isinstance(known.get("measurements"), dict):
             known = {"measurements": {}}  # the old single lone-matmul entry is not kept
         hit = known["measurements"].get(ident)
-        if hit and hit.get("choice"):
+        # a provisional choice (the engines did not start within the probe's budget) serves the
+        # job's workers and reruns for a while, then the CPU is measured again
+        if hit and hit.get("choice") and time.time() - hit.get("provisional_at", time.time()) < PROVISIONAL_S:
             return {**hit, "cached": True}
         if on_measure is not None:
             on_measure()
-        from tokenmill.transforms.engines.dtype_probe import measure
+        told = time.perf_counter()
+        from tokenmill.transforms.engines.dtype_probe import BUDGET_S, measure
 
         apply_cpu_env()
-        res = {**measure(engine_kwargs, env=single_process_omp_env() or {}),
+        env = single_process_omp_env() or {}  # imports vLLM here (seconds): within the budget told
+        res = {**measure(engine_kwargs, env=env, budget_s=BUDGET_S - (time.perf_counter() - told)),
                "key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if res.pop("provisional", False):
+            res["provisional_at"] = time.time()
         known["measurements"][ident] = res
         tmp = f.with_suffix(".tmp")
         tmp.write_text(json.dumps(known, indent=1))

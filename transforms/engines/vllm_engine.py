@@ -12,7 +12,7 @@ from tokenmill.transforms.engines import vllm_session
 from tokenmill.transforms.engines.checks import check_engine_config
 from tokenmill.transforms.engines.cpu import claim_cpu_slot
 from tokenmill.transforms.engines.device import has_nvidia_gpu
-from tokenmill.transforms.engines.dtype_probe import ProbeError
+from tokenmill.transforms.engines.dtype_probe import BUDGET_S, ProbeError
 from tokenmill.transforms.engines.kinds import EngineCheck, EngineKind
 from tokenmill.transforms.engines.kv import JobTokens
 from tokenmill.transforms.engines.lora import adapter_problems
@@ -107,7 +107,7 @@ class VllmEngine(EngineKind[VllmConfig]):
             choice = vllm_session.auto_dtype_measurement(
                 cfg, model_path,
                 on_measure=lambda: say("dtype auto: timing float32 and bfloat16 in the engine on this CPU "
-                                       "(once per CPU, model, torch and vLLM version; about a minute)"))
+                                       f"(once per CPU, model, torch and vLLM version; at most {BUDGET_S:.0f} s)"))
         except ProbeError as err:
             raise EngineStartError(f"dtype auto could not be measured: {err}") from None
         if choice:
