@@ -11,6 +11,8 @@ tail, about 157 prompt tokens a row with the default model's chat template), ids
 Arms, each a whole process, on the same rows:
   tokenmill-1  `tokenmill run --engine standin --max-tokens 4 --workers 1` (SQLite, Parquet export)
   tokenmill-2  the same with `--workers 2` (two SDK worker processes)
+  tokenmill-auto  the same with `--workers auto`: what this host's record of the stand-in's finished
+               jobs (the tokenmill arms' own runs, transforms/engines/cpu_workers.py) chooses
   plain        bench/plain_loop.py: the two columns in 8,192-row batches with pyarrow, the chat
                template rendered and the batch tokenized with the fast tokenizer, outputs to
                Parquet and to SQLite, one transaction per batch
@@ -18,7 +20,9 @@ Arms, each a whole process, on the same rows:
 A warm-up of each arm on a few rows first (not counted), then `--rounds` rounds: even rounds
 run tokenmill-1, plain, tokenmill-2; odd rounds the reverse, so tokenmill-1 and the plain
 loop (and the two tokenmill arms) go A B B A over two rounds.  Reported per run: rows/s over
-the whole process (N ÷ its wall), peak RSS per process kind (bench/procs.py), every id once;
+the whole process (N ÷ its wall), its CPU seconds (the process and every descendant it waited for,
+`RUSAGE_CHILDREN`) and CPU ms a row, the 1-minute load average at its start, peak RSS and sampled
+CPU seconds per process kind (bench/procs.py), every id once;
 for the tokenmill arms the wall cut at the times the job records (`timeline`: start-up,
 planning, pipeline start, the generation window from the first batch's start to the last
 batch's end, pipeline end and export, accounting, exit).  Inside the generation window
@@ -47,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +62,12 @@ DEFAULT_N = 100_000
 MAX_TOKENS = 4
 SEED = 7  # bench/datasets.py's seed for the bundled sample
 ROW_GROUP = 8192
-ARMS = ("tokenmill-1", "plain", "tokenmill-2")
-WORKERS = {"tokenmill-1": 1, "tokenmill-2": 2}
-# targets of issue 39 (printed as a verdict per round, never asserted)
-TARGET_TOKENMILL_OVER_PLAIN = 0.8
-TARGET_TWO_OVER_ONE = 1.6
+ARMS = ("tokenmill-1", "plain", "tokenmill-2", "tokenmill-auto")
+WORKERS: dict[str, int | str] = {"tokenmill-1": 1, "tokenmill-2": 2, "tokenmill-auto": "auto"}
+# targets of issues 39 and 53 (printed as a verdict per round, never asserted): (key, target, direction)
+TARGETS = (("tokenmill_1_over_plain", 0.8, ">="), ("tokenmill_2_over_tokenmill_1", 1.6, ">="),
+           ("tokenmill_2_cpu_per_row_over_tokenmill_1", 1.1, "<="),
+           ("tokenmill_2_window_cpu_per_row_over_tokenmill_1", 1.1, "<="), ("tokenmill_auto_over_faster", 1.0, ">="))
 
 
 # ---------------------------------------------------------------- input
@@ -116,6 +122,7 @@ def run_process(cmd: list[str], folder: Path, env: dict[str, str], also: tuple[i
     folder.mkdir(parents=True, exist_ok=True)
     lines: list[tuple[float, str]] = []
     used0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load = os.getloadavg()[0]  # the machine is shared: how busy it was as this run started
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     sampler = ProcessSampler(proc.pid, also=also)
@@ -139,22 +146,17 @@ def run_process(cmd: list[str], folder: Path, env: dict[str, str], also: tuple[i
     (folder / "stdout.txt").write_text(out)
     (folder / "stderr.txt").write_text("\n".join(f"{t - t0:9.3f} {s}" for t, s in lines) + "\n")
     peaks: dict[str, float] = {}
+    cpu_by_kind: dict[str, float] = {}
     for p in sampler.processes():
         peaks[p["kind"]] = max(peaks.get(p["kind"], 0.0), p["peak_rss_mib"])
-    return {"exit_code": proc.returncode, "started_at": t0, "ended_at": t1, "wall_s": round(t1 - t0, 2),
+        cpu_by_kind[p["kind"]] = round(cpu_by_kind.get(p["kind"], 0.0) + p["cpu_s_sampled"], 2)
+    return {"exit_code": proc.returncode, "started_at": t0, "load_avg_1min_at_start": load, "ended_at": t1, "wall_s": round(t1 - t0, 2),
             "cpu_s": round(cpu_s, 2), "cores_busy": round(cpu_s / (t1 - t0), 3),
-            "stdout": out, "stderr_lines": lines, "peak_rss_mib_by_kind": peaks,
-            "processes_by_kind": _count(p["kind"] for p in sampler.processes())}
+            "cpu_s_between": sampler.cpu_s_between, "stdout": out, "stderr_lines": lines, "peak_rss_mib_by_kind": peaks, "cpu_s_sampled_by_kind": cpu_by_kind,
+            "processes_by_kind": dict(Counter(p["kind"] for p in sampler.processes()))}
 
 
-def _count(items) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
-
-
-def tokenmill_run(name: str, inp: Path, n: int, workers: int, folder: Path, model: str, *,
+def tokenmill_run(name: str, inp: Path, n: int, workers: int | str, folder: Path, model: str, *,
                   phases: Path | None = None, extra: tuple[str, ...] = (), also: tuple[int, ...] = (),
                   logs: str | None = None) -> dict[str, Any]:
     """One `tokenmill run` of job `name` with the stand-in engine, its database and outputs in
@@ -170,6 +172,10 @@ def tokenmill_run(name: str, inp: Path, n: int, workers: int, folder: Path, mode
     rep["command"] = " ".join(["tokenmill", *cmd[3:]]).replace(str(ROOT) + "/", "")
     rep.update(job_figures(db_url, name, got))
     rep["every_id_once"] = outputs_check(folder / "out" / "outputs.parquet", n, folder / "out" / "dead_letters.parquet")
+    chose = next((s for _, s in got["stderr_lines"] if "workers: auto is " in s), None)
+    if chose:  # the launcher's line: how many workers auto chose, and why
+        rep["workers_chosen"] = int(chose.split("workers: auto is ")[1].split()[0])
+        rep["workers_line"] = chose.lstrip("· ")
     if phases is not None:
         from bench.phases import merged
 
@@ -209,7 +215,9 @@ def _report(name: str, arm: str, n: int, got: dict[str, Any]) -> dict[str, Any]:
     if arm == "plain" and "launcher" in kinds:  # the root of the tree is the loop itself
         kinds["plain_loop"] = kinds.pop("launcher")
     return {"name": name, "arm": arm, "rows": n, "exit_code": got["exit_code"], "wall_s": got["wall_s"],
-            "cpu_s": got["cpu_s"], "cores_busy": got["cores_busy"],
+            "load_avg_1min_at_start": got["load_avg_1min_at_start"],
+            "cpu_s": got["cpu_s"], "cores_busy": got["cores_busy"], "cpu_s_sampled_by_kind": got["cpu_s_sampled_by_kind"],
+            "cpu_ms_per_row": round(1000 * got["cpu_s"] / n, 4) if n else None,
             "rows_per_s": round(n / got["wall_s"], 1) if got["wall_s"] else None,
             "peak_rss_mib_by_kind": kinds, "processes_by_kind": got["processes_by_kind"]}
 
@@ -268,6 +276,8 @@ def job_figures(db_url: str, job_id: str, got: dict[str, Any]) -> dict[str, Any]
             "prompt_tokens": (metrics.get("tokens") or {}).get("prompt"),
             "batches": len(batches), "timeline_s": timeline,
             "rows_per_s_generation_window": round(counts["succeeded"] / window, 1) if window else None,
+            "window_cpu_ms_per_row": round(1000 * got["cpu_s_between"](min(starts), max(ends)) / counts["succeeded"], 4)
+            if window and counts["succeeded"] else None,
             "job_wall_s": (metrics.get("throughput") or {}).get("job_wall_s")}
 
 
@@ -337,35 +347,54 @@ def run_arm(arm: str, name: str, inp: Path, n: int, folder: Path, model: str, to
     return rep
 
 
+def round_ratios(got: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """One round's ratios: rows/s of tokenmill-1 to the plain loop's and tokenmill-2's to
+    tokenmill-1's, CPU seconds a row of tokenmill-2 to tokenmill-1's, and auto's rows/s to
+    the faster of tokenmill-1 and tokenmill-2 in the round."""
+    rate = {arm: got[arm]["rows_per_s"] for arm in got}
+    cpu = {arm: got[arm].get("cpu_ms_per_row") for arm in got}
+    window = {arm: got[arm].get("window_cpu_ms_per_row") for arm in got}
+    faster = max((rate[a] for a in ("tokenmill-1", "tokenmill-2") if rate.get(a)), default=None)
+    return {"tokenmill_1_over_plain": ratio(rate.get("tokenmill-1"), rate.get("plain")),
+            "tokenmill_2_over_tokenmill_1": ratio(rate.get("tokenmill-2"), rate.get("tokenmill-1")),
+            "tokenmill_2_cpu_per_row_over_tokenmill_1": ratio(cpu.get("tokenmill-2"), cpu.get("tokenmill-1")),
+            "tokenmill_2_window_cpu_per_row_over_tokenmill_1": ratio(window.get("tokenmill-2"), window.get("tokenmill-1")),
+            "tokenmill_auto_over_faster": ratio(rate.get("tokenmill-auto"), faster)}
+
+
 def summarize(rounds: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """Each ratio's range over the rounds and a verdict only where every round is on the
     same side of its target, and only at the rows the targets are set for (DEFAULT_N)."""
     out = {}
-    for key, target in (("tokenmill_1_over_plain", TARGET_TOKENMILL_OVER_PLAIN),
-                        ("tokenmill_2_over_tokenmill_1", TARGET_TWO_OVER_ONE)):
+    for key, target, direction in TARGETS:
         vals = [r[key] for r in rounds if r.get(key) is not None]
         if not vals:
             continue
         lo, hi = min(vals), max(vals)
+        good, bad = (lo >= target, hi < target) if direction == ">=" else (hi <= target, lo > target)
         if n != DEFAULT_N:
             verdict = f"no verdict: the target is set at {DEFAULT_N:,} rows, this ran {n:,}"
         else:
-            verdict = "met" if lo >= target else "missed" if hi < target else f"not resolved (range {lo}–{hi})"
+            verdict = "met" if good else "missed" if bad else f"not resolved (range {lo}–{hi})"
             verdict += " (one round)" if len(vals) == 1 else ""
-        out[key] = {"values": vals, "min": lo, "max": hi, "target": f"≥ {target}", "verdict": verdict}
+        out[key] = {"values": vals, "min": lo, "max": hi, "target": f"{direction.replace('>=', '≥').replace('<=', '≤')} {target}",
+                    "verdict": verdict}
     return out
 
 
 def markdown(rep: dict[str, Any]) -> str:
-    lines = ["| round | run | wall s | rows/s | peak RSS MiB by kind | every id once |", "|---|---|---|---|---|---|"]
+    lines = ["| round | run | wall s | rows/s | CPU s | CPU ms/row | in the window | peak RSS MiB by kind | every id once |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rep["rounds"]:
         for run in r["runs"]:
             peaks = ", ".join(f"{k} {v:.0f}" for k, v in run["peak_rss_mib_by_kind"].items() if v >= 20)
-            lines.append(f"| {r['round']} | {run['name']} | {run['wall_s']} | {run['rows_per_s']:,} | {peaks} | "
-                         f"{run.get('every_id_once', {}).get('ok')} |")
-    lines += ["", "| round | tokenmill-1 ÷ plain | tokenmill-2 ÷ tokenmill-1 |", "|---|---|---|"]
+            name = run["name"] + (f" ({run['workers_chosen']})" if "workers_chosen" in run else "")
+            lines.append(f"| {r['round']} | {name} | {run['wall_s']} | {run['rows_per_s']:,} | {run['cpu_s']} | "
+                         f"{run.get('cpu_ms_per_row')} | {run.get('window_cpu_ms_per_row')} | {peaks} | {run.get('every_id_once', {}).get('ok')} |")
+    keys = [k for k, _, _ in TARGETS]
+    lines += ["", "| round | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for r in rep["rounds"]:
-        lines.append(f"| {r['round']} | {r.get('tokenmill_1_over_plain')} | {r.get('tokenmill_2_over_tokenmill_1')} |")
+        lines.append(f"| {r['round']} | " + " | ".join(str(r.get(k)) for k in keys) + " |")
     for key, s in rep["summary"].items():
         lines.append(f"\n{key}: {s['values']} (target {s['target']}): {s['verdict']}")
     return "\n".join(lines)
@@ -407,12 +436,9 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         got = {arm: run_arm(arm, f"{arm}-r{r}", inp, args.n, folder, args.model, tokenizer)
                for arm in round_order(r, arms)}
-        rate = {arm: got[arm]["rows_per_s"] for arm in got}
-        rep["rounds"].append({"round": r, "order": list(got), "runs": list(got.values()),
-                              "tokenmill_1_over_plain": ratio(rate.get("tokenmill-1"), rate.get("plain")),
-                              "tokenmill_2_over_tokenmill_1": ratio(rate.get("tokenmill-2"), rate.get("tokenmill-1"))})
+        rep["rounds"].append({"round": r, "order": list(got), "runs": list(got.values()), **round_ratios(got)})
     if not args.no_profile:
-        for arm in [a for a in ARMS if a in arms and a != "plain"]:
+        for arm in [a for a in ("tokenmill-1", "tokenmill-2") if a in arms]:
             rep["profiled"].append(run_arm(arm, f"{arm}-profiled", inp, args.n, folder, args.model, tokenizer,
                                            phases=folder / f"{arm}-profiled" / "phases"))
     rep["summary"] = summarize(rep["rounds"], args.n)

@@ -3,8 +3,9 @@
 `classify` names what a process is from its command line (vLLM sets process
 titles with setproctitle, Beam's DirectRunner starts its SDK workers as
 `python -m apache_beam.runners.worker.sdk_worker_main` under `/bin/sh -c`);
-`ProcessSampler` reads the RSS of every process in the tree every `every_s`
-seconds and keeps each one's series and peak under a stable label
+`ProcessSampler` reads the RSS and CPU time of every process in the tree every
+`every_s` seconds and keeps each one's series and peak (and its CPU seconds at its
+last sample: up to `every_s` of a process's last work is not seen) under a stable label
 (`launcher`, `sdk_worker-1`, `engine_core-2`, ...: kind and order of first
 sight).  Killed processes' children that outlive them are followed too.  A
 runner whose workers look different adds a rule to `RULES`; one whose workers
@@ -75,8 +76,10 @@ class Proc:
     first_s: float
     last_s: float = 0.0
     peak_rss: int = 0
+    cpu_s: float = 0.0  # its own user + system CPU seconds at its last sample (not its children's)
     orphaned_s: float | None = None  # when it was first seen outside the tree (its parent died)
     samples: list[tuple[float, int]] = field(default_factory=list)
+    cpu_samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds, its own CPU seconds)
 
 
 class ProcessSampler(threading.Thread):
@@ -93,6 +96,7 @@ class ProcessSampler(threading.Thread):
         self.also = [psutil.Process(pid) for pid in also]
         self.every_s = every_s
         self.t0 = time.monotonic()
+        self.wall0 = time.time()  # the epoch time of t0: callers' stamps are epoch times
         self.procs: dict[int, Proc] = {}
         self._handles: dict[int, psutil.Process] = {}
         self._lock = threading.Lock()
@@ -117,7 +121,7 @@ class ProcessSampler(threading.Thread):
         with self._lock:
             for pid, p in list(self._handles.items()):
                 try:
-                    cmdline, rss, ppid = p.cmdline(), p.memory_info().rss, p.ppid()
+                    cmdline, rss, ppid, cpu = p.cmdline(), p.memory_info().rss, p.ppid(), p.cpu_times()
                     if p.status() == psutil.STATUS_ZOMBIE:
                         raise psutil.ZombieProcess(pid)
                 except psutil.Error:
@@ -136,6 +140,8 @@ class ProcessSampler(threading.Thread):
                     rec.orphaned_s = now
                 rec.last_s = now
                 rec.peak_rss = max(rec.peak_rss, rss)
+                rec.cpu_s = cpu.user + cpu.system
+                rec.cpu_samples.append((now, rec.cpu_s))
                 rec.samples.append((now, rss))
 
     def run(self) -> None:
@@ -212,9 +218,21 @@ class ProcessSampler(threading.Thread):
         with self._lock:
             labels = self.labels()
             return [{"label": labels[r.pid], "kind": r.kind, "pid": r.pid, "parent": labels.get(r.parent_pid),
-                     "peak_rss_mib": round(r.peak_rss / MiB, 1), "seen_s": [round(r.first_s, 1), round(r.last_s, 1)],
+                     "peak_rss_mib": round(r.peak_rss / MiB, 1), "cpu_s_sampled": round(r.cpu_s, 2), "seen_s": [round(r.first_s, 1), round(r.last_s, 1)],
                      **({"orphaned_at_s": round(r.orphaned_s, 1)} if r.orphaned_s is not None else {})}
                     for r in self._ordered()]
+
+    def cpu_s_between(self, start: float, end: float) -> float:
+        """CPU seconds every sampled process used between two epoch times (each process's
+        reading at its last sample before each; up to `every_s` of a process that ended
+        inside the window is not seen)."""
+        a, b = start - self.wall0, end - self.wall0
+
+        def at(samples: list[tuple[float, float]], t: float) -> float:
+            return max((c for s, c in samples if s <= t), default=0.0)
+
+        with self._lock:
+            return sum(at(r.cpu_samples, b) - at(r.cpu_samples, a) for r in self.procs.values())
 
     def series(self, min_mib: float = 50.0) -> dict[str, list[list[float]]]:
         """[[seconds, MiB], ...] per process; helpers that never reach `min_mib` are left out."""

@@ -35,7 +35,7 @@ from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
 from tokenmill.transforms.images import image_rules
 from tokenmill.transforms.read import InputPlan, PlanUnits, ReadPrompts, plan_units, plan_work
 from tokenmill.transforms.resume import SkipDone
-from tokenmill.transforms.tokenize import DEFAULT_BLOCK_SIZE, Tokenize
+from tokenmill.transforms.tokenize import DEFAULT_BLOCK_SIZE, RecordRules, Tokenize
 from tokenmill.transforms.validate import Validate, used_columns
 from tokenmill.transforms.write import WriteDeadLetters
 
@@ -90,9 +90,10 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(
         parts.counter or TokenCounter.local(parts.model_path, model=spec.engine.model),
-        spec.engine.max_model_len, 0 if spec.engine.task == "embed" else spec.sampling.max_tokens, block,
-        spec.batching.prefix_blocks,
-        keep_source=engine_of(spec.engine.kind).takes_text, default_samples=spec.sampling.n,
+        RecordRules(spec.engine.max_model_len, 0 if spec.engine.task == "embed" else spec.sampling.max_tokens, block,
+                    spec.batching.prefix_blocks, keep_source=engine_of(spec.engine.kind).takes_text,
+                    default_samples=spec.sampling.n),
+        workers=engines_per_host(spec),
     )
     dead["Tokenize"] = tok[DEAD]
     # The part is taken from the whole unit, before the database is asked what is done,

@@ -225,8 +225,9 @@ class RunnerConfig(_Strict):
     num_workers: int | Literal["auto"] = 1
     """Worker processes, each running one engine (on a host with GPUs, on its own leased
     devices).  `auto` (DirectRunner): one engine per device group this host can lease
-    (its visible GPUs // the engine's GPUs per engine); 1 on a host without GPUs or for an
-    engine that needs none."""
+    (its visible GPUs // the engine's GPUs per engine); on a host without GPUs, or for an
+    engine that needs none, what this host's finished jobs of the engine and model measured
+    (transforms/engines/cpu_workers.py: the faster worker count, 1 where nothing is known)."""
     worker_retries: int = Field(2, ge=0)
     """How many times a pipeline whose worker process died (kill -9, the OOM killer) is run
     again; each retry resumes from the database (multi-process DirectRunner; Dask reschedules

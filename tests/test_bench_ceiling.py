@@ -42,3 +42,21 @@ def test_a_standin_job_and_the_plain_loop_answer_every_id_once_with_the_same_pro
     check = ceiling.outputs_check(tmp_path / "out" / "outputs.parquet", n, tmp_path / "out" / "dead_letters.parquet")
     assert check["ok"], check
     assert res.metrics["tokens"]["prompt"] == loop["prompt_tokens"] and res.metrics["tokens"]["output"] == 4 * n
+
+
+def test_a_rounds_ratios_compare_cpu_a_row_and_auto_against_the_faster_arm_with_each_targets_direction():
+    def arm(rows_per_s, cpu_ms):
+        return {"rows_per_s": rows_per_s, "cpu_ms_per_row": cpu_ms}
+
+    got = ceiling.round_ratios({"tokenmill-1": arm(4000, 0.40), "plain": arm(4800, 0.21),
+                                "tokenmill-2": arm(3600, 0.48), "tokenmill-auto": arm(3900, 0.41)})
+    assert got == {"tokenmill_1_over_plain": 0.833, "tokenmill_2_over_tokenmill_1": 0.9,
+                   "tokenmill_2_cpu_per_row_over_tokenmill_1": 1.2, "tokenmill_auto_over_faster": 0.975,
+                   "tokenmill_2_window_cpu_per_row_over_tokenmill_1": None}
+    two = ceiling.round_ratios({"tokenmill-1": arm(4000, 0.40), "tokenmill-2": arm(4200, 0.42)})
+    summary = ceiling.summarize([got, two], ceiling.DEFAULT_N)
+    assert summary["tokenmill_2_cpu_per_row_over_tokenmill_1"]["verdict"].startswith("not resolved")  # 1.2, 1.05
+    assert summary["tokenmill_2_cpu_per_row_over_tokenmill_1"]["target"] == "≤ 1.1"
+    assert ceiling.summarize([two], ceiling.DEFAULT_N)["tokenmill_2_cpu_per_row_over_tokenmill_1"]["verdict"] == \
+        "met (one round)"
+    assert summary["tokenmill_1_over_plain"]["verdict"] == "met (one round)"

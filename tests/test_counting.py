@@ -145,7 +145,7 @@ def test_a_server_whose_tokenize_stops_answering_fails_the_job_and_leaves_the_ro
 def test_a_chunk_encoded_in_one_call_gives_each_row_the_ids_of_encoding_it_alone(model_path):
     """Tokenize encodes a chunk at once (`LocalEncoder.encode_many`): every row gets the ids
     `encode` gives it alone, and a conversation its template rejects fails only its own row."""
-    from tokenmill.transforms.tokenize import TokenizeFn
+    from tokenmill.transforms.tokenize import RecordRules, TokenizeFn
 
     enc = C.TokenCounter.local(model_path).open()
     rows = [rec(messages=CHAT), rec("a plain prompt, special tokens and all"),
@@ -172,7 +172,7 @@ def test_a_chunk_encoded_in_one_call_gives_each_row_the_ids_of_encoding_it_alone
     got = C.LocalEncoder(Rejecting(enc.tokenizer)).encode_many([rows[0], bad, rows[1]])
     assert list(got[0]) == alone[0] and list(got[2]) == alone[1] and isinstance(got[1], ValueError)
 
-    fn = TokenizeFn(C.TokenCounter.local(model_path), 2048, 8, 16, 4)
+    fn = TokenizeFn(C.TokenCounter.local(model_path), RecordRules(2048, 8, 16, 4))
     fn._encoder = C.LocalEncoder(Rejecting(enc.tokenizer))
     fn.start_bundle()
     assert not list(fn.process(R.Chunk(unit="u", items=[r for r in (rows[0], bad, rows[2])])))  # out with the next
@@ -238,3 +238,50 @@ def test_one_encoder_and_one_ahead_thread_per_process_and_a_forked_child_makes_i
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_each_worker_sharing_a_host_tokenizes_on_its_share_of_the_cores(model_path, monkeypatch):
+    """Two workers of a 4-core host each encode on 2 threads, not 4 (four tokenizing threads a
+    worker would share the cores with the other worker's); more workers than cores: one thread."""
+    from tokenmill.transforms import tokenize as T
+
+    monkeypatch.setattr(T, "allowed_cores", lambda: [0, 1, 2, 3])
+    threads = {}
+    for workers in (1, 2, 3, 8):
+        fn = T.TokenizeFn(C.TokenCounter.local(model_path), T.RecordRules(2048, 8, 16, 4), workers)
+        fn.setup()
+        threads[workers] = fn._encoder.threads
+    assert threads == {1: 4, 2: 2, 3: 1, 8: 1}
+    texts = [f"text {i}" for i in range(4 * C.MIN_THREAD_SLICE)]
+    one = C.TokenCounter.local(model_path).open(threads=1)
+    assert one is not C.TokenCounter.local(model_path).open(threads=2)
+    assert [list(x) for x in one.ids(texts, special=False)] == [
+        list(x) for x in C.TokenCounter.local(model_path).open(threads=2).ids(texts, special=False)]
+    assert one._pool is None  # one thread: encoded on the caller's own
+
+
+def test_a_tokenizer_is_loaded_as_autotokenizer_loads_it_and_later_without_its_lookup_or_torch(model_path, tmp_path,
+                                                                                               monkeypatch):
+    """The first load of a folder goes through AutoTokenizer and keeps the class it chose; a later
+    load (another process) imports that class alone: the same tokenizer (its backend, its chat
+    template's ids), without importing torch (AutoTokenizer's lookup does)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path))
+    monkeypatch.setattr(C, "_TOKENIZERS", {})
+    first = C.load_tokenizer(model_path)
+    (kept,) = json.loads((tmp_path / "tokenizer_classes.json").read_text()).values()
+    assert kept == f"{type(first).__module__}:{type(first).__qualname__}"
+    probe = ("import sys, json; from tokenmill.transforms.counting import load_tokenizer; "
+             f"t = load_tokenizer({model_path!r}); "
+             "print(json.dumps([type(t).__qualname__, 'torch' in sys.modules, t.backend_tokenizer.to_str(), "
+             "t.apply_chat_template([{'role': 'user', 'content': 'Hi?'}], add_generation_prompt=True, tokenize=False)]))")
+    got = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                    env={**os.environ, "TOKENMILL_HOME": str(tmp_path)}).stdout.splitlines()[-1])
+    assert got[:2] == [type(first).__qualname__, False]
+    assert got[2] == first.backend_tokenizer.to_str()
+    assert got[3] == first.apply_chat_template([{"role": "user", "content": "Hi?"}], add_generation_prompt=True,
+                                               tokenize=False)

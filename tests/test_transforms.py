@@ -28,7 +28,7 @@ from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
 from tokenmill.transforms.openai_batch import plan_jsonl
 from tokenmill.transforms.read import PlanUnits, ReadPrompts, plan_input, plan_units, plan_work
 from tokenmill.transforms.resume import SkipDone
-from tokenmill.transforms.tokenize import Tokenize
+from tokenmill.transforms.tokenize import RecordRules, Tokenize
 from tokenmill.transforms.validate import Validate
 from tokenmill.transforms.write import WriteDeadLetters, commit_batch
 
@@ -136,8 +136,8 @@ def test_tokenize_counts_tokens_keys_prefixes_and_dead_letters_prompts_too_long(
             PromptRecord(id="b", input_file=0, input_row=1, messages=[system, {"role": "user", "content": "Grass colour?"}]),
             PromptRecord(id="c", input_file=0, input_row=2, prompt="word " * 400)]
     with _pipeline() as p:
-        out = p | beam.Create([_chunk(recs)]) | Tokenize(TokenCounter.local(model_path), max_model_len=256, default_max_tokens=8, block_size=16,
-                                               prefix_blocks=4)
+        out = p | beam.Create([_chunk(recs)]) | Tokenize(TokenCounter.local(model_path), RecordRules(
+            max_model_len=256, default_max_tokens=8, block_size=16, prefix_blocks=4))
         # a and b share their system prompt: one prefix key, both prompts long, the job's max_tokens
         shape = (_items(out.ok) | beam.Map(lambda t: (t.id, t.prefix_key, len(t.token_ids) > 100, t.max_tokens))
                  | beam.combiners.ToList() | beam.Map(lambda ts: (len({k for _, k, _, _ in ts}), sorted(

@@ -18,18 +18,24 @@ Each output row without the server's own counts says which (records.TOKEN_COUNT_
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
+import json
 import os
 import threading
 import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 from typing import Any, Literal, Protocol, Sequence, cast
 
 import httpx
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
+from tokenmill.schemas.model_home import tokenmill_home
 from tokenmill.schemas.records import PromptRecord
 from tokenmill.transforms.engines.device import allowed_cores
 
@@ -119,9 +125,11 @@ class TokenCounter:
             return f"tokens counted by the server's tokenizer ({self.root}/tokenize, {self.style})"
         return f"tokens estimated at one per {ESTIMATE_BYTES} bytes of UTF-8 text (no tokenizer)"
 
-    def open(self) -> Encoder:
+    def open(self, threads: int | None = None) -> Encoder:
+        """The encoder of this counter in this process; `threads`: how many threads a local
+        tokenizer encodes a chunk on (None: one per core this process may use)."""
         if self.source == "local":
-            return local_encoder(str(self.model_path))
+            return local_encoder(str(self.model_path), threads)
         if self.source == "server":
             key = os.environ.get(self.api_key_env) if self.api_key_env else None
             return ServerEncoder(_client(str(self.root), key), str(self.model), self.style or "vllm")
@@ -132,11 +140,11 @@ _TOKENIZERS: dict[str, Any] = {}
 
 
 @functools.cache
-def local_encoder(model_path: str) -> "LocalEncoder":
-    """The process's one encoder of a tokenizer, with its one thread pool.  A Dask worker runs
-    a step's setup for every task: an encoder (and pool) made per task grew the worker's peak
-    memory with the job's length (docs/BENCHMARKS.md, "What grew in the Dask worker")."""
-    return LocalEncoder(load_tokenizer(model_path))
+def local_encoder(model_path: str, threads: int | None = None) -> "LocalEncoder":
+    """The process's one encoder of a tokenizer (per thread count), with its one thread pool.  A
+    Dask worker runs a step's setup for every task: an encoder (and pool) made per task grew the
+    worker's peak memory with the job's length (docs/BENCHMARKS.md, "What grew in the Dask worker")."""
+    return LocalEncoder(load_tokenizer(model_path), threads)
 
 
 os.register_at_fork(after_in_child=local_encoder.cache_clear)  # a forked child has the pool, not its threads
@@ -145,11 +153,74 @@ os.register_at_fork(after_in_child=local_encoder.cache_clear)  # a forked child 
 def load_tokenizer(model_path: str):
     tok = _TOKENIZERS.get(model_path)
     if tok is None:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        _TOKENIZERS[model_path] = tok
+        tok = _TOKENIZERS[model_path] = _load_tokenizer(model_path)
     return tok
+
+
+def _load_tokenizer(model_path: str):
+    """The folder's tokenizer as `AutoTokenizer` loads it.  AutoTokenizer's choice of class is
+    kept (`tokenizer_classes.json` under tokenmill's home, keyed by the folder, its tokenizer
+    and model configs and transformers' version) and later loads import that class alone:
+    AutoTokenizer's own lookup imports the model-config machinery and with it torch, about 3 s
+    of CPU a process on a 2-core Xeon, paid again by every worker (docs/BENCHMARKS.md,
+    "Pipeline ceiling").  Any failure of the kept class (a class that is gone, a folder's own
+    code) falls back to AutoTokenizer."""
+    key = _tokenizer_key(model_path)
+    module, _, name = str(_kept_classes().get(key, "")).partition(":")
+    if module.startswith("transformers.") and name:
+        try:
+            return getattr(importlib.import_module(module), name).from_pretrained(model_path, local_files_only=True)
+        except (ImportError, AttributeError):
+            pass
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    _keep_class(key, f"{type(tok).__module__}:{type(tok).__qualname__}")
+    return tok
+
+
+def _classes_file() -> Path:
+    return tokenmill_home() / "tokenizer_classes.json"
+
+
+def _tokenizer_key(model_path: str) -> str:
+    h = hashlib.sha256(str(Path(model_path).resolve()).encode())
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            h.update((Path(model_path) / name).read_bytes())
+        except OSError:
+            h.update(b"-")
+    try:
+        h.update(metadata.version("transformers").encode())
+    except metadata.PackageNotFoundError:
+        pass
+    return h.hexdigest()[:24]
+
+
+def _kept_classes() -> dict[str, Any]:
+    try:
+        known = json.loads(_classes_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _keep_class(key: str, name: str) -> None:
+    import filelock
+
+    f = _classes_file()
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(str(f) + ".lock"):
+            known = _kept_classes()
+            if known.get(key) == name:
+                return
+            known[key] = name
+            tmp = f.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+            tmp.replace(f)
+    except OSError:  # a read-only home: every load goes through AutoTokenizer
+        pass
 
 
 def encode(tokenizer, rec: PromptRecord) -> list[int]:
@@ -162,8 +233,11 @@ def encode(tokenizer, rec: PromptRecord) -> list[int]:
 
 
 class LocalEncoder:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, threads: int | None = None):
         self.tokenizer = tokenizer
+        self.threads = threads
+        """Threads a chunk is encoded on (None: one per core this process may use): a worker's
+        share of the host's cores when several workers share it."""
         self._pool: ThreadPoolExecutor | None = None
         self._pool_made = threading.Lock()  # one encoder serves every step of its process
 
@@ -197,7 +271,7 @@ class LocalEncoder:
 
     def ids(self, texts: list[str], *, special: bool) -> list[Sequence[int]]:
         """The texts' token ids, as the tokenizer's own call gives them.  A fast tokenizer's
-        `encode_batch` (which releases the GIL) runs on one thread per usable core, each on
+        `encode_batch` (which releases the GIL) runs on `threads` threads (one per usable core by default), each on
         a contiguous slice of at least `MIN_THREAD_SLICE` texts, and each thread encodes its
         slice `MIN_THREAD_SLICE` texts at a time, keeping only their ids as `array("i")`:
         a whole chunk's `Encoding`s (tokens, offsets, masks: about 100 bytes a token) and
@@ -211,12 +285,13 @@ class LocalEncoder:
             return [array("i", e.ids) for i in range(0, len(part), MIN_THREAD_SLICE)
                     for e in backend.encode_batch(part[i:i + MIN_THREAD_SLICE], add_special_tokens=special)]
 
-        threads = min(len(allowed_cores()), len(texts) // MIN_THREAD_SLICE)
+        most = self.threads or len(allowed_cores())
+        threads = min(most, len(texts) // MIN_THREAD_SLICE)
         if threads <= 1:
             return encode(texts)
-        with self._pool_made:  # one thread a core, made once; a chunk uses as many as it has slices
+        with self._pool_made:  # one thread a core of its share, made once; a chunk uses as many as it has slices
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(len(allowed_cores()), thread_name_prefix="tokenize")
+                self._pool = ThreadPoolExecutor(most, thread_name_prefix="tokenize")
         step = -(-len(texts) // threads)
         slices = [texts[i:i + step] for i in range(0, len(texts), step)]
         return [ids for part in self._pool.map(encode, slices) for ids in part]

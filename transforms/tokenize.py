@@ -24,6 +24,7 @@ from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Chunk, FailedRecord, PromptRecord, TokenizedPrompt
 from tokenmill.transforms.chunks import MapRows, windowed, with_dead
 from tokenmill.transforms.counting import CountRefused, Encoder, TokenCounter, encode_each
+from tokenmill.transforms.engines.device import allowed_cores
 from tokenmill.transforms.host_model import model_folder_here
 from tokenmill.transforms.images import ImageTokens
 
@@ -111,11 +112,11 @@ class TokenizeFn(MapRows):
     chunk is emitted when the next one arrives, the last by `finish_bundle`, and a worker
     holds at most two units' prompts."""
 
-    def __init__(self, counter: TokenCounter, max_model_len: int, default_max_tokens: int, block_size: int, prefix_blocks: int,
-                 keep_source: bool = False, default_samples: int = 1):
+    def __init__(self, counter: TokenCounter, rules: RecordRules, workers: int = 1):
         self._counter = counter
-        self._rules = RecordRules(max_model_len, default_max_tokens, block_size, prefix_blocks, keep_source,
-                                  default_samples)
+        self._rules = rules
+        self._workers = workers
+        """Workers sharing this host's cores: each encodes on its share of them."""
         self._encoder: Encoder | None = None
         self._images: ImageTokens | None = None
         self._encoding: tuple[Chunk, Future] | None = None
@@ -127,7 +128,7 @@ class TokenizeFn(MapRows):
             # the launcher's folder, or on a worker of another host the same model's as this host has it
             counter = replace(counter, model_path=model_folder_here(counter.model, counter.model_path,
                                                                     need_weights=False))
-        self._encoder = counter.open()
+        self._encoder = counter.open(threads=max(1, len(allowed_cores()) // self._workers))
         self._images = ImageTokens(counter.model_path) if counter.source == "local" and counter.model_path else None
 
     def start_bundle(self):
@@ -167,14 +168,13 @@ os.register_at_fork(after_in_child=ahead_thread.cache_clear)  # a forked child h
 
 
 class Tokenize(beam.PTransform):
-    """`keep_source`: keep each prompt's text or messages on its record too, for an engine
-    that takes text (`EngineKind.takes_text`); the token ids still size, order and batch it."""
+    """Each row's record by `rules` (`RecordRules`); `workers`: the workers that share this
+    host's cores (each worker tokenizes on a thread per core of its share, not on every core:
+    two workers of a 2-core host do not run four tokenizing threads)."""
 
-    def __init__(self, counter: TokenCounter, max_model_len: int, default_max_tokens: int, block_size: int,
-                 prefix_blocks: int, keep_source: bool = False, default_samples: int = 1):
+    def __init__(self, counter: TokenCounter, rules: RecordRules, workers: int = 1):
         super().__init__()
-        self._fn = TokenizeFn(counter, max_model_len, default_max_tokens, block_size, prefix_blocks, keep_source,
-                              default_samples)
+        self._fn = TokenizeFn(counter, rules, workers)
 
     def expand(self, chunks):
         return chunks | with_dead(self._fn, "ChatTemplateAndCount")

@@ -140,7 +140,7 @@ def engine_options(f):
     opts += [
         click.option("--ordering", type=click.Choice(["prefix", "length", "none"]), default=None, help="Batch ordering."),
         click.option("--token-budget", type=int, default=None, help="Prompt+output tokens per batch."),
-        click.option("--workers", type=WORKERS, default=None, help="Worker processes on this machine (DirectRunner, DaskRunner): each runs one engine, on its share of the cores or its own leased GPUs; auto: one per GPU group of this host (DirectRunner)."),
+        click.option("--workers", type=WORKERS, default=None, help="Worker processes on this machine (DirectRunner, DaskRunner): each runs one engine, on its share of the cores or its own leased GPUs; auto: one per GPU group of this host; on CPU, the worker count this host's finished jobs ran fastest, 1 where none is known (DirectRunner)."),
         click.option("--runner", default=None, help="Beam runner (DirectRunner, DaskRunner, PortableRunner, DataflowRunner, ...)."),
         click.option("--pipeline-option", "pipeline_options", multiple=True, help="Extra Beam pipeline flag (repeatable)."),
     ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 from tokenmill.jobs.lifecycle.errors import JobError
 from tokenmill.schemas.config import JobSpec
@@ -72,14 +72,18 @@ def is_dask(spec: JobSpec) -> bool:
     return spec.runner.runner == "DaskRunner"
 
 
-def resolve_workers(spec: JobSpec, *, fake_engine: bool = False, here: bool = True) -> JobSpec:
+def resolve_workers(spec: JobSpec, *, fake_engine: bool = False, here: bool = True,
+                    say: Callable[[str], None] | None = None) -> JobSpec:
     """The spec with `runner.num_workers` a number for this host (a copy when it was `auto`:
     `LaunchSide.workers`); JobError (one line) when this host cannot run that many engines.
-    `here`: the job runs on this host (not `submit`); `fake_engine`: a test double."""
+    `here`: the job runs here (not `submit`); `fake_engine`: a test double; `say`: LaunchSide.workers_line."""
+    launch = engine_of(spec.engine.kind).launch_side(spec.engine, stand_in=fake_engine)
     try:
-        n = engine_of(spec.engine.kind).launch_side(spec.engine, stand_in=fake_engine).workers(spec.runner, here=here)
+        n = launch.workers(spec.runner, here=here)
     except WorkersRefused as err:
         raise JobError(str(err)) from None
+    if say is not None and here and (line := launch.workers_line(spec.runner, n or spec.runner.resolved_workers())):
+        say(line)
     return spec if n is None else spec.model_copy(update={"runner": spec.runner.model_copy(update={"num_workers": n})})
 
 

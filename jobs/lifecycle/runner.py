@@ -28,7 +28,7 @@ from tokenmill.jobs.lifecycle.sinks import export_job
 from tokenmill.jobs.metrics.accounting import JobTerms
 from tokenmill.jobs.metrics.catalog import values
 from tokenmill.jobs.metrics.figures import stored_metrics
-from tokenmill.jobs.metrics.hardware import UtilizationSampler
+from tokenmill.jobs.metrics.hardware import UtilizationSampler, process_tree_cpu_s
 from tokenmill.pipelines.batch import PipelineParts, build_pipeline
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.config import JobSpec
@@ -144,7 +144,8 @@ def run_job(
     second while the pipeline runs; `stage(line)` once per stage with a line for a person."""
     t0 = time.time()
     say = stage or (lambda line: None)
-    spec = resolve_workers(spec, fake_engine=session_factory is not None)
+    cpu0 = process_tree_cpu_s()
+    spec = resolve_workers(spec, fake_engine=session_factory is not None, say=say)
     db_url = db_url or spec.db or default_db_url()
     job_id = spec.derived_job_id()
 
@@ -279,6 +280,8 @@ def run_job(
                                       "tokens": {k: tok.get(k) for k in ("prompt", "output", "total")}}, reason)
     S.JobStore(eng).finish(job_id, status=final, error=note if final == "failed" else None, metrics=metrics,
                            heartbeat_at=None, owner=None, **c)
+    if final in ("succeeded", "partial") and not claim["resumed"]:  # what `workers: auto` reads next time
+        launch.remember_run(spec.runner, plan.total_rows, time.time() - t0, process_tree_cpu_s() - cpu0)
     return JobResult(
         job_id=job_id,
         status=final,

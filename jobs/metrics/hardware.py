@@ -140,6 +140,24 @@ def process_tree_rss_bytes(pid: int | None = None) -> int | None:
         return None
 
 
+def process_tree_cpu_s() -> float:
+    """CPU seconds (user + system) this process and its descendants have used so far: its own,
+    its live descendants', and those of every descendant that ended and was waited for (each
+    counted once, in whichever live process waited for it).  Two readings' difference is what
+    a job's processes used between them (SDK workers, engines, the launcher)."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for p in (me, *me.children(recursive=True)):
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 def _mean(xs: Sequence[float | None]) -> float | None:
     known = [x for x in xs if x is not None]
     return sum(known) / len(known) if known else None

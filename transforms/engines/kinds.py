@@ -23,7 +23,8 @@ from tokenmill.schemas.config import DEFAULT_ENGINE_KIND, EngineConfig, RunnerCo
 from tokenmill.schemas.models import ModelNotFound, resolve_model
 from tokenmill.transforms.counting import TokenCounter
 from tokenmill.transforms.engines.checks import effective_block_size
-from tokenmill.transforms.engines.device import visible_gpus
+from tokenmill.transforms.engines.cpu_workers import WorkersRun, auto_workers, feed_note, host_record, now_utc, remember
+from tokenmill.transforms.engines.device import allowed_cores, visible_gpus
 from tokenmill.transforms.engines.identity import adapter_hashes, engine_fingerprint
 from tokenmill.transforms.engines.kv import JobTokens
 from tokenmill.transforms.engines.leases import leasable_groups
@@ -69,10 +70,12 @@ class LaunchSide:
 
     def workers(self, runner: RunnerConfig, *, here: bool = True) -> int | None:
         """`runner.num_workers` as a number for this host, or None when it is one already and fits:
-        `auto` is one engine per device group this host can lease (engines/leases.py), at least 1
-        (no GPU, or an engine that needs none).  With `here` (the job runs on this host),
-        WorkersRefused (one line) when a runner of this host's processes asks more engines than its
-        GPUs make groups; without it (`submit`: the job may run elsewhere), `auto` counts as 1."""
+        `auto` is one engine per device group this host can lease (engines/leases.py); on a host
+        without GPUs (or for an engine that needs none) what this host measured of the engine's
+        workers decides (`cpu_workers.auto_workers`: 1 where nothing is known).  With `here` (the
+        job runs on this host), WorkersRefused (one line) when a runner of this host's processes
+        asks more engines than its GPUs make groups; without it (`submit`: the job may run
+        elsewhere), or for a stand-in, `auto` counts as 1."""
         asked = runner.num_workers
         local = runner.runner in HOST_RUNNERS
         if asked == "auto" and not local:
@@ -80,6 +83,8 @@ class LaunchSide:
                                  f"{' or '.join(HOST_RUNNERS)}; with runner {runner.runner}, give the number of workers")
         per = 0 if self.stand_in else self.engine.devices_per_engine(self.cfg)
         gpus = visible_gpus() if (here and local and per) else []
+        if asked == "auto" and not gpus and here and not self.stand_in:
+            return auto_workers(host_record(self.cfg.kind, self.cfg.model), len(allowed_cores()))[0]
         groups = leasable_groups(per, gpus)
         if gpus and (asked == "auto" or asked > groups):
             host = platform.node()
@@ -90,6 +95,30 @@ class LaunchSide:
                 raise WorkersRefused(f"runner.num_workers: {asked} engines of {per} GPU(s) each do not fit host "
                                      f"{host}'s {len(gpus)} visible GPUs ({groups} engines at most; or give auto)")
         return None if asked != "auto" else max(1, groups)
+
+    def workers_line(self, runner: RunnerConfig, chosen: int) -> str | None:
+        """The terminal's one line on the `chosen` workers of a job this CPU host runs (no GPU,
+        or an engine that needs none; not a stand-in): why `auto` chose them, or the warning for
+        an explicit number its cores cannot feed (`cpu_workers.feed_note`); None otherwise."""
+        if not self._cpu_host(runner):
+            return None
+        record, cores = host_record(self.cfg.kind, self.cfg.model), len(allowed_cores())
+        if runner.num_workers == "auto":
+            return f"workers: auto is {chosen} on this CPU host: {auto_workers(record, cores)[1]}"
+        return feed_note(chosen, record, cores)
+
+    def remember_run(self, runner: RunnerConfig, rows: int, wall_s: float, cpu_s: float) -> None:
+        """Keep a finished job (its rows, wall and its processes' CPU seconds) in this CPU host's
+        record that `auto` reads (`cpu_workers.remember`: a job under MIN_RECORD_ROWS is not kept);
+        nothing for a stand-in, a GPU engine on a GPU host or a runner whose workers run elsewhere."""
+        if self._cpu_host(runner):
+            remember(self.cfg.kind, self.cfg.model,
+                     WorkersRun(runner.resolved_workers(), rows, round(wall_s, 3), round(cpu_s, 3), now_utc()))
+
+    def _cpu_host(self, runner: RunnerConfig) -> bool:
+        """The job's workers run on this host's cores: no GPU of its own, not a stand-in."""
+        return (not self.stand_in and runner.runner in HOST_RUNNERS
+                and not (self.engine.devices_per_engine(self.cfg) and visible_gpus()))
 
     def block_size(self, *, on_gpu: bool) -> int:
         """The KV block size the engine will use (checks.effective_block_size)."""
