@@ -45,7 +45,7 @@ QUALITY_PROMPTS = (
     "List two uses of copper.",
     "Translate 'good morning' into Spanish.",
 )
-QUALITY_OUTPUT_TOKENS = 32
+QUALITY_OUTPUT_TOKENS = 16
 _TEXT = ("Batch inference reads prompts from files, groups them by length and shared prefix, and "
          "runs them through an engine that keeps many sequences decoding at once. ")
 
