@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,25 @@ def get_parquet(client, bucket, key):
     return pq.read_table(io.BytesIO(client.get_object(Bucket=bucket, Key=key)["Body"].read())).to_pylist()
 
 
+def read_export(client, bucket, key):
+    """An exported file as a reader finds it at the path tokenmill prints: a folder of parts,
+    read whole by pyarrow.dataset over S3 (names starting with `_` or `.` ignored), in part order."""
+    import pyarrow.dataset as ds
+    from pyarrow import fs
+
+    s3fs = fs.S3FileSystem(endpoint_override=client.endpoint, access_key="testing", secret_key="testing",
+                           region="us-east-1", scheme="http")
+    return ds.dataset(f"{bucket}/{key}", filesystem=s3fs, format="parquet").to_table().to_pylist()
+
+
+def export_keys(client, bucket, prefix):
+    """The export's objects under `prefix`, each part named by its file (`outputs.parquet/part-*.parquet`)."""
+    found = keys(client, bucket, prefix)
+    assert all(k.endswith("_SUCCESS.json") or re.fullmatch(r".*/(outputs|dead_letters)\.parquet/part-\d{5}(-[\w-]+)?"
+                                                                 r"\.parquet", k) for k in found), found
+    return sorted({k[len(prefix):].split("/")[0] for k in found})
+
+
 def keys(client, bucket, prefix=""):
     return sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
 
@@ -53,11 +73,11 @@ def test_job_reads_and_writes_s3(s3, sqlite_url):
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert (res.status, res.total, res.succeeded, res.failed) == ("partial", 6, 5, 1)
     assert res.files["outputs"] == f"s3://{b['out']}/run1/outputs.parquet"
-    assert keys(s3, b["out"]) == ["run1/_SUCCESS.json", "run1/dead_letters.parquet", "run1/outputs.parquet"]
-    out = get_parquet(s3, b["out"], "run1/outputs.parquet")
+    assert export_keys(s3, b["out"], "run1/") == ["_SUCCESS.json", "dead_letters.parquet", "outputs.parquet"]
+    out = read_export(s3, b["out"], "run1/outputs.parquet")
     assert sorted(r["id"] for r in out) == ["a0", "a1", "a2", "a3", "b0"]
     assert {r["input_ref"] for r in out} == {"0:0", "0:1", "0:2", "0:3", "1:0"}
-    dead = get_parquet(s3, b["out"], "run1/dead_letters.parquet")
+    dead = read_export(s3, b["out"], "run1/dead_letters.parquet")
     assert [(d["id"], d["reason"], d["input_ref"]) for d in dead] == [("bad", R.EMPTY_PROMPT, "1:1")]
     manifest = json.loads(s3.get_object(Bucket=b["out"], Key="run1/_SUCCESS.json")["Body"].read())
     assert (manifest["outputs"], manifest["dead_letters"]) == (5, 1)
@@ -78,7 +98,7 @@ def test_a_prefix_of_many_objects_is_planned_in_parallel_and_every_row_read_once
     spec = job_spec(f"s3://{b['in']}/many/", f"s3://{b['out']}/many", job_id="s3-many", sampling={"max_tokens": 2})
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert (res.status, res.total, res.succeeded, res.failed) == ("succeeded", 2 * n, 2 * n, 0)
-    out = get_parquet(s3, b["out"], "many/outputs.parquet")
+    out = read_export(s3, b["out"], "many/outputs.parquet")
     assert sorted(r["id"] for r in out) == sorted(f"o{i}-{j}" for i in range(n) for j in range(2))
     assert [r["input_ref"] for r in out][:3] == ["0:0", "0:1", "1:0"]  # exported in input order
 
@@ -171,10 +191,9 @@ def test_kill_mid_run_then_resume_on_s3(s3, sqlite_url, tmp_path):
     res = run_job(spec, db_url=sqlite_url, session_factory=FakeSession)
     assert res.resumed and (res.status, res.succeeded, res.failed) == ("succeeded", n, 0)
     assert len(FakeSession.instances[-1].added) == n - done  # only the rest was sent to the engine
-    rows = get_parquet(s3, b["out"], "killed/outputs.parquet")
+    rows = read_export(s3, b["out"], "killed/outputs.parquet")
     assert sorted(r["id"] for r in rows) == [f"r{i:03d}" for i in range(n)]
-    assert keys(s3, b["out"], "killed/") == ["killed/_SUCCESS.json", "killed/dead_letters.parquet",
-                                             "killed/outputs.parquet"]
+    assert export_keys(s3, b["out"], "killed/") == ["_SUCCESS.json", "dead_letters.parquet", "outputs.parquet"]
 
 
 def test_an_s3_job_fetches_its_used_columns_once_counted_at_the_server(tmp_path, sqlite_url):

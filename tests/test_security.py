@@ -129,8 +129,11 @@ def test_ids_and_names_never_become_paths(tmp_path, sqlite_url):
     assert (res.succeeded, res.failed) == (2, 1)
     new = files_under(tmp_path) - before
     out_root = (tmp_path / "work" / "out").resolve()
-    written = {p for p in new if p.resolve().parent == out_root}
-    assert {p.name for p in written} == {"outputs.parquet", "dead_letters.parquet", "_SUCCESS.json"}
+    # the manifest, and each export a folder of parts (docs/JOBS.md, "Export parts")
+    written = {p for p in new if out_root in p.resolve().parents}
+    assert {p.resolve().relative_to(out_root).parts[0] for p in written} == {"outputs.parquet", "dead_letters.parquet",
+                                                                  "_SUCCESS.json"}
+    assert all(len(p.resolve().relative_to(out_root).parts) == 1 or p.name.startswith("part-") for p in written), written
     assert all(p.name.startswith("tokenmill.db") for p in new - written), new - written  # the DB only
     with pytest.raises(OutputPathError):
         join(str(out_root), "../../escape")

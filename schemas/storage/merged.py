@@ -221,6 +221,8 @@ class RunSummaries(SqlStore):
                     stored = summarize(self.run_rows(job_id, run_id))
                     self._save(job_id, run_id, stored)
                 total = merge(total, stored)
+            if not total:  # no run has a row: the recount of nothing costs nothing
+                return None
             if int(total.get("n", 0)) + int((total.get("cache") or {}).get("samples", 0)) == rows:
                 return stats_of(total)
         return None
