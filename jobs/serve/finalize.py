@@ -92,13 +92,13 @@ class BatchFiles:
 
     # ------------------------------------------------------------------ finalizing
 
-    def finalize(self, b: dict[str, Any], job_status: str | None = None, note: str | None = None) -> None:
-        """End the batch as its job ended (`job_status` and `note` as its engine reported them,
-        else its job's row), with its result files, request counts and usage."""
+    def finalize(self, b: dict[str, Any]) -> None:
+        """End the batch as its job's row says its job ended (status and error), with its result
+        files, request counts and usage."""
         now = time.time()
         self.batches.set(b["id"], unless="finalizing_at", finalizing_at=now)
         job = S.JobStore(self.eng).get(b["id"])
-        job_status = job_status or (job["status"] if job else None)
+        job_status = job["status"] if job else None
         if job_status in JOB_DONE:
             ended = "completed"
         elif job_status == "failed":
@@ -112,7 +112,7 @@ class BatchFiles:
             "error_file_id": err_id,
         }
         if ended == "failed":
-            values["errors"] = [line_error("batch_failed", (note or (job or {}).get("error") or "the job failed")[:1000],
+            values["errors"] = [line_error("batch_failed", ((job or {}).get("error") or "the job failed")[:1000],
                                            None)]
         if self.webhooks.end_batch(b, ended, **values):  # the ending and its webhook event: one transaction
             model = b.get("model") or ""
