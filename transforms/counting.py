@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
-import json
 import os
 import threading
 import time
@@ -35,7 +34,7 @@ import httpx
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.model_home import tokenmill_home
+from tokenmill.schemas.model_home import locked_record, read_record, tokenmill_home
 from tokenmill.schemas.records import PromptRecord
 from tokenmill.transforms.engines.device import allowed_cores
 
@@ -198,27 +197,13 @@ def _tokenizer_key(model_path: str) -> str:
 
 
 def _kept_classes() -> dict[str, Any]:
-    try:
-        known = json.loads(_classes_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
+    return read_record(_classes_file())
 
 
 def _keep_class(key: str, name: str) -> None:
-    import filelock
-
-    f = _classes_file()
     try:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(str(f) + ".lock"):
-            known = _kept_classes()
-            if known.get(key) == name:
-                return
+        with locked_record(_classes_file()) as known:
             known[key] = name
-            tmp = f.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-            tmp.replace(f)
     except OSError:  # a read-only home: every load goes through AutoTokenizer
         pass
 

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tokenmill.schemas.model_home import locked_record
 from tokenmill.transforms.engines import kv
 from tokenmill.transforms.engines.checks import effective_block_size
 from tokenmill.transforms.engines.device import allowed_cores
@@ -250,19 +251,12 @@ def cpu_dtype_measurement(model_path: str, engine_kwargs: dict[str, Any], *, on_
     lock), the others then read its result; a provisional choice (float32 when the engines did not
     start within the probe's budget) is kept for `PROVISIONAL_S` only.  `on_measure()` is called
     before a measurement (at most dtype_probe.BUDGET_S): the CLI says so on the terminal."""
-    import filelock
-
     key = dtype_key(model_path)
     ident = json.dumps(key, sort_keys=True)
-    f = _dtype_cache_file()
-    f.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(f) + ".lock"):
-        try:
-            known = json.loads(f.read_text())
-        except (OSError, ValueError):
-            known = {}
+    with locked_record(_dtype_cache_file()) as known:
         if not isinstance(known.get("measurements"), dict):
-            known = {"measurements": {}}  # the old single lone-matmul entry is not kept
+            known.clear()  # the old single lone-matmul entry is not kept
+            known["measurements"] = {}
         hit = known["measurements"].get(ident)
         # a provisional choice (the engines did not start within the probe's budget) serves the
         # job's workers and reruns for a while, then the CPU is measured again
@@ -280,8 +274,5 @@ def cpu_dtype_measurement(model_path: str, engine_kwargs: dict[str, Any], *, on_
         if res.pop("provisional", False):
             res["provisional_at"] = time.time()
         known["measurements"][ident] = res
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(f)
     log.info("dtype auto on this CPU: %s (%s)", res["choice"], res["reason"])
     return {**res, "cached": False}

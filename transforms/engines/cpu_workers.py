@@ -18,12 +18,11 @@ one line an explicit `--workers N` gets when the host's cores cannot feed N work
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tokenmill.schemas.model_home import tokenmill_home
+from tokenmill.schemas.model_home import locked_record, read_record, tokenmill_home
 from tokenmill.transforms.engines.device import allowed_cores, cpu_model
 
 #: The smallest job whose rate is kept (a smaller one's wall is mostly its start).
@@ -68,11 +67,7 @@ def _record_file() -> Path:
 
 
 def _read() -> dict:
-    try:
-        known = json.loads(_record_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
+    return read_record(_record_file())
 
 
 def host_record(kind: str, model: str) -> dict[int, WorkersRun]:
@@ -90,19 +85,10 @@ def host_record(kind: str, model: str) -> dict[int, WorkersRun]:
 def remember(kind: str, model: str, run: WorkersRun) -> bool:
     """Keep `run` as this host's last job of its worker count (False: too small to keep).
     One writer at a time (a file lock); the file is replaced whole."""
-    import filelock
-
     if run.rows < MIN_RECORD_ROWS or run.wall_s <= 0 or run.workers < 1:
         return False
-    f = _record_file()
-    f.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(f) + ".lock"):
-        known = _read()
-        runs = known.setdefault(host_key(kind, model), {})
-        runs[str(run.workers)] = asdict(run)
-        tmp = f.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-        tmp.replace(f)
+    with locked_record(_record_file()) as known:
+        known.setdefault(host_key(kind, model), {})[str(run.workers)] = asdict(run)
     return True
 
 

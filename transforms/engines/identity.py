@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from tokenmill.schemas import engine_kinds
 from tokenmill.schemas.config import EngineConfig
+from tokenmill.schemas.model_home import locked_record
 from tokenmill.schemas.models import tokenmill_home
 from tokenmill.transforms.engines.device import has_nvidia_gpu
 
@@ -106,27 +107,14 @@ def checkpoint_sha256(path: str | Path, *, hashes: Path | None = None) -> str:
     with their names).  Each file's sha256 is kept in `hashes` (default
     `checkpoint_sha256.json` under tokenmill's home) under its path and `_identity`, so a
     model is read once per version of its files, not once per job."""
-    import filelock
-
     root = Path(path).resolve()
-    store = hashes or tokenmill_home() / "checkpoint_sha256.json"
-    store.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(store) + ".lock"):
-        try:
-            known = json.loads(store.read_text())
-        except (OSError, ValueError):
-            known = {}
-        changed, lines = False, []
+    lines = []
+    with locked_record(hashes or tokenmill_home() / "checkpoint_sha256.json") as known:
         for f in checkpoint_files(root):
             ident, entry = _identity(f), known.get(str(f))
             if not entry or entry.get("identity") != ident:
                 entry = known[str(f)] = {"identity": ident, "sha256": _hash_file(f)}
-                changed = True
             lines.append(f"{f.name}\t{entry['sha256']}\n")
-        if changed:
-            tmp = store.with_suffix(".tmp")
-            tmp.write_text(json.dumps(known, indent=0))
-            tmp.replace(store)
     if root.is_file():
         return lines[0].split("\t")[1].strip()
     return hashlib.sha256("".join(lines).encode()).hexdigest()
