@@ -54,16 +54,26 @@ help:
 # (docs/BENCHMARKS.md); Debian's Chromium drives the live page's browser tests (tests/test_serve_watch.py,
 # through the playwright package, no browser download): those two are best effort (the tests skip,
 # saying why).
+# uv compiles every installed module to bytecode (`--compile-bytecode`), as pip does by default: where
+# PYTHONDONTWRITEBYTECODE is set (this project's machines set it) Python never writes a .pyc itself, and
+# each process would compile vLLM, torch and transformers from source at import: `from vllm import LLM`
+# took 17 s of CPU without the .pyc files, 8 s with them (2-core AMD EPYC, 2026-12-07; README).
+# The side venvs (Airflow, llmcompressor) install with the same installer: `venv_install VENV, ARGS`.
+# pip's bootstrap of uv says nothing but errors (-qq: a machine's pip.conf naming a missing
+# find-links folder warns on every call).
 INSTALLER  ?= uv
 UV_VERSION ?= 0.13.*
 ifeq ($(INSTALLER),uv)
-BOOTSTRAP     := $(PY) -m pip install -q "uv==$(UV_VERSION)"
-PIP_INSTALL   := $(BIN)/uv pip install -q --python $(PY) $$($(PY) deploy/uv-sources.py)
+BOOTSTRAP     := $(PY) -m pip install -qq "uv==$(UV_VERSION)"
+UV_FLAGS      := -q --compile-bytecode $$($(PY) deploy/uv-sources.py)
+PIP_INSTALL   := $(BIN)/uv pip install --python $(PY) $(UV_FLAGS)
 PIP_UNINSTALL := $(BIN)/uv pip uninstall -q --python $(PY)
+venv_install   = $(BIN)/uv pip install --python $(1)/bin/python $(UV_FLAGS) $(2)
 else
 BOOTSTRAP     := true
 PIP_INSTALL   := $(PY) -m pip install -q
 PIP_UNINSTALL := $(PY) -m pip uninstall -q -y
+venv_install   = $(1)/bin/python -m pip install -q $(2)
 endif
 
 $(STAMP): setup.cfg
@@ -93,9 +103,10 @@ AIRFLOW_VENV    ?= .venv-airflow
 AIRFLOW_VERSION ?= 2.11.0
 AIRFLOW_STAMP   := $(AIRFLOW_VENV)/.installed-$(AIRFLOW_VERSION)
 
-$(AIRFLOW_STAMP):
+$(AIRFLOW_STAMP): | $(STAMP)
+	@echo "install: $(AIRFLOW_VENV) with $(INSTALLER): apache-airflow==$(AIRFLOW_VERSION)"
 	@test -x $(AIRFLOW_VENV)/bin/python || $(PYTHON) -m venv $(AIRFLOW_VENV)
-	$(AIRFLOW_VENV)/bin/python -m pip install -q "apache-airflow==$(AIRFLOW_VERSION)"
+	@$(call venv_install,$(AIRFLOW_VENV),"apache-airflow==$(AIRFLOW_VERSION)")
 	@rm -f $(AIRFLOW_VENV)/.installed-*
 	@touch $@
 
@@ -162,9 +173,10 @@ LLMC_VERSION ?= 0.14.0.1
 LLMC_TORCH   ?= $(shell sed -n 's/^ *\(torch==[^ ]*\).*/\1/p' setup.cfg | head -1)
 LLMC_STAMP   := $(LLMC_VENV)/.installed-$(LLMC_VERSION)-$(subst ==,,$(LLMC_TORCH))
 
-$(LLMC_STAMP):
+$(LLMC_STAMP): | $(STAMP)
+	@echo "install: $(LLMC_VENV) with $(INSTALLER): llmcompressor==$(LLMC_VERSION), $(LLMC_TORCH)"
 	@test -x $(LLMC_VENV)/bin/python || $(PYTHON) -m venv $(LLMC_VENV)
-	$(LLMC_VENV)/bin/python -m pip install -q "llmcompressor==$(LLMC_VERSION)" "$(LLMC_TORCH)"
+	@$(call venv_install,$(LLMC_VENV),"llmcompressor==$(LLMC_VERSION)" "$(LLMC_TORCH)")
 	@rm -f $(LLMC_VENV)/.installed-*
 	@touch $@
 

@@ -29,11 +29,18 @@ def prepare(name: str = "smollm2-135m", force: bool = False) -> Path:
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF reader's bar (read when tqdm is imported)
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # `prepare` prints the folder, one line
     src = bundled_gguf()
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype="bfloat16")
+    # dequantized in float32, the GGUF loader's own precision (asked for bf16 it warns that every
+    # matmul casts), then cast once: the same bf16 values
+    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype="float32")
+    model = model.to(torch.bfloat16)
     # The weights are now plain bf16 tensors: drop the GGUF quantization marker so
     # that the folder saves, and vLLM does not look for a GGUF file.
     model.config.__dict__.pop("quantization_config", None)
