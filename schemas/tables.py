@@ -121,6 +121,25 @@ id_claims = Table(
     Column("input_row", Integer, nullable=False),
 )
 
+#: A shared job's work units (schemas/storage/leases.py): which holder (a process of a `tokenmill
+#: serve` replica) has each unit, until when, and its fencing token (`epoch`, raised at every take);
+#: `done_at` once its rows are all answered.  `takeovers`: takes after another holder's lease
+#: expired; `lost_rows`, `lost_output_tokens`: engine work whose commit a lost lease refused.
+unit_leases = Table(
+    "unit_leases",
+    metadata,
+    Column("job_id", String(128), primary_key=True),
+    Column("unit", String(512), primary_key=True),
+    Column("holder", String(256)),
+    Column("epoch", Integer, nullable=False, default=0, server_default="0"),
+    Column("expires_at", Float),
+    Column("done_at", Float),
+    Column("taken", Integer, nullable=False, default=0, server_default="0"),
+    Column("takeovers", Integer, nullable=False, default=0, server_default="0"),
+    Column("lost_rows", Integer, nullable=False, default=0, server_default="0"),
+    Column("lost_output_tokens", Integer, nullable=False, default=0, server_default="0"),
+)
+
 #: The result cache across jobs (docs/CACHE.md): one deterministic answer per key, the key a
 #: hash of everything that decides it (the checkpoint's content hash, engine kind and
 #: version, dtype, quantization, KV dtype, the rendered prompt, the sampling with its seed,

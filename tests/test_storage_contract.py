@@ -555,6 +555,69 @@ class StorageContract:
             "k00000", "k00001"}
 
 
+    # ---------------------------------------------------------------- shared jobs' unit leases
+
+    def test_a_unit_is_held_by_one_holder_until_its_lease_expires_then_taken_over_with_a_higher_epoch(self, db_url):
+        leases = S.LeaseStore(S.connect(db_url))
+        assert leases.seed("jl", ["u0", "u1"]) == 2 and leases.seed("jl", ["u0", "u1", "u2"]) == 1
+        a = leases.take("jl", "u0", "A", lease_s=30)
+        assert a is not None and a.epoch == 1
+        assert leases.take("jl", "u0", "B", lease_s=30) is None  # held: B skips it
+        assert leases.take("jl", "nope", "B", lease_s=30) is None
+        assert leases.state("jl") == {"units": 3, "done": 0, "held": 1, "free": 2, "takeovers": 0,
+                                      "lost_rows": 0, "lost_output_tokens": 0}
+        short = leases.take("jl", "u1", "A", lease_s=0.2)
+        time.sleep(0.3)
+        assert leases.renew([a, short], lease_s=30) == []  # an expired lease nobody took is still A's
+        assert leases.take("jl", "u1", "B", lease_s=30) is None
+        expired = leases.take("jl", "u2", "A", lease_s=0.2)
+        time.sleep(0.3)
+        b = leases.take("jl", "u2", "B", lease_s=30)
+        assert b is not None and b.epoch == expired.epoch + 1
+        assert leases.renew([expired], lease_s=30) == [expired]  # A learns it lost u2
+        assert leases.state("jl")["takeovers"] == 1
+
+    def test_a_commit_under_a_lost_lease_is_refused_and_writes_nothing(self, db_url):
+        eng = S.connect(db_url)
+        leases, writer = S.LeaseStore(eng), S.ResultWriter(eng)
+        leases.seed("jf", ["u0"])
+        zombie = leases.take("jf", "u0", "A", lease_s=0.1)
+        time.sleep(0.2)
+        live = leases.take("jf", "u0", "B", lease_s=30)
+        with pytest.raises(S.LeaseLost, match="no longer held by A at epoch 1: now B"):
+            writer.commit_batch([_output("jf", 0)], [], [], lease=zombie, lease_s=30)
+        assert S.MetricsReader(eng).counts("jf")["succeeded"] == 0
+        writer.commit_batch([_output("jf", 0)], [], [], lease=live, lease_s=30)
+        assert S.MetricsReader(eng).counts("jf")["succeeded"] == 1
+        assert leases.finish(live) and not leases.finish(zombie)
+        assert leases.take("jf", "u0", "C", lease_s=30) is None  # done: nobody takes it again
+        leases.seed("jh", ["u0", "u1"])
+        held = [leases.take("jh", u, "A", lease_s=30) for u in ("u0", "u1")]
+        assert leases.hand_back("A") == 2
+        with pytest.raises(S.LeaseLost):  # a drained holder's batch still in flight lands nowhere
+            writer.commit_batch([_output("jh", 0)], [], [], lease=held[0])
+        again = leases.take("jh", "u0", "B", lease_s=30)
+        assert again.epoch == held[0].epoch + 2  # handed back (+1), taken (+1)
+        leases.add_lost(held[0], rows=3, output_tokens=96)
+        assert leases.state("jh")["lost_rows"] == 3 and leases.state("jh")["lost_output_tokens"] == 96
+
+    def test_takers_racing_in_processes_each_unit_goes_to_one_holder(self, db_url):
+        leases = S.LeaseStore(S.connect(db_url))
+        units = [f"u{i}" for i in range(60)]
+        leases.seed("jr", units)
+        ctx = mp.get_context("spawn")
+        with ProcessPoolExecutor(4, mp_context=ctx) as pool:
+            got = list(pool.map(_take_all, [db_url] * 4, [f"H{i}" for i in range(4)]))
+        taken = [u for g in got for u in g]
+        assert sorted(taken) == sorted(units)  # every unit once: nobody took one another holds
+        assert leases.state("jr")["held"] == 60
+
+
+def _take_all(db_url, holder):
+    leases = S.LeaseStore(S.connect(db_url))
+    return [u for u in (f"u{i}" for i in range(60)) if leases.take("jr", u, holder, lease_s=60) is not None]
+
+
 class TestSQLite(StorageContract):
     @pytest.fixture
     def db_url(self, tmp_path):

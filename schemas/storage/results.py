@@ -29,6 +29,7 @@ from tokenmill.schemas.records import (
 )
 from tokenmill.schemas.storage.cache import mark_used, put_entries
 from tokenmill.schemas.storage.database import SqlStore, chunks, dialect_insert, insert_ignore, table, write_lock
+from tokenmill.schemas.storage.leases import Lease, LeaseStore
 
 
 class ResultWriter(SqlStore):
@@ -46,16 +47,20 @@ class ResultWriter(SqlStore):
 
     def commit_batch(self, outputs: list[dict[str, Any]], dead_letters: list[dict[str, Any]],
                      stats: list[dict[str, Any]], *, cache_entries: Iterable[dict[str, Any]] = (),
-                     cache_used: Iterable[str] = ()) -> int:
+                     cache_used: Iterable[str] = (), lease: Lease | None = None, lease_s: float | None = None) -> int:
         """One finished batch in one transaction: its output rows, the dead letters the engine
         gave, its figures (`OutputRow`, `DeadLetterRow`, `BatchStats` as `as_dict()` gives
         them), the result-cache entries of its answers (`cache_entries`, insert-if-absent) and,
         for rows served from the cache, the keys served (`cache_used`: their hits and last use).
         An output whose id an earlier input row has claimed since the batch was
         deduplicated is stored as that id's `duplicate_id` dead letter instead.  Existing
-        keys are skipped, as in `insert_rows`.  Returns the outputs turned into dead letters."""
+        keys are skipped, as in `insert_rows`.  With `lease` (a shared job's unit), the commit
+        is fenced: LeaseLost, and nothing written, unless the lease still holds the unit
+        (`LeaseStore.fence`; `lease_s` renews it).  Returns the outputs turned into dead letters."""
         with self.engine.begin() as conn:
             write_lock(conn)
+            if lease is not None:
+                LeaseStore.fence(conn, lease, lease_s)
             claims = _claims(conn, outputs[0]["job_id"], [o["id"] for o in outputs], lock=True) if outputs else {}
             keep, lost = [], {}
             for o in outputs:
