@@ -4,7 +4,7 @@ slices of time on a stream of prefill + decode work, and, where bfloat16 would b
 greedy answers to a fixed handful of prompts are checked against float32's.
 
 Each candidate runs in a process of its own (`dtype_probe_engine`, the engine core in that
-process), both started at once.  After an untimed warm-up slice each, the timed slices
+process), both started at once.  After an untimed warm-up slice each (both at once), the timed slices
 alternate A B B A, so a burst of load elsewhere on the machine falls on both candidates; a slice
 lasts `SLICE_S` seconds (less when the budget is short), whatever the dtype's speed, and its
 output tokens are counted.  Slices 1 and 2, and 4 and 3, of a block are paired, and blocks run
@@ -53,12 +53,13 @@ WARMUP_S = 2.0
 SLICE_S = 2.0
 MIN_SLICE_S = 1.0
 ORDER = ("A", "B", "B", "A")
-#: kept at the end for the quality check (float32's greedy answers, both teacher-forced, about
-#: 10 s with both engines answering at once on the 2-core Intel Xeon with AMX, 2026-12-07) and the engines' exit
-QUALITY_S = 10.0
+#: kept at the end for the quality check (float32's greedy answers, then bfloat16's teacher-forced
+#: pass, one engine at a time: 0.8 s and 3.6 s on the 2-core AMD EPYC with AVX-512, 2026-12-07, the
+#: second mostly the engine's first prompt-logprobs call) and the engines' exit
+QUALITY_S = 6.0
 #: the engines must have started by then, or leave too little for one block: what a warm-up and
 #: one block of the shortest slices and the quality check need
-START_BY_S = BUDGET_S - (2 * WARMUP_S + len(ORDER) * MIN_SLICE_S + QUALITY_S)
+START_BY_S = BUDGET_S - (WARMUP_S + len(ORDER) * MIN_SLICE_S + QUALITY_S)
 
 
 class ProbeError(RuntimeError):
@@ -222,9 +223,14 @@ def time_slices(a: _Child, b: _Child, run: _Run) -> tuple[dict[str, list[float]]
     """The warm-up, then A B B A blocks until `verdict` decides or no block of at least
     MIN_SLICE_S slices fits before the quality check's reserve: each dtype's output tok/s per
     slice, and the b ÷ a ratio per pair (slices 1 and 2, and 4 and 3, of each block)."""
-    longest = {a.dtype: 0.0, b.dtype: 0.0}
+    # the warm-ups are untimed, so both run at once: the budget pays for one
     for c in (a, b):
-        longest[c.dtype] = _slice(c, WARMUP_S, "warm-up", run).get("max_step_s", 0.0)
+        c.send("speed", seconds=WARMUP_S)
+    longest = {}
+    for c in (a, b):
+        reply = c.receive("speed", timeout=run.left())
+        run.slices.append({"dtype": c.dtype, "slice": "warm-up", "seconds": WARMUP_S, **reply})
+        longest[c.dtype] = reply.get("max_step_s", 0.0)
     rates: dict[str, list[float]] = {a.dtype: [], b.dtype: []}
     ratios: list[float] = []
     block = 0
@@ -251,7 +257,7 @@ def _measure_both(children: list[_Child], run: _Run, args: dict[str, Any]) -> di
     a, b = children
     rates, ratios = time_slices(a, b, run)
     run.mark("timed")
-    workload = {**engine_side.workload(), "order": f"a warm-up slice of {WARMUP_S:g} s each, then "
+    workload = {**engine_side.workload(), "order": f"a warm-up slice of {WARMUP_S:g} s each, both at once, then "
                 + " ".join(ORDER) + f" blocks of slices of up to {SLICE_S:g} s",
                 "max_num_seqs": args.get("max_num_seqs"), "prefix_caching": args.get("enable_prefix_caching")}
     if not ratios:
@@ -259,20 +265,20 @@ def _measure_both(children: list[_Child], run: _Run, args: dict[str, Any]) -> di
                              f"time to time them within {run.deadline - run.t0:.0f} s: {REFERENCE}, the reference",
                              rates), "workload": workload}
     faster = verdict(a.dtype, b.dtype, ratios)[0] or tie_choice(a.dtype, b.dtype)
-    greedy: dict[str, list[list[int]]] = {}
+    identical: dict[str, int] = {}
     agreement: dict[str, float] = {}
     ref: list[list[int]] = []
     if faster != REFERENCE:
-        # both engines answer at once: the check costs the slower engine's time, not the sum
+        # the reference's greedy answers, then each other dtype teacher-forced on them, one engine
+        # at a time (two engines' threads on the same cores at once slow both several times over)
+        ref_child = next((c for c in children if c.dtype == REFERENCE), a)
+        ref = ref_child.ask("greedy", timeout=run.left())["tokens"]
         for c in children:
-            c.send("greedy")
-        greedy = {c.dtype: c.receive("greedy", timeout=run.left())["tokens"] for c in children}
-        ref = greedy[REFERENCE] if REFERENCE in greedy else greedy[a.dtype]
-        for c in children:
-            c.send("teacher", reference=ref)
-        agreement = {c.dtype: c.receive("teacher", timeout=run.left())["agreement"] for c in children}
+            if c is not ref_child:
+                got = c.ask("teacher", reference=ref, timeout=run.left())
+                agreement[c.dtype], identical[c.dtype] = got["agreement"], got["identical"]
         run.mark("checked")
-    return decide(a.dtype, b.dtype, Measured(rates, ratios, agreement, greedy, ref), workload=workload,
+    return decide(a.dtype, b.dtype, Measured(rates, ratios, agreement, identical, ref), workload=workload,
                   wall_s=run.clock() - run.t0)
 
 
@@ -308,8 +314,9 @@ class Measured:
     agreement: dict[str, float]
     """Each dtype's teacher-forced agreement with float32's greedy tokens (empty: not checked,
     float32 being the faster)."""
-    greedy: dict[str, list[list[int]]]
-    """Each dtype's greedy answers."""
+    identical: dict[str, int]
+    """Per checked dtype, the prompts whose every teacher-forced top-1 token is float32's: those
+    whose greedy answer is float32's, token for token."""
     ref: list[list[int]]
     """The reference greedy answers (float32's)."""
 
@@ -337,7 +344,7 @@ def decide(a: str, b: str, measured: Measured, *, workload: dict[str, Any], wall
     """The choice and its reason from the measured rates (`ratios`: b ÷ a per paired slice)
     and, where checked, each dtype's agreement with float32."""
     rates, ratios, agreement = measured.rates, measured.ratios, measured.agreement
-    greedy, ref = measured.greedy, measured.ref
+    ref = measured.ref
     faster, speed = verdict(a, b, ratios)
     if faster is None:
         faster = tie_choice(a, b)
@@ -349,7 +356,7 @@ def decide(a: str, b: str, measured: Measured, *, workload: dict[str, Any], wall
         choice = other if ok[other] else REFERENCE
         why = (f"{speed}, but {faster}'s greedy answers agree with float32's at {agreement.get(faster, 0.0):.0%} "
                f"(below {MIN_AGREEMENT:.0%}): {choice}")
-    exact = {dt: sum(g == r for g, r in zip(greedy[dt], ref)) for dt in greedy}
+    exact = measured.identical
     quality: dict[str, Any] = {"agreement_with_float32": agreement, "what": f"not checked: {REFERENCE}, the reference, was faster"}
     if agreement:
         quality = {"agreement_with_float32": agreement, "min_agreement": MIN_AGREEMENT,

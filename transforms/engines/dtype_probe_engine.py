@@ -156,16 +156,18 @@ def serve(dtype: str, engine_args: dict[str, Any]) -> None:
 
     def teacher(reference: list[list[int]]) -> dict[str, Any]:
         stream.stop()
-        hits = n = 0
+        hits = n = identical = 0
         prompts = [TokensPrompt(prompt_token_ids=p + r) for p, r in zip(chat, reference)]
         outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0), use_tqdm=False)
         for p, r, o in zip(chat, reference, outs):
             lps = o.prompt_logprobs or []
+            agree = 0
             for pos, token in enumerate(r, start=len(p)):
                 entry = lps[pos] if pos < len(lps) else None
-                n += 1
-                hits += bool(entry and token in entry and entry[token].rank == 1)
-        return {"agreement": hits / n if n else 0.0}
+                agree += bool(entry and token in entry and entry[token].rank == 1)
+            hits, n = hits + agree, n + len(r)
+            identical += agree == len(r)  # every step's top-1 is the reference's: greedy decoding repeats it
+        return {"agreement": hits / n if n else 0.0, "identical": identical}
 
     def ready() -> dict[str, Any]:
         use = resource.getrusage(resource.RUSAGE_SELF)
