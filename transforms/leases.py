@@ -1,0 +1,73 @@
+"""The worker side of a shared job's unit leases (schemas/storage/leases.py): who this process is
+as a holder, the leases it holds and the thread that renews them, and whether it is draining.
+
+A process draining (`start_draining`: a `tokenmill serve` replica told SIGTERM, a spot instance's
+notice) takes no new unit; the units it holds are finished or handed back by its job run within
+the replica's `drain_s`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from tokenmill.schemas import storage as S
+from tokenmill.schemas.errors import first_line
+
+log = logging.getLogger(__name__)
+
+_DRAIN = threading.Event()
+
+
+def start_draining() -> None:
+    """Take no new unit from now on (this process)."""
+    _DRAIN.set()
+
+
+def draining() -> bool:
+    return _DRAIN.is_set()
+
+
+def holder() -> str:
+    """This process as a lease holder: host and pid."""
+    return S.owner_tag()
+
+
+class Holding:
+    """The leases this process holds for one job, renewed every `lease_s / 3` seconds by a
+    thread; a lease found lost (taken over after this process stalled past its expiry) is
+    dropped and remembered in `lost`, so the work under it stops being committed."""
+
+    def __init__(self, eng, lease_s: float):
+        self.store, self.lease_s = S.LeaseStore(eng), lease_s
+        self.held: dict[str, S.Lease] = {}
+        self.lost: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, daemon=True, name="tokenmill-leases")
+        self._thread.start()
+
+    def add(self, lease: S.Lease) -> None:
+        with self._lock:
+            self.held[lease.unit] = lease
+            self.lost.discard(lease.unit)
+
+    def drop(self, unit: str) -> None:
+        with self._lock:
+            self.held.pop(unit, None)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            with self._lock:
+                held = list(self.held.values())
+            try:
+                for lease in self.store.renew(held, self.lease_s):
+                    log.warning("lease on unit %s of job %s lost (epoch %d): its commits are refused",
+                                lease.unit, lease.job_id, lease.epoch)
+                    with self._lock:
+                        self.held.pop(lease.unit, None)
+                        self.lost.add(lease.unit)
+            except Exception as err:  # the database away for a moment: the next round tries again
+                log.warning("lease renewal failed: %s", first_line(err))
+
+    def close(self) -> None:
+        self._stop.set()
