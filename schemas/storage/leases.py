@@ -45,10 +45,15 @@ class Lease:
 class LeaseStore(SqlStore):
     """The `unit_leases` table: one row per (job, unit)."""
 
-    def seed(self, job_id: str, units: Iterable[str]) -> int:
+    def seed(self, job_id: str, units: Iterable[str | tuple[str, int, int, int]]) -> int:
         """One free row per unit not yet known (every participant seeds the same plan; the rows
-        of a unit already taken or done are kept).  Returns the rows added."""
-        rows = [{"job_id": job_id, "unit": u, "epoch": 0, "taken": 0} for u in dict.fromkeys(units)]
+        of a unit already taken or done are kept): a key, or (key, input file, first row, rows),
+        the range `finish_if_complete` counts.  Returns the rows added."""
+        rows = []
+        for u in units:
+            key, f, first, n = (u, None, None, None) if isinstance(u, str) else u
+            rows.append({"job_id": job_id, "unit": key, "epoch": 0, "taken": 0, "input_file": f, "first_row": first,
+                         "row_count": n})
         n = 0
         with self.engine.begin() as conn:
             for part in chunks(rows):
@@ -114,6 +119,28 @@ class LeaseStore(SqlStore):
         with self.engine.begin() as conn:
             res = conn.execute(update(T.unit_leases).where(*_held(lease)).values(done_at=time.time()))
         return res.rowcount == 1
+
+    def finish_if_complete(self, lease: Lease) -> bool:
+        """Mark the unit done if `lease` still holds it and every row of its range is answered or
+        dead-lettered (a unit seeded with its range); whether it is done now."""
+        c = T.unit_leases.c
+        with self.engine.begin() as conn:
+            row = conn.execute(select(c.input_file, c.first_row, c.row_count, c.done_at)
+                               .where(*_held(lease))).first()
+            if row is None or row.row_count is None:
+                return False
+            if row.done_at is not None:
+                return True
+            done: set[int] = set()
+            last = row.first_row + row.row_count - 1
+            for t in (T.outputs.c, T.dead_letters.c):
+                done.update(conn.execute(select(t.input_row).distinct().where(
+                    t.job_id == lease.job_id, t.input_file == row.input_file,
+                    t.input_row.between(row.first_row, last))).scalars())
+            if len(done) < row.row_count:
+                return False
+            conn.execute(update(T.unit_leases).where(*_held(lease)).values(done_at=time.time()))
+        return True
 
     def mark_done(self, job_id: str, unit: str) -> None:
         """Mark a unit done whoever holds it: every row of it is answered (found by a reader)."""
