@@ -270,6 +270,8 @@ def run_job(
         metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
                                   utilization=utilization, merged=True)
         metrics["input"] = input_read(read, plan)
+        if shared:  # work lost to replicas that died or froze, apart from what the job's rows count
+            metrics["failures"] = S.LeaseStore(eng).lost_work(job_id)
         note = None
         if cancelled:
             final = "cancelled"

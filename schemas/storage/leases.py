@@ -184,6 +184,27 @@ class LeaseStore(SqlStore):
         return {"units": int(n), "done": int(done), "held": int(held or 0), "free": int(free_n or 0),
                 "takeovers": int(takeovers), "lost_rows": int(lost_rows), "lost_output_tokens": int(lost_tokens)}
 
+    def lost_work(self, job_id: str) -> dict[str, Any]:
+        """Engine work a shared job spent on rows no commit kept, as the job's metrics report it
+        (`failures`): units taken over after their holder's lease expired (killed, frozen), rows
+        and output tokens whose commit a lost lease refused (a zombie's), and rows admitted to an
+        engine that the same worker never committed (each worker writes its admitted count ahead
+        of every batch: a killed replica's batches in flight)."""
+        st = self.state(job_id)
+        w, o = T.workers.c, T.outputs.c
+        with self.engine.connect() as conn:
+            admitted = {k: int(v or 0) for k, v in conn.execute(
+                select(w.worker, w.admitted_rows).where(w.job_id == job_id))}
+            committed = {k: int(v) for k, v in conn.execute(
+                select(o.worker, func.count()).where(o.job_id == job_id, o.sample == 0).group_by(o.worker))}
+        return {"units_taken_over": st["takeovers"], "rows_refused": st["lost_rows"],
+                "output_tokens_refused": st["lost_output_tokens"],
+                "rows_admitted_not_committed": sum(max(0, n - committed.get(k, 0)) for k, n in admitted.items()),
+                "counts": "engine work no commit kept: units another replica took over after their lease expired, "
+                          "rows whose commit a lost lease refused, and per engine worker the rows it admitted "
+                          "(written ahead of each batch) less the rows it committed (engine-side dead letters "
+                          "count as not committed)"}
+
     def holders(self, job_id: str) -> dict[str, int]:
         """Units done per holder that finished them (which replicas' engines answered the job)."""
         c = T.unit_leases.c
