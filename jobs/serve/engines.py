@@ -56,9 +56,10 @@ def engine_main(model: str, conn: Connection, owner: int, idle_unload_s: float, 
     _leave_with_owner(owner)
     from tokenmill.transforms.leases import start_draining
 
-    # the replica drains (SIGTERM, a spot notice): the run in progress takes no new unit and
-    # ends, its units finished or handed back; the process waits for the server to stop it
-    signal.signal(signal.SIGTERM, lambda sig, frame: start_draining())
+    if threading.current_thread() is threading.main_thread():  # its own process (a test may run it in a thread)
+        # the replica drains (SIGTERM, a spot notice): the run in progress takes no new unit and
+        # ends, its units finished or handed back; the process waits for the server to stop it
+        signal.signal(signal.SIGTERM, lambda sig, frame: start_draining())
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(filename=log_path, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
