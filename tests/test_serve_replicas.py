@@ -1,15 +1,18 @@
 """`tokenmill serve` as one replica of several (issue 54): the registry (`replicas`), SQLite's
 refusal of a second live replica before it binds its port, a killed replica's row that does not
-block a restart, and SIGTERM's drain ending in exit 0 with the row stopped.  One real server
-per module (the bundled model's engine is never started: no batch runs here)."""
+block a restart, and SIGTERM's drain ending in exit 0 with the row stopped (one real server
+for the module; the bundled model's engine is never started: no batch runs here); and two
+replicas' threads over one PostgreSQL ending a batch once and sending each webhook once."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import httpx
@@ -19,6 +22,7 @@ from tests.conftest import TEST_ENGINE
 from tests.serve_server import ROOT, Server
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.storage.replicas import STALE_S
+from tokenmill.schemas.wire.openai.objects import batch_status
 
 REPLICA = re.compile(r"tokenmill serve: http://\S+/v1 \(.*; (replica_[0-9a-f]+)\)")
 
@@ -98,3 +102,102 @@ def test_sigterm_drains_an_idle_server_and_exits_0_with_its_row_stopped(server):
     row = S.ReplicaStore(S.connect(server.config["db"])).get(me)
     assert row["stopped_at"] is not None and row["draining"], row
     assert not S.ReplicaStore(S.connect(server.config["db"])).live()
+
+
+# ---------------------------------------------------------------- two replicas' threads over one PostgreSQL
+
+
+def _line(cid: str) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}).encode()
+
+
+def _replicas(pg_url: str, tmp_path, n: int = 2):
+    """`n` services over one PostgreSQL and one shared files folder, as `n` replicas' would be
+    (their engines stand-ins: nothing runs)."""
+    from tests.helpers import RecordingEngine
+    from tokenmill.jobs.serve.config import ServeConfig
+    from tokenmill.jobs.serve.service import BatchService
+
+    out = []
+    for i in range(n):
+        cfg = ServeConfig(db=pg_url, files=str(tmp_path / "files"), work=str(tmp_path / f"runs{i}"), models={"m": {}})
+        svc = BatchService(cfg)
+        engine = RecordingEngine()
+        engine.running = "busy-elsewhere"  # nothing is dispatched
+        svc.scheduler.engines["m"] = engine  # type: ignore[assignment]
+        out.append(svc)
+    return out
+
+
+def test_two_replicas_finalizing_one_batch_at_once_end_it_once_and_write_its_files_once(pg_url, tmp_path):
+    a, b = _replicas(pg_url, tmp_path)
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"".join(_line(c) + b"\n" for c in ("x", "y", "z")))
+    f = a.add_file("k", "in.jsonl", "batch", str(src), src.stat().st_size, 3)
+    batch_id = a.create_batch("k", f["id"], "/v1/chat/completions", "24h", None)["id"]
+    a.scheduler.tick()  # validated, queued behind the busy engine
+    a.cancel_batch("k", batch_id)
+    written, both_in = [], threading.Barrier(2)
+
+    def slow(svc):
+        real = svc.results.result_files
+
+        def result_files(*args):
+            written.append(svc)
+            time.sleep(0.5)  # both replicas are inside finalize now
+            return real(*args)
+        svc.results.result_files = result_files
+
+    for svc in (a, b):
+        slow(svc)
+
+    def finalize(svc):
+        both_in.wait()
+        svc.results.finalize(svc.batches.get(batch_id))
+
+    threads = [threading.Thread(target=finalize, args=(svc,)) for svc in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(written) == 1, "the result files were written by both replicas"
+    row = a.batches.get(batch_id)
+    assert batch_status(row) == "cancelled" and row["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    ended = [svc.counters.get(("batches", "m", "cancelled"), 0) for svc in (a, b)]
+    assert sorted(ended) == [0, 1]
+    with a.blobs.open(row["error_file_id"]) as fh:
+        assert sorted(json.loads(x)["custom_id"] for x in fh.read().splitlines()) == ["x", "y", "z"]
+    b.results.finalize(row)  # ended: a later call does nothing
+    assert len(written) == 1
+
+
+def test_two_replicas_delivery_loops_send_each_event_once(pg_url):
+    from tests.webhook_receiver import Receiver
+    from tokenmill.jobs.serve.config import Webhooks
+    from tokenmill.jobs.serve.webhooks import WebhookSender, new_secret
+
+    eng = S.connect(pg_url)
+    rx = Receiver(delay=0.2)  # a slow receiver: both loops have events due while one is sending
+    senders = [WebhookSender(eng, Webhooks(allow_networks=["127.0.0.1/32"])) for _ in range(2)]
+    try:
+        S.KeyStore(eng).add("key_a", "a", "tm-a", webhook_url=rx.url, webhook_secret=new_secret())
+        now = time.time()
+        ids = [f"batch_{i}" for i in range(8)]
+        for batch_id in ids:
+            S.BatchStore(eng).add({"id": batch_id, "owner": "key_a", "endpoint": "/v1/chat/completions",
+                                   "input_file_id": "file-x", "completion_window": "24h", "created_at": now,
+                                   "expires_at": now + 3600, "in_progress_at": now, "finalizing_at": now})
+            assert senders[0].end_batch(S.BatchStore(eng).get(batch_id), "completed", completed_at=time.time())
+        for s in senders:
+            s.start()
+        rx.wait(lambda got: len(got) >= len(ids), timeout=30)
+        time.sleep(1.0)  # a second delivery of any of them would come now
+        sent = [h["webhook-id"] for h, _, _ in rx.got]
+        assert sorted(sent) == sorted(set(sent)) and len(sent) == len(ids), sent
+        events = [ev for batch_id in ids for ev in S.WebhookStore(eng).events(batch_id)]
+        assert all(ev["delivered_at"] and len(ev["attempt_log"]) == 1 for ev in events), events
+    finally:
+        for s in senders:
+            s.stop()
+        rx.close()

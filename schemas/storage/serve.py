@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from sqlalchemy import func, insert, select, update
+from sqlalchemy.engine import Connection
 
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.storage.database import SqlStore, write_lock
@@ -159,6 +162,19 @@ def _page(q, tbl, owner: str | None, after: str | None, newest_first: bool):
     return q.order_by(*order)
 
 
+def _ended(row: dict[str, Any]) -> bool:
+    return any(row[c] is not None for c in TERMINAL)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """A batch held while it is ended (`BatchStore.ending`): its row as read under the hold,
+    and the connection whose transaction holds it (None on SQLite)."""
+
+    row: dict[str, Any]
+    conn: Connection | None
+
+
 class BatchStore(SqlStore):
     """The `api_batches` table."""
 
@@ -191,15 +207,36 @@ class BatchStore(SqlStore):
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q.limit(limit)).mappings()]
 
-    def set(self, batch_id: str, *, unless: str | tuple[str, ...] | None = None, **values: Any) -> bool:
+    def set(self, batch_id: str, *, unless: str | tuple[str, ...] | None = None, conn: Connection | None = None,
+            **values: Any) -> bool:
         """Set columns of a batch; with `unless` (a column, or several), only while each is unset
-        (a compare-and-set: a terminal time is written once).  Returns whether the row changed."""
+        (a compare-and-set: a terminal time is written once).  Given `conn` (an `Ending`'s), in
+        its transaction.  Returns whether the row changed."""
         b = T.api_batches
         q = update(b).where(b.c.id == batch_id)
         for col in (unless,) if isinstance(unless, str) else unless or ():
             q = q.where(b.c[col].is_(None))
-        with self.engine.begin() as conn:
+        if conn is not None:
             return bool(conn.execute(q.values(**values)).rowcount)
+        with self.engine.begin() as own:
+            return bool(own.execute(q.values(**values)).rowcount)
+
+    @contextmanager
+    def ending(self, batch_id: str) -> Iterator[Ending | None]:
+        """Hold a batch while it is ended: None when it has ended, or when another replica is
+        ending it now.  On PostgreSQL its row is locked (FOR UPDATE SKIP LOCKED: a second
+        replica's scheduler skips it, never waits) until the block leaves, and what ends it is
+        written through `Ending.conn`, the lock's transaction; a replica killed meanwhile
+        releases the lock with its connection, and the next one ends the batch.  SQLite has one
+        replica, whose scheduler ends one batch at a time: its row is read, not held."""
+        b = T.api_batches
+        if self.engine.dialect.name != "postgresql":
+            row = self.get(batch_id)
+            yield None if row is None or _ended(row) else Ending(row, None)
+            return
+        with self.engine.begin() as conn:
+            held = conn.execute(select(b).where(b.c.id == batch_id).with_for_update(skip_locked=True)).mappings().first()
+            yield None if held is None or _ended(dict(held)) else Ending(dict(held), conn)
 
     def unfinished(self) -> list[dict[str, Any]]:
         """Batches not ended, oldest first: what a (re)started server takes up again."""
