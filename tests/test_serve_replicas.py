@@ -201,3 +201,57 @@ def test_two_replicas_delivery_loops_send_each_event_once(pg_url):
         for s in senders:
             s.stop()
         rx.close()
+
+
+class _DrainingEngine:
+    """A stand-in for an engine process (jobs/serve/engines.py) whose run ends `run_s` after
+    SIGTERM (never, with None), as a shared job's run that takes no new unit would."""
+
+    model = "m"
+
+    def __init__(self, pid: int, run_s: float | None):
+        self.proc = type("Proc", (), {"pid": pid})()
+        self.running: str | None = "batch_running"
+        self.run_s, self.told, self.stopped = run_s, [], []
+
+    def alive(self) -> bool:
+        return not self.stopped
+
+    def terminate(self) -> None:
+        self.told.append(time.monotonic())
+        if self.run_s is not None:
+            threading.Timer(self.run_s, lambda: setattr(self, "running", None)).start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.alive():  # as EngineProcess.stop: a process already gone is left as it is
+            self.stopped.append((self.running, timeout))
+
+
+@pytest.mark.parametrize("run_s", [0.3, None])
+def test_a_drain_dispatches_nothing_waits_for_the_engines_run_up_to_drain_s_and_hands_back_its_leases(
+        tmp_path, run_s):
+    from tokenmill.jobs.serve.config import ServeConfig
+    from tokenmill.jobs.serve.service import BatchService
+
+    cfg = ServeConfig(db=f"sqlite:///{tmp_path / 's.db'}", files=str(tmp_path / "files"),
+                      work=str(tmp_path / "runs"), models={"m": {}}, drain_s=1.5)
+    svc = BatchService(cfg)
+    engine = _DrainingEngine(2**22 + 777, run_s)
+    svc.scheduler.engines["m"] = engine  # type: ignore[assignment]
+    leases = S.LeaseStore(svc.eng)
+    leases.seed("batch_running", ["u0", "u1"])
+    assert leases.take("batch_running", "u0", S.owner_tag(engine.proc.pid), 60)
+    svc.start_draining()
+    assert svc.scheduler.draining and len(engine.told) == 1
+    svc.scheduler._dispatch([{"id": "batch_new", "model": "m", "priority": 0, "created_at": 1.0}])
+    assert S.JobStore(svc.eng).get("batch_new") is None  # nothing new starts while draining
+    t0 = time.monotonic()
+    svc.stop()
+    took = time.monotonic() - t0
+    assert len(engine.stopped) == 1
+    if run_s is not None:
+        assert took < 1.2 and engine.stopped[0][0] is None  # stopped once its run ended, not at drain_s
+    else:
+        assert 1.3 < took < 3 and engine.stopped[0][0] == "batch_running"  # cut off at drain_s
+    state = leases.state("batch_running")
+    assert (state["held"], state["free"]) == (0, 2)  # u0 handed back: another replica takes it now

@@ -7,7 +7,9 @@ down; the process stays and loads it again for the next batch.
 
 The process leaves as soon as the server that started it is gone (its parent pid changes),
 and the engine's own processes follow it (transforms/engines/executors.py): a `kill -9` of
-the server leaves nothing running, and the restarted server resumes the batch's job."""
+the server leaves nothing running, and the restarted server resumes the batch's job.  A
+SIGTERM makes it drain instead (its run takes no new unit of a shared batch, and ends); the
+server then stops it."""
 
 from __future__ import annotations
 
