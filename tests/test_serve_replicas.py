@@ -252,3 +252,27 @@ def test_a_drain_dispatches_nothing_waits_for_the_engines_run_up_to_drain_s_and_
         assert 1.3 < took < 3 and engine.stopped[0][0] == "batch_running"  # cut off at drain_s
     state = leases.state("batch_running")
     assert (state["held"], state["free"]) == (0, 2)  # u0 handed back: another replica takes it now
+
+
+def test_an_engine_process_told_sigterm_keeps_running_until_its_server_stops_it(tmp_path):
+    from tokenmill.jobs.lifecycle.launchers import ProcessDied
+    from tokenmill.jobs.serve.engines import EngineProcess
+
+    said: list = []
+    e = EngineProcess("m", 60.0, str(tmp_path / "e.log"), lambda model, msg: said.append(msg))
+    e.start()
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "e.log").exists():  # made just after its SIGTERM handler is installed
+            assert time.time() < deadline and e.alive()
+            time.sleep(0.1)
+        e.terminate()
+        time.sleep(1.0)
+        assert e.alive(), "SIGTERM ended the engine process instead of making it drain"
+    finally:
+        e.stop(timeout=10)
+    assert not e.alive() and e.proc.exitcode == 0  # it left when told to, not by the signal
+    deadline = time.time() + 5
+    while not said and time.time() < deadline:
+        time.sleep(0.1)
+    assert [type(m) for m in said] == [ProcessDied]

@@ -65,11 +65,15 @@ class Replica:
         self.store.set(self.id, draining=True)
 
     def stopped(self) -> None:
-        """A clean exit: the heartbeat ends and the row says when."""
+        """A clean exit: the heartbeat ends and the row says when (a database away now: the row
+        goes stale instead, which does not block a restart either)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(HEARTBEAT_S)
-        self.store.set(self.id, stopped_at=time.time())
+        try:
+            self.store.set(self.id, stopped_at=time.time())
+        except Exception as err:
+            log.warning("replica %s: could not mark it stopped: %s", self.id, first_line(err))
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
