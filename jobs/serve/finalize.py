@@ -102,7 +102,6 @@ class BatchFiles:
                 return
             b, conn = end.row, end.conn
             now = time.time()
-            self.batches.set(b["id"], unless="finalizing_at", conn=conn, finalizing_at=now)
             job = S.JobStore(self.eng).get(b["id"])
             job_status = job["status"] if job else None
             if job_status in JOB_DONE:

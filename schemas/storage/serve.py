@@ -207,29 +207,31 @@ class BatchStore(SqlStore):
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q.limit(limit)).mappings()]
 
-    def set(self, batch_id: str, *, unless: str | tuple[str, ...] | None = None, conn: Connection | None = None,
-            **values: Any) -> bool:
+    def set(self, batch_id: str, *, unless: str | tuple[str, ...] | None = None, **values: Any) -> bool:
         """Set columns of a batch; with `unless` (a column, or several), only while each is unset
-        (a compare-and-set: a terminal time is written once).  Given `conn` (an `Ending`'s), in
-        its transaction.  Returns whether the row changed."""
+        (a compare-and-set: a terminal time is written once).  Returns whether the row changed."""
         b = T.api_batches
         q = update(b).where(b.c.id == batch_id)
         for col in (unless,) if isinstance(unless, str) else unless or ():
             q = q.where(b.c[col].is_(None))
-        if conn is not None:
+        with self.engine.begin() as conn:
             return bool(conn.execute(q.values(**values)).rowcount)
-        with self.engine.begin() as own:
-            return bool(own.execute(q.values(**values)).rowcount)
 
     @contextmanager
     def ending(self, batch_id: str) -> Iterator[Ending | None]:
-        """Hold a batch while it is ended: None when it has ended, or when another replica is
-        ending it now.  On PostgreSQL its row is locked (FOR UPDATE SKIP LOCKED: a second
+        """Mark a batch `finalizing` (its own transaction: a client sees it while its files are
+        written) and hold it while it is ended: None when it has ended, or when another replica
+        is ending it now.  On PostgreSQL its row is locked (FOR UPDATE SKIP LOCKED: a second
         replica's scheduler skips it, never waits) until the block leaves, and what ends it is
         written through `Ending.conn`, the lock's transaction; a replica killed meanwhile
         releases the lock with its connection, and the next one ends the batch.  SQLite has one
         replica, whose scheduler ends one batch at a time: its row is read, not held."""
         b = T.api_batches
+        mine = select(b.c.id).where(b.c.id == batch_id, b.c.finalizing_at.is_(None), *[b.c[c].is_(None) for c in TERMINAL])
+        if self.engine.dialect.name == "postgresql":
+            mine = mine.with_for_update(skip_locked=True)  # a replica that holds it now is not waited on
+        with self.engine.begin() as conn:
+            conn.execute(update(b).where(b.c.id.in_(mine)).values(finalizing_at=time.time()))
         if self.engine.dialect.name != "postgresql":
             row = self.get(batch_id)
             yield None if row is None or _ended(row) else Ending(row, None)
