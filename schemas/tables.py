@@ -256,6 +256,21 @@ api_batches = Table(
     Column("usage", JSON),
 )
 
+#: Every `tokenmill serve` started over this database (schemas/storage/replicas.py): where it runs
+#: and answers, its heartbeat (`seen_at`), whether it is draining (told SIGTERM) and when it stopped.
+replicas = Table(
+    "replicas",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("host", String(256), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("url", String(512)),
+    Column("started_at", Float, nullable=False),
+    Column("seen_at", Float, nullable=False, index=True),
+    Column("draining", Boolean, nullable=False, default=False, server_default=false()),
+    Column("stopped_at", Float),
+)
+
 #: A batch's end, to be sent to a webhook: one row per batch and event type (its id derives
 #: from both, so a batch finalized twice sends one event), with the body signed at each attempt.
 webhook_events = Table(

@@ -70,6 +70,13 @@ class Server:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
 
+    def drain(self, timeout: float = 120.0) -> int:
+        """SIGTERM, as a spot notice or `systemctl stop` sends it: the server drains and exits;
+        returns its exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

@@ -162,11 +162,12 @@ def test_windows_priorities_and_derived_file_ids():
 def test_the_config_refuses_what_would_fail_at_the_first_batch(tmp_path):
     cfg = ServeConfig()
     assert list(cfg.models) == ["smollm2-135m"] and cfg.limits.max_file_lines == 50_000
+    assert (cfg.lease_s, cfg.drain_s) == (30.0, 30.0)
     for bad, says in (({"models": {}}, "names no model"), ({"models": {"a": {"engine": {"model": "b"}}}},
                                                              "name it the same"),
                       ({"models": {"a": {"input": "x"}}}, "not served model keys"),
                       ({"models": {"a": {"sampling": {"temperature": -1}}}}, "temperature"),
-                      ({"port": 70000}, "port")):
+                      ({"port": 70000}, "port"), ({"lease_s": 0.2}, "lease_s"), ({"drain_s": -1}, "drain_s")):
         p = tmp_path / "c.yaml"
         p.write_text(json.dumps(bad))
         with pytest.raises(SpecError) as err:

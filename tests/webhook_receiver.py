@@ -1,5 +1,6 @@
 """A webhook receiver on loopback for the tests: records every POST (headers, body, the status
-it answered) and answers 500 to the first `fail` attempts of each event (by `webhook-id`)."""
+it answered) and answers 500 to the first `fail` attempts of each event (by `webhook-id`), each
+answer `delay` seconds after the request (a slow receiver)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Receiver:
-    def __init__(self, host: str = "127.0.0.1", fail: int = 0):
+    def __init__(self, host: str = "127.0.0.1", fail: int = 0, delay: float = 0.0):
         self.got: list[tuple[dict[str, str], bytes, int]] = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                time.sleep(delay)
                 seen = sum(1 for h, _, _ in outer.got if h.get("webhook-id") == self.headers.get("webhook-id"))
                 code = 500 if seen < fail else 200
                 outer.got.append(({k.lower(): v for k, v in self.headers.items()}, body, code))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 from tabulate import tabulate
@@ -57,22 +57,37 @@ def serve(config_path, db_url, host, port, files_root):
 
     from tokenmill.jobs.serve.app import asgi_app
     from tokenmill.jobs.serve.ready import NotReady, ready_models
+    from tokenmill.jobs.serve.replica import Replica, ReplicaRefused
+    from tokenmill.jobs.serve.service import BatchService
+    from tokenmill.schemas import storage as S
 
     cfg = _config(config_path, db=db_url, host=host, port=port, files=files_root)
-    try:  # before the port is bound: a server that listens can run a batch of each model
-        ready_models(cfg, say=lambda line: click.echo(f"tokenmill serve: {line}", err=True))
-    except NotReady as err:
+    try:  # first: a second replica over SQLite is refused before anything else is done
+        replica = Replica.register(S.connect(cfg.db_url()))
+    except (ReplicaRefused, S.StorageError) as err:
         raise Failure(str(err)) from None
-    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((cfg.host, cfg.port))
-    except OSError as err:
-        raise Failure(f"cannot listen on {cfg.host}:{cfg.port}: {err.strerror}") from None
-    bound = sock.getsockname()[1]
-    click.echo(f"tokenmill serve: http://{cfg.host}:{bound}/v1 (models: {', '.join(cfg.models)}; "
-               f"database {cfg.db_url().split('://')[0]}; files {cfg.files_root()})", err=True)
-    run_server(asgi_app(cfg), sock, cfg.http, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+        try:  # before the port is bound: a server that listens can run a batch of each model
+            ready_models(cfg, say=lambda line: click.echo(f"tokenmill serve: {line}", err=True))
+        except NotReady as err:
+            raise Failure(str(err)) from None
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((cfg.host, cfg.port))
+        except OSError as err:
+            raise Failure(f"cannot listen on {cfg.host}:{cfg.port}: {err.strerror}") from None
+        bound = sock.getsockname()[1]
+        replica.serving(f"http://{cfg.host}:{bound}")
+        svc = BatchService(cfg, replica=replica)
+        click.echo(f"tokenmill serve: http://{cfg.host}:{bound}/v1 (models: {', '.join(cfg.models)}; "
+                   f"database {cfg.db_url().split('://')[0]}; files {cfg.files_root()}; {replica.id})", err=True)
+        # SIGTERM drains (svc.start_draining: no new work, the engines end their runs within
+        # `drain_s`) and then exits 0; SIGINT stops at once, as before
+        run_server(asgi_app(cfg, svc), sock, cfg.http, on_sigterm=svc.start_draining, log_level="warning",
+                   lifespan="on", timeout_graceful_shutdown=10)
+    finally:
+        replica.stopped()
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
@@ -114,22 +129,34 @@ def ui(db_url, host, port):
     run_server(BodyLimit(app, JSON_BODY_BYTES), sock, HttpLimits(), log_level="warning")
 
 
-def run_server(app: Any, sock: Any, limits: HttpLimits, **config: Any) -> None:
+def run_server(app: Any, sock: Any, limits: HttpLimits, *, on_sigterm: Callable[[], None] | None = None,
+               **config: Any) -> None:
     """Serve `app` on the listening `sock` with uvicorn until it is stopped, each connection
     held to `limits` (`HttpLimits`: uvicorn's own settings, and jobs/serve/guard.py's protocol
-    and head check for the bounds uvicorn has none for).  What the
+    and head check for the bounds uvicorn has none for).  Given `on_sigterm`, a SIGTERM calls
+    it and shuts the server down as a clean exit (uvicorn would raise SIGTERM again once it is
+    down, ending the process by the signal); SIGINT keeps uvicorn's way.  What the
     imports and the set-up put on the heap is frozen first (`gc.freeze`), so the collector's
     full passes skip it: without that, one request in about a hundred of `make bench-page`'s
     (10,000 jobs) took 207-217 ms against a median near 30 ms."""
     import gc
+    import signal
 
     import uvicorn
 
     from tokenmill.jobs.serve.guard import HeadLimit, protocol
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig == signal.SIGTERM and on_sigterm is not None:
+                on_sigterm()
+                self.should_exit = True  # not captured: nothing is raised again after the shutdown
+                return
+            super().handle_exit(sig, frame)
+
     gc.freeze()
-    uvicorn.Server(uvicorn.Config(HeadLimit(app, limits), http=protocol(limits), **limits.uvicorn_settings(),
-                                  **config)).run(sockets=[sock])
+    Server(uvicorn.Config(HeadLimit(app, limits), http=protocol(limits), **limits.uvicorn_settings(),
+                          **config)).run(sockets=[sock])
 
 
 @main.group(name="keys", context_settings=CONTEXT_SETTINGS)

@@ -169,6 +169,6 @@ def chunk_ends_with_newline(path: str) -> bool:
         return fh.read(1) == b"\n"
 
 
-def asgi_app(cfg: ServeConfig) -> Any:
+def asgi_app(cfg: ServeConfig, service: BatchService | None = None) -> Any:
     """The app with its body limit, as uvicorn runs it."""
-    return BodyLimit(create_app(cfg), cfg.limits.max_file_bytes + FORM_OVERHEAD)
+    return BodyLimit(create_app(cfg, service), cfg.limits.max_file_bytes + FORM_OVERHEAD)

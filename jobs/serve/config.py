@@ -174,6 +174,13 @@ class ServeConfig(_Strict):
     concurrent_models: int = Field(1, ge=1)
     """Models whose batches run at the same time (each in its own engine process); on a GPU host,
     one per device group; 1 on a small CPU host, where two engines would share its cores."""
+    lease_s: float = Field(30.0, ge=1, le=3600)
+    """How long a replica's engine holds a unit of a shared batch without renewing it (renewed
+    every third of it): after a replica is killed its units wait this long before another
+    replica takes them; shorter takes over sooner and renews (writes) more often."""
+    drain_s: float = Field(30.0, ge=0, le=3600)
+    """On SIGTERM, how long the replica lets its engines finish or hand back their units in
+    flight before it stops them (a spot notice: GCP's 30 s, AWS's 2 min); then it exits 0."""
 
     @field_validator("models")
     @classmethod

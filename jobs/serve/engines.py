@@ -7,13 +7,16 @@ down; the process stays and loads it again for the next batch.
 
 The process leaves as soon as the server that started it is gone (its parent pid changes),
 and the engine's own processes follow it (transforms/engines/executors.py): a `kill -9` of
-the server leaves nothing running, and the restarted server resumes the batch's job."""
+the server leaves nothing running, and the restarted server resumes the batch's job.  A
+SIGTERM makes it drain instead (its run takes no new unit of a shared batch, and ends); the
+server then stops it."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +56,12 @@ def engine_main(model: str, conn: Connection, owner: int, idle_unload_s: float, 
     in-process launcher) and answers its `Launched` (`busy` where another live process still
     holds the job); says `EngineLoaded` when its engine is loaded or unloaded."""
     _leave_with_owner(owner)
+    from tokenmill.transforms.leases import start_draining
+
+    if threading.current_thread() is threading.main_thread():  # its own process (a test may run it in a thread)
+        # the replica drains (SIGTERM, a spot notice): the run in progress takes no new unit and
+        # ends, its units finished or handed back; the process waits for the server to stop it
+        signal.signal(signal.SIGTERM, lambda sig, frame: start_draining())
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(filename=log_path, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -135,6 +144,14 @@ class EngineProcess:
             if isinstance(msg, EngineLoaded):
                 self.loaded = msg.loaded
             self.on_message(self.model, msg)
+
+    def terminate(self) -> None:
+        """SIGTERM to the process: it drains (takes no new unit) and keeps running its job."""
+        if self.alive():
+            try:
+                os.kill(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.conn is not None and self.alive():

@@ -94,27 +94,34 @@ class BatchFiles:
 
     def finalize(self, b: dict[str, Any]) -> None:
         """End the batch as its job's row says its job ended (status and error), with its result
-        files, request counts and usage."""
-        now = time.time()
-        self.batches.set(b["id"], unless="finalizing_at", finalizing_at=now)
-        job = S.JobStore(self.eng).get(b["id"])
-        job_status = job["status"] if job else None
-        if job_status in JOB_DONE:
-            ended = "completed"
-        elif job_status == "failed":
-            ended = "failed"
-        else:
-            ended = "cancelled" if b.get("cancelling_at") or now < b["expires_at"] else "expired"
-        out_id, err_id, counts = self.result_files(b, ended, job)
-        values: dict[str, Any] = {
-            f"{ended}_at": time.time(), "request_counts": counts,
-            "usage": usage_of(S.MetricsReader(self.eng).token_totals(b["id"])), "output_file_id": out_id,
-            "error_file_id": err_id,
-        }
-        if ended == "failed":
-            values["errors"] = [line_error("batch_failed", ((job or {}).get("error") or "the job failed")[:1000],
-                                           None)]
-        if self.webhooks.end_batch(b, ended, **values):  # the ending and its webhook event: one transaction
+        files, request counts and usage: once, however many replicas' schedulers call it at the
+        same moment (the batch is held while it ends, `BatchStore.ending`: the others do nothing,
+        and its files are written once)."""
+        with self.batches.ending(b["id"]) as end:
+            if end is None:  # ended, or another replica ends it now
+                return
+            b, conn = end.row, end.conn
+            now = time.time()
+            job = S.JobStore(self.eng).get(b["id"])
+            job_status = job["status"] if job else None
+            if job_status in JOB_DONE:
+                ended = "completed"
+            elif job_status == "failed":
+                ended = "failed"
+            else:
+                ended = "cancelled" if b.get("cancelling_at") or now < b["expires_at"] else "expired"
+            out_id, err_id, counts = self.result_files(b, ended, job)
+            values: dict[str, Any] = {
+                f"{ended}_at": time.time(), "request_counts": counts,
+                "usage": usage_of(S.MetricsReader(self.eng).token_totals(b["id"])), "output_file_id": out_id,
+                "error_file_id": err_id,
+            }
+            if ended == "failed":
+                values["errors"] = [line_error("batch_failed", ((job or {}).get("error") or "the job failed")[:1000],
+                                               None)]
+            # the ending and its webhook event: one transaction (the hold's, on PostgreSQL)
+            done = self.webhooks.end_batch(b, ended, conn=conn, **values)
+        if done:  # committed: counted once, by the replica that ended it
             model = b.get("model") or ""
             self.count("lines", model, "completed", counts["completed"])
             self.count("lines", model, "failed", counts["failed"])

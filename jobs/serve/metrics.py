@@ -1,5 +1,6 @@
 """`GET /metrics`: the service in Prometheus' text format (prometheus_client), read at each
-scrape: batches by status (from the database), batches queued per model, engines loaded,
+scrape: batches by status (from the database), batches queued per model, engines loaded, the
+service's live replicas,
 and since the server started, lines (completed, failed) and tokens (input, output) per model,
 whose rates are the lines and tokens per second."""
 
@@ -54,6 +55,8 @@ class _Collector:
             e = svc.scheduler.engines.get(model)
             loaded.add_metric([model], 1 if e is not None and e.alive() and (e.loaded or e.running) else 0)
         yield loaded
+        yield GaugeMetricFamily("tokenmill_serve_replicas", "Replicas of the service live now (registered, heartbeat "
+                                "fresh, not stopped)", value=len(S.ReplicaStore(svc.eng).live()))
         with svc._lock:
             counters = dict(svc.counters)
         lines = CounterMetricFamily("tokenmill_serve_lines", "Batch lines finished since the server started",

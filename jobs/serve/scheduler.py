@@ -77,6 +77,8 @@ class Scheduler:
         self.db_url = cfg.db_url()
         self.batches = S.BatchStore(eng)
         self.engines: dict[str, EngineProcess] = {}
+        #: The replica was told SIGTERM (service.start_draining): no new run is dispatched.
+        self.draining = False
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -157,6 +159,8 @@ class Scheduler:
         return st["done"] == st["units"] and not S.JobStore(self.eng).live_runs(job["id"], within_s=RUN_SEEN_S)
 
     def _dispatch(self, queued: list[dict[str, Any]]) -> None:
+        if self.draining:
+            return
         busy = [model for model, e in self.engines.items() if e.running]
         for b in take(sorted(queued, key=lambda b: queue_order(b, at="created_at")),
                       slots=self.cfg.concurrent_models, busy=busy, model_of=lambda b: b["model"]):

@@ -18,10 +18,11 @@ every batch up where its row says):
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.jobs.serve.blobs import blob_store
 from tokenmill.jobs.serve.config import ServeConfig, window_seconds
@@ -36,8 +37,15 @@ from tokenmill.schemas import tables as T
 from tokenmill.schemas.wire.openai.objects import ENDED, batch_status
 from tokenmill.schemas.wire.openai.request import ENDPOINTS
 
+if TYPE_CHECKING:
+    from tokenmill.jobs.serve.replica import Replica
+
+log = logging.getLogger(__name__)
+
 #: How long a running batch's live request counts are reused (they change batch by batch).
 COUNTS_TTL_S = 1.0
+#: How often a drain looks whether the engines' runs have ended.
+DRAIN_POLL_S = 0.2
 #: The largest `metadata.priority` either way (the column is a 32-bit integer).
 PRIORITY_MAX = 2**31 - 1
 
@@ -50,8 +58,9 @@ class BatchService:
     """The service the routes call; its scheduler (`scheduler`, scheduler.py) moves the
     batches along in its own thread, asking `results` (finalize.BatchFiles) for their files."""
 
-    def __init__(self, cfg: ServeConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: ServeConfig, *, replica: Replica | None = None):
+        self.cfg, self.replica = cfg, replica
+        self._drain_by: float | None = None  # set by SIGTERM: when the drain ends (monotonic)
         self.eng = S.connect(cfg.db_url())
         self.blobs = blob_store(cfg.files_root())
         self.batches, self.files = S.BatchStore(self.eng), S.FileStore(self.eng)
@@ -154,8 +163,42 @@ class BatchService:
         self.webhooks.start()
 
     def stop(self) -> None:
+        """End the threads and the engine processes: at once, or, once `start_draining` was
+        called, after the engines ended their runs (at most `drain_s` after the SIGTERM)."""
+        if self._drain_by is not None:
+            self._drain()
         self.webhooks.stop()
         self.scheduler.stop()
+
+    def start_draining(self) -> None:
+        """SIGTERM (called in the signal handler: no database here): dispatch no new run and
+        tell each engine process to take no new unit (its own SIGTERM handler), so its current
+        run ends by finishing or handing back what it holds; the registry learns it in a thread."""
+        if self._drain_by is not None:
+            return
+        self._drain_by = time.monotonic() + self.cfg.drain_s
+        self.scheduler.draining = True
+        for e in list(self.scheduler.engines.values()):
+            e.terminate()
+        if self.replica is not None:
+            threading.Thread(target=self.replica.draining, daemon=True, name="tokenmill-serve-drain").start()
+
+    def _drain(self) -> None:
+        """Wait (up to the drain's end) for the engines' runs to end, stop the engines, and hand
+        back the unit leases their processes still hold, so other replicas take those units now
+        instead of after the leases expire."""
+        assert self._drain_by is not None
+        engines = list(self.scheduler.engines.values())
+        while time.monotonic() < self._drain_by and any(e.running and e.alive() for e in engines):
+            time.sleep(DRAIN_POLL_S)
+        leases = S.LeaseStore(self.eng)
+        for e in engines:
+            pid = e.proc.pid if e.proc is not None else None
+            e.stop(timeout=max(1.0, self._drain_by - time.monotonic()))
+            if pid is not None:
+                n = leases.hand_back(S.owner_tag(pid))
+                if n:
+                    log.warning("drain: handed back %d unit(s) the %s engine (pid %d) still held", n, e.model, pid)
 
     def _count(self, metric: str, model: str, label: str, n: float) -> None:
         with self._lock:

@@ -9,9 +9,13 @@ SDK's `client.webhooks.unwrap` verifies it.  The secrets are sealed in the datab
 One event per batch ending (its id derives from the batch and the type), kept in the database
 with every attempt; a background thread sends what is due and retries a failure (no answer, or
 not 2xx) after `first_retry_s`, doubling up to `max_retry_s`, until `retry_for_s` after the
-event was made.  A URL that is not http(s), or whose host resolves to an address that is not
-public (loopback, link-local and the cloud metadata address, private and shared ranges; an
-IPv6 address is checked with every IPv4 address it embeds: IPv4-mapped and -compatible, NAT64,
+event was made.  Every replica of the service runs that thread; each event is claimed for
+its attempt (`WebhookStore.claim`), so two replicas never send it at once, and one killed
+mid-attempt leaves it to be tried again.
+
+A URL that is not http(s), or whose host resolves to an address that is not public
+(loopback, link-local and the cloud metadata address, private and shared ranges; an IPv6
+address is checked with every IPv4 address it embeds: IPv4-mapped and -compatible, NAT64,
 6to4, Teredo), is refused with a message that does not name the address, unless
 `webhooks.allow_networks` names its range: when a batch names it (400), when a key is given
 it (`tokenmill keys webhook`), and again at each attempt (a name may resolve elsewhere
@@ -36,6 +40,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
+
+from sqlalchemy.engine import Connection
 
 from tokenmill.jobs.serve.config import Webhooks
 from tokenmill.jobs.serve.objects import ENDED
@@ -281,11 +287,12 @@ class WebhookSender:
             return f"webhook host of {url[:200]!r} does not resolve: {first_line(err)}"
         return None
 
-    def end_batch(self, b: dict[str, Any], status: str, **values: Any) -> bool:
+    def end_batch(self, b: dict[str, Any], status: str, *, conn: Connection | None = None, **values: Any) -> bool:
         """End batch `b` as `status` (`values`: its `<status>_at` and the rest of its row) and,
-        when it names a URL, make its event in the same transaction (WebhookStore.end_batch): a
-        server killed between the two cannot lose the event, and a batch finalized again after a
-        restart makes no second one.  Returns whether this call ended the batch."""
+        when it names a URL, make its event in the same transaction (WebhookStore.end_batch; in
+        `conn`'s where the batch is held while it ends): a server killed between the two cannot
+        lose the event, and a batch finalized again after a restart makes no second one.
+        Returns whether this call ended the batch."""
         at = values[f"{status}_at"]
         url = batch_url(self.keys.get(b["owner"]), b.get("metadata"))
         event = None
@@ -295,7 +302,7 @@ class WebhookSender:
             now = self.clock()
             event = {"id": evt, "batch_id": b["id"], "owner": b["owner"], "type": kind, "url": url,
                      "body": event_body(evt, kind, b["id"], at), "created_at": now, "next_at": now, "attempts": 0}
-        done = self.store.end_batch(b["id"], ended=f"{status}_at", values=values, event=event)
+        done = self.store.end_batch(b["id"], ended=f"{status}_at", values=values, event=event, conn=conn)
         if done and event is not None:
             self._wake.set()
         return done
@@ -325,14 +332,24 @@ class WebhookSender:
             self._wake.wait(wait)
             self._wake.clear()
 
-    def send_due(self) -> int:
-        """Attempt every due event once; returns how many were attempted."""
-        due = self.store.due(self.clock())
-        for ev in due:
-            if self._stop.is_set():
+    def send_due(self, limit: int = 50) -> int:
+        """Attempt each due event once (at most `limit`), each claimed first (WebhookStore.claim),
+        so the replicas' senders never send one event at the same time; returns how many were
+        attempted."""
+        n = 0
+        while n < limit and not self._stop.is_set():
+            ev = self.store.claim(self.clock(), self.claim_s)
+            if ev is None:
                 break
             self.attempt(ev)
-        return len(due)
+            n += 1
+        return n
+
+    @property
+    def claim_s(self) -> float:
+        """How long an event claimed for an attempt is not due to anyone else: longer than an
+        attempt can take (a timeout per address the name resolves to, a few of them)."""
+        return 4 * self.cfg.timeout_s + 30.0
 
     def attempt(self, ev: dict[str, Any]) -> str:
         """One delivery attempt of an event, recorded with its outcome: delivered, failed (to be

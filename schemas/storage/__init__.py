@@ -16,6 +16,8 @@ the SQL, each returning plain rows (dicts of a table's columns):
 - `CacheStore`: the result cache across jobs (lookups by key, inserts, stats, pruning);
 - `LeaseStore`: the work units of a job shared by several processes (serve replicas): leases
   with an expiry and a fencing token, checked inside every commit;
+- `ReplicaStore`: the `tokenmill serve` replicas over this database (started, heartbeat,
+  draining, stopped), which are live, and SQLite's refusal of a second one;
 - `KeyStore`, `FileStore`, `BatchStore`: what `tokenmill serve` keeps (API keys, files, batches);
   `WebhookStore`: its batch events and their delivery attempts; `UsageStore`: what each key
   used per day, counted from the jobs' own rows and metrics; `WatchReader`: what the live
@@ -39,6 +41,7 @@ from tokenmill.schemas.storage.jobs import STALE_AFTER_S, JobBusy, JobStore, is_
 from tokenmill.schemas.storage.leases import Lease, LeaseLost, LeaseStore
 from tokenmill.schemas.storage.merged import RunSummaries
 from tokenmill.schemas.storage.reader import CHUNK_ROWS, MetricsReader
+from tokenmill.schemas.storage.replicas import ReplicaLive, ReplicaStore
 from tokenmill.schemas.storage.results import ResultWriter
 from tokenmill.schemas.storage.serve import BatchStore, FileStore, KeyStore
 from tokenmill.schemas.storage.sessions import SessionStore
@@ -48,6 +51,6 @@ from tokenmill.schemas.storage.watch import WatchReader
 from tokenmill.schemas.storage.webhooks import WebhookStore
 
 __all__ = [
-    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "Lease", "LeaseLost", "LeaseStore", "MetricsReader", "RequestStats", "RequestSummary", "ResultWriter", "RunSummaries", "SessionStore", "StorageError", "UsageStore", "WatchReader", "WebhookStore",
+    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "Lease", "LeaseLost", "LeaseStore", "MetricsReader", "ReplicaLive", "ReplicaStore", "RequestStats", "RequestSummary", "ResultWriter", "RunSummaries", "SessionStore", "StorageError", "UsageStore", "WatchReader", "WebhookStore",
     "alembic_config", "connect", "current_revision", "head_revision", "is_live", "owner_tag", "upgrade", "utcnow",
 ]

@@ -52,8 +52,9 @@ def aware(t: dt.datetime) -> dt.datetime:
     return t
 
 
-def owner_tag() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+def owner_tag(pid: int | None = None) -> str:
+    """A process as an owner or lease holder: host and pid (this process's by default)."""
+    return f"{socket.gethostname()}:{pid or os.getpid()}"
 
 
 def pid_alive(owner: str | None) -> bool:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from sqlalchemy import func, insert, select, update
+from sqlalchemy.engine import Connection
 
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.storage.database import SqlStore, write_lock
@@ -159,6 +162,19 @@ def _page(q, tbl, owner: str | None, after: str | None, newest_first: bool):
     return q.order_by(*order)
 
 
+def _ended(row: dict[str, Any]) -> bool:
+    return any(row[c] is not None for c in TERMINAL)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """A batch held while it is ended (`BatchStore.ending`): its row as read under the hold,
+    and the connection whose transaction holds it (None on SQLite)."""
+
+    row: dict[str, Any]
+    conn: Connection | None
+
+
 class BatchStore(SqlStore):
     """The `api_batches` table."""
 
@@ -200,6 +216,29 @@ class BatchStore(SqlStore):
             q = q.where(b.c[col].is_(None))
         with self.engine.begin() as conn:
             return bool(conn.execute(q.values(**values)).rowcount)
+
+    @contextmanager
+    def ending(self, batch_id: str) -> Iterator[Ending | None]:
+        """Mark a batch `finalizing` (its own transaction: a client sees it while its files are
+        written) and hold it while it is ended: None when it has ended, or when another replica
+        is ending it now.  On PostgreSQL its row is locked (FOR UPDATE SKIP LOCKED: a second
+        replica's scheduler skips it, never waits) until the block leaves, and what ends it is
+        written through `Ending.conn`, the lock's transaction; a replica killed meanwhile
+        releases the lock with its connection, and the next one ends the batch.  SQLite has one
+        replica, whose scheduler ends one batch at a time: its row is read, not held."""
+        b = T.api_batches
+        mine = select(b.c.id).where(b.c.id == batch_id, b.c.finalizing_at.is_(None), *[b.c[c].is_(None) for c in TERMINAL])
+        if self.engine.dialect.name == "postgresql":
+            mine = mine.with_for_update(skip_locked=True)  # a replica that holds it now is not waited on
+        with self.engine.begin() as conn:
+            conn.execute(update(b).where(b.c.id.in_(mine)).values(finalizing_at=time.time()))
+        if self.engine.dialect.name != "postgresql":
+            row = self.get(batch_id)
+            yield None if row is None or _ended(row) else Ending(row, None)
+            return
+        with self.engine.begin() as conn:
+            held = conn.execute(select(b).where(b.c.id == batch_id).with_for_update(skip_locked=True)).mappings().first()
+            yield None if held is None or _ended(dict(held)) else Ending(dict(held), conn)
 
     def unfinished(self) -> list[dict[str, Any]]:
         """Batches not ended, oldest first: what a (re)started server takes up again."""

@@ -9,33 +9,49 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import func, select, update
+from sqlalchemy.engine import Connection
 
 from tokenmill.schemas import tables as T
-from tokenmill.schemas.storage.database import SqlStore, insert_ignore
+from tokenmill.schemas.storage.database import SqlStore, insert_ignore, write_lock
 
 
 class WebhookStore(SqlStore):
-    def end_batch(self, batch_id: str, *, ended: str, values: dict[str, Any], event: dict[str, Any] | None) -> bool:
-        """A batch's ending and its event, in one transaction: the batch's `ended` column (its
-        terminal time) and `values` are written only while that column is unset, and the event
-        (None: the batch names no URL) is inserted with them, so a server killed at any point
-        leaves both or neither, and a batch finalized again makes no second event.  Returns
-        whether this call ended the batch."""
+    def end_batch(self, batch_id: str, *, ended: str, values: dict[str, Any], event: dict[str, Any] | None,
+                  conn: Connection | None = None) -> bool:
+        """A batch's ending and its event, in one transaction (`conn`'s, where the batch is held
+        by `BatchStore.ending`): the batch's `ended` column (its terminal time) and `values` are
+        written only while that column is unset, and the event (None: the batch names no URL)
+        is inserted with them, so a server killed at any point leaves both or neither, and a
+        batch finalized again makes no second event.  Returns whether this call ended the batch."""
+        if conn is None:
+            with self.engine.begin() as own:
+                return self.end_batch(batch_id, ended=ended, values=values, event=event, conn=own)
         b = T.api_batches.c
-        with self.engine.begin() as conn:
-            done = bool(conn.execute(update(T.api_batches).where(b.id == batch_id, b[ended].is_(None))
-                                     .values(**values)).rowcount)
-            if done and event is not None:
-                insert_ignore(conn, T.webhook_events, [event])
+        done = bool(conn.execute(update(T.api_batches).where(b.id == batch_id, b[ended].is_(None))
+                                 .values(**values)).rowcount)
+        if done and event is not None:
+            insert_ignore(conn, T.webhook_events, [event])
         return done
 
-    def due(self, now: float, limit: int = 50) -> list[dict[str, Any]]:
-        """Events neither delivered nor given up whose next attempt is due, oldest due first."""
+    def claim(self, now: float, hold_s: float) -> dict[str, Any] | None:
+        """Take the event due first for one attempt: its `next_at` moves `hold_s` ahead in the
+        transaction that reads it, so no other sender (another replica's) takes it meanwhile,
+        and a sender killed during the attempt leaves it due again once the hold lapses (the
+        attempt's `record` sets the real next time).  On PostgreSQL the row is read FOR UPDATE
+        SKIP LOCKED (two senders never wait on each other); SQLite has one writer.  None: no
+        event is due."""
         e = T.webhook_events.c
         q = (select(T.webhook_events).where(e.next_at.is_not(None), e.next_at <= now).order_by(e.next_at, e.id)
-             .limit(limit))
-        with self.engine.connect() as conn:
-            return [dict(r) for r in conn.execute(q).mappings()]
+             .limit(1))
+        with self.engine.begin() as conn:
+            write_lock(conn)
+            if conn.dialect.name == "postgresql":
+                q = q.with_for_update(skip_locked=True)
+            row = conn.execute(q).mappings().first()
+            if row is None:
+                return None
+            conn.execute(update(T.webhook_events).where(e.id == row["id"]).values(next_at=now + hold_s))
+        return dict(row)
 
     def next_due(self) -> float | None:
         """When the next pending event is due (None: none pending)."""
