@@ -82,12 +82,24 @@ def lines(n: int, prefix: str, *, max_tokens: int = 4) -> list[dict[str, Any]]:
             for i in range(n)]
 
 
+def replica_env(root: Path) -> dict[str, str]:
+    """The environment of a replica under `root`: the stand-in's entry point on PYTHONPATH, its
+    generation log in `root/generated`, this process's models folder (each replica's home is
+    its own, `Replicas._replica`)."""
+    from tokenmill.schemas.model_home import models_dir
+
+    env = standin.plugin_env(root / "plugin", ROOT)
+    env[standin.LOG_ENV] = str(root / "generated")
+    env["TOKENMILL_MODELS"] = str(models_dir())
+    return env
+
+
 class Replica(Server):
     """One `tokenmill serve` of the service, in its own process session."""
 
     def __init__(self, root: Path, config: dict[str, Any], env: dict[str, str], index: int):
         root.mkdir(parents=True, exist_ok=True)
-        super().__init__(root, config, env)
+        super().__init__(root, config, {**env, "TOKENMILL_HOME": str(root / "home")})  # its machine's home
         self.index = index
 
     def start(self, timeout: float = 120.0) -> "Replica":
@@ -168,18 +180,14 @@ class Replicas:
         self.generated_dir = root / "generated"
         self.config = {"db": db_url, "files": str(self.files), "models": models,
                        "webhooks": {"secret_key_file": str(root / "webhook-secrets.key")}, **config}
-        env = standin.plugin_env(root / "plugin", ROOT)
-        env[standin.LOG_ENV] = str(self.generated_dir)
-        from tokenmill.schemas.model_home import models_dir
-
-        env["TOKENMILL_MODELS"] = str(models_dir())
+        env = replica_env(root)
         self.replicas = [self._replica(i, env) for i in range(n)]
         self._key: str | None = None
 
     def _replica(self, i: int, env: dict[str, str]) -> Replica:
         root = self.root / f"r{i}"
         cfg = {**self.config, "work": str(root / "runs")}
-        return Replica(root, cfg, {**env, "TOKENMILL_HOME": str(root / "home")}, i)
+        return Replica(root, cfg, env, i)
 
     def __getitem__(self, i: int) -> Replica:
         return self.replicas[i]

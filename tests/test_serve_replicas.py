@@ -1,0 +1,212 @@
+"""Several `tokenmill serve` replicas over one PostgreSQL database as one service (issue 54), end to
+end: real servers on loopback (tests/serve_replicas.py), the `openai` SDK as the client, the
+sleeping stand-in engine (bench/standin.py) standing in for each replica's GPU, and real
+signals: a batch's lines spread over every replica, each line once through kill -9, a zombie
+(SIGSTOP past its lease, then SIGCONT) and a drain (SIGTERM); SQLite refuses a second replica.
+
+Why the module takes about two minutes: one service of three replicas is started once (about
+10 s) and shared by the spread, zombie, drain and chaos tests, each of which restarts what it
+killed (about 8 s a restart).  `lease_s` is 3 s, so a killed or frozen replica's units are taken
+over within seconds; the stand-in's step (`STEP_S` asleep, `MAX_NUM_SEQS` lines a step, 160
+lines/s a replica) is slow enough that a 3,000-line batch is still running when a test signals
+a replica holding one of its units, and fast enough that the chaos test's ten batches end in
+about a minute."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+
+import pytest
+
+from tests.conftest import TEST_ENGINE
+from tests.serve_replicas import MODEL, Replica, Replicas, accounting, fresh_database, lines, replica_env, standin_model
+from tests.serve_server import READY
+
+STEP_S = 0.1
+MAX_NUM_SEQS = 16
+LEASE_S = 3.0
+DRAIN_S = 10.0
+#: A signalled process needs a moment past `drain_s` to flush and exit (interpreter teardown).
+EXIT_SLACK_S = 3.0
+
+
+def _ids(batch_lines):
+    return [x["custom_id"] for x in batch_lines]
+
+
+def _twice(counts: Counter) -> int:
+    """Generations beyond each prompt's first."""
+    return sum(n - 1 for n in counts.values() if n > 1)
+
+
+def _generated(reps: Replicas) -> Counter:
+    return Counter(g["digest"] for g in reps.generated())
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replicas")
+    with fresh_database() as url:
+        reps = Replicas(root, 3, url, {MODEL: standin_model(step_s=STEP_S, max_num_seqs=MAX_NUM_SEQS)},
+                        lease_s=LEASE_S, drain_s=DRAIN_S)
+        try:
+            yield reps.start()
+        finally:
+            reps.stop()
+
+
+@pytest.fixture
+def reps(service):
+    """The service with every replica running (a test before may have killed or frozen one)."""
+    for r in service.replicas:
+        if r.alive():
+            r.thaw()
+        else:
+            r.restart()
+    return service
+
+
+def _wait_holding(reps: Replicas, batch_id: str, timeout: float = 60, exclude: int | None = None):
+    """The first (unit, replica index) of the batch held by a live lease (of a replica other
+    than `exclude`)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for h in reps.held(batch_id):
+            i = reps.replica_of(h["holder"])
+            if i is not None and i != exclude:
+                return h, i
+        time.sleep(0.1)
+    raise AssertionError(f"no replica held a unit of {batch_id} within {timeout} s: {reps.lease_state(batch_id)}")
+
+
+def test_a_3000_line_batch_is_committed_by_all_three_replicas_with_every_custom_id_once(reps):
+    batch = lines(3000, "spread")
+    before = _generated(reps)
+    bid = reps.submit(batch, "spread.jsonl", i=0)
+    b = reps.wait(bid, timeout=300)
+    assert b.status == "completed", b
+    out, err = reps.outputs(b)
+    assert accounting(b, out, err, _ids(batch)) == []
+    assert err == []
+    by = reps.holders(bid)
+    assert {reps.replica_of(h) for h in by} == {0, 1, 2}, by  # units committed by every replica's engine
+    assert _twice(_generated(reps) - before) == 0  # nothing failed: nothing generated twice
+
+
+def test_a_zombie_replica_resumed_after_its_unit_was_taken_commits_nothing_and_each_line_is_stored_once(reps):
+    batch = lines(3000, "zombie")
+    bid = reps.submit(batch, "zombie.jsonl")
+    held, z = _wait_holding(reps, bid)
+    zombie = reps[z]
+    zombie.freeze()
+    try:
+        deadline = time.time() + 120  # its lease expires after LEASE_S; a replica that finishes its own takes it
+        while time.time() < deadline:
+            now = {h["unit"]: h for h in reps.held(bid)}
+            if held["unit"] in now and now[held["unit"]]["epoch"] > held["epoch"]:
+                break
+            if reps.lease_state(bid)["takeovers"] > 0 and held["unit"] not in now:
+                break  # taken over and already done
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"unit {held['unit']} was not taken from the frozen replica: {reps.lease_state(bid)}")
+    finally:
+        zombie.thaw()  # its engine wakes mid-step, holding rows it generated under the lost lease
+    b = reps.wait(bid, timeout=300)
+    assert b.status == "completed", b
+    out, err = reps.outputs(b)
+    assert accounting(b, out, err, _ids(batch)) == []
+    state = reps.lease_state(bid)
+    assert state["takeovers"] >= 1 and state["lost_rows"] > 0, state  # its late commit refused, its work counted as lost
+    from sqlalchemy import select
+
+    from tokenmill.schemas import tables as T
+
+    c = T.unit_leases.c
+    with reps.engine().connect() as conn:
+        done_by = conn.execute(select(c.holder).where(c.job_id == bid, c.unit == held["unit"])).scalar_one()
+    assert done_by != held["holder"] and reps.replica_of(done_by) != z, done_by  # the taker's rows, not the zombie's
+
+
+def test_a_replica_told_sigterm_mid_batch_exits_0_within_drain_s_and_no_line_it_held_is_generated_twice(reps):
+    batch = lines(3000, "drain")
+    before = _generated(reps)
+    bid = reps.submit(batch, "drain.jsonl")
+    held, d = _wait_holding(reps, bid)
+    rc, took = reps[d].term(DRAIN_S + EXIT_SLACK_S + 30)
+    assert rc == 0 and took <= DRAIN_S + EXIT_SLACK_S, (rc, took, reps[d].tail())
+    b = reps.wait(bid, timeout=300)
+    assert b.status == "completed", b
+    out, err = reps.outputs(b)
+    assert accounting(b, out, err, _ids(batch)) == []
+    again = _generated(reps) - before
+    assert sum(again.values()) == len(batch) and _twice(again) == 0, _twice(again)  # from the engines' side
+    assert reps.lease_state(bid)["lost_rows"] == 0
+
+
+def test_ten_batches_through_random_kill_9s_each_custom_id_in_exactly_one_file_and_counts_and_usage_add_up(reps):
+    rng = random.Random(54)
+    batches = {}
+    for k in range(10):
+        batch = lines(400, f"chaos{k}")
+        batches[reps.submit(batch, f"chaos{k}.jsonl")] = batch
+    kills = 0
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        statuses = [reps.retrieve(bid).status for bid in batches]
+        if all(s in ("completed", "failed", "cancelled", "expired") for s in statuses):
+            break
+        time.sleep(rng.uniform(2.0, 4.0))
+        victim = rng.choice(reps.replicas)
+        victim.kill9()
+        kills += 1
+        victim.restart()
+    else:
+        raise AssertionError(f"the ten batches did not end in 600 s ({kills} kills)")
+    assert kills >= 3  # the batches ran through several kills, not before the first
+    for bid, batch in batches.items():
+        b = reps.wait(bid)
+        assert b.status == "completed", b
+        out, err = reps.outputs(b)
+        assert accounting(b, out, err, _ids(batch)) == [], bid
+
+
+def test_a_second_replica_on_sqlite_is_refused_at_start_in_one_line(tmp_path):
+    cfg = {"db": f"sqlite:///{tmp_path / 'serve.db'}", "files": str(tmp_path / "files"),
+           "models": {MODEL: standin_model(step_s=0.0, max_num_seqs=16)}}
+    env = replica_env(tmp_path)
+    first = Replica(tmp_path / "r0", {**cfg, "work": str(tmp_path / "r0" / "runs")}, env, 0).start()
+    try:
+        second = Replica(tmp_path / "r1", {**cfg, "work": str(tmp_path / "r1" / "runs")}, env, 1).launch()
+        try:
+            second.wait_ready(60)
+        except RuntimeError:
+            pass  # it exited (or never answered: then it is still running, and fails below)
+        finally:
+            running = second.alive()
+            second.stop()
+        said = second.log.read_text().strip().splitlines()
+        assert not running and second.proc.returncode != 0 and len(said) == 1, said
+        assert "sqlite" in said[0].lower() and not READY.search(said[0]), said
+        assert first.alive() and first._answers(first.base_url)  # the first one goes on
+    finally:
+        first.stop()
+
+
+@pytest.mark.engine
+def test_two_replicas_on_the_real_engine_answer_a_batch_once_through_a_kill_9(tmp_path):
+    with fresh_database() as url:
+        reps = Replicas(tmp_path, 2, url, {MODEL: {"engine": dict(TEST_ENGINE), "sampling": {"max_tokens": 8}}},
+                        lease_s=LEASE_S, drain_s=DRAIN_S)
+        with reps:
+            batch = lines(200, "real", max_tokens=8)
+            bid = reps.submit(batch, "real.jsonl", i=0)
+            _, k = _wait_holding(reps, bid, timeout=300)
+            reps[k].kill9()
+            b = reps.wait(bid, timeout=900)
+            assert b.status == "completed", b
+            out, err = reps.outputs(b)
+            assert accounting(b, out, err, _ids(batch)) == []
+            assert all(o["response"]["body"]["usage"]["completion_tokens"] > 0 for o in out)
