@@ -322,9 +322,26 @@ class Replicas:
         """Every request the replicas' stand-in engines answered (bench/standin.py's log)."""
         return standin.read_log(self.generated_dir) if self.generated_dir.exists() else []
 
-    def generated_twice(self) -> int:
-        """Generations beyond the first of each prompt: lines the engines generated again."""
-        return sum(n - 1 for n in Counter(g["digest"] for g in self.generated()).values() if n > 1)
+    def generations(self) -> Counter:
+        """Generations per prompt so far (subtract an earlier count: what a batch since generated)."""
+        return Counter(g["digest"] for g in self.generated())
+
+    def wait_holding(self, job_id: str, timeout: float = 60, exclude: int | None = None) -> tuple[dict[str, Any], int]:
+        """The first unit of the job held under a live lease by a replica (other than `exclude`),
+        and that replica's index; AssertionError when none is within `timeout`."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for h in self.held(job_id):
+                i = self.replica_of(h["holder"])
+                if i is not None and i != exclude:
+                    return h, i
+            time.sleep(0.1)
+        raise AssertionError(f"no replica held a unit of {job_id} within {timeout} s: {self.lease_state(job_id)}")
+
+
+def twice(generations: Counter) -> int:
+    """Generations beyond each prompt's first: lines an engine generated again."""
+    return sum(n - 1 for n in generations.values() if n > 1)
 
 
 def accounting(batch: Any, out: list[dict[str, Any]], err: list[dict[str, Any]], custom_ids: list[str]) -> list[str]:

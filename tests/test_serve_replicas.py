@@ -16,12 +16,21 @@ from __future__ import annotations
 
 import random
 import time
-from collections import Counter
 
 import pytest
 
 from tests.conftest import TEST_ENGINE
-from tests.serve_replicas import MODEL, Replica, Replicas, accounting, fresh_database, lines, replica_env, standin_model
+from tests.serve_replicas import (
+    MODEL,
+    Replica,
+    Replicas,
+    accounting,
+    fresh_database,
+    lines,
+    replica_env,
+    standin_model,
+    twice,
+)
 from tests.serve_server import READY
 
 STEP_S = 0.1
@@ -34,15 +43,6 @@ EXIT_SLACK_S = 3.0
 
 def _ids(batch_lines):
     return [x["custom_id"] for x in batch_lines]
-
-
-def _twice(counts: Counter) -> int:
-    """Generations beyond each prompt's first."""
-    return sum(n - 1 for n in counts.values() if n > 1)
-
-
-def _generated(reps: Replicas) -> Counter:
-    return Counter(g["digest"] for g in reps.generated())
 
 
 @pytest.fixture(scope="module")
@@ -68,22 +68,9 @@ def reps(service):
     return service
 
 
-def _wait_holding(reps: Replicas, batch_id: str, timeout: float = 60, exclude: int | None = None):
-    """The first (unit, replica index) of the batch held by a live lease (of a replica other
-    than `exclude`)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for h in reps.held(batch_id):
-            i = reps.replica_of(h["holder"])
-            if i is not None and i != exclude:
-                return h, i
-        time.sleep(0.1)
-    raise AssertionError(f"no replica held a unit of {batch_id} within {timeout} s: {reps.lease_state(batch_id)}")
-
-
 def test_a_3000_line_batch_is_committed_by_all_three_replicas_with_every_custom_id_once(reps):
     batch = lines(3000, "spread")
-    before = _generated(reps)
+    before = reps.generations()
     bid = reps.submit(batch, "spread.jsonl", i=0)
     b = reps.wait(bid, timeout=300)
     assert b.status == "completed", b
@@ -92,13 +79,13 @@ def test_a_3000_line_batch_is_committed_by_all_three_replicas_with_every_custom_
     assert err == []
     by = reps.holders(bid)
     assert {reps.replica_of(h) for h in by} == {0, 1, 2}, by  # units committed by every replica's engine
-    assert _twice(_generated(reps) - before) == 0  # nothing failed: nothing generated twice
+    assert twice(reps.generations() - before) == 0  # nothing failed: nothing generated twice
 
 
 def test_a_zombie_replica_resumed_after_its_unit_was_taken_commits_nothing_and_each_line_is_stored_once(reps):
     batch = lines(3000, "zombie")
     bid = reps.submit(batch, "zombie.jsonl")
-    held, z = _wait_holding(reps, bid)
+    held, z = reps.wait_holding(bid)
     zombie = reps[z]
     zombie.freeze()
     try:
@@ -132,17 +119,17 @@ def test_a_zombie_replica_resumed_after_its_unit_was_taken_commits_nothing_and_e
 
 def test_a_replica_told_sigterm_mid_batch_exits_0_within_drain_s_and_no_line_it_held_is_generated_twice(reps):
     batch = lines(3000, "drain")
-    before = _generated(reps)
+    before = reps.generations()
     bid = reps.submit(batch, "drain.jsonl")
-    held, d = _wait_holding(reps, bid)
+    _, d = reps.wait_holding(bid)
     rc, took = reps[d].term(DRAIN_S + EXIT_SLACK_S + 30)
     assert rc == 0 and took <= DRAIN_S + EXIT_SLACK_S, (rc, took, reps[d].tail())
     b = reps.wait(bid, timeout=300)
     assert b.status == "completed", b
     out, err = reps.outputs(b)
     assert accounting(b, out, err, _ids(batch)) == []
-    again = _generated(reps) - before
-    assert sum(again.values()) == len(batch) and _twice(again) == 0, _twice(again)  # from the engines' side
+    again = reps.generations() - before
+    assert sum(again.values()) == len(batch) and twice(again) == 0, twice(again)  # from the engines' side
     assert reps.lease_state(bid)["lost_rows"] == 0
 
 
@@ -203,7 +190,7 @@ def test_two_replicas_on_the_real_engine_answer_a_batch_once_through_a_kill_9(tm
         with reps:
             batch = lines(200, "real", max_tokens=8)
             bid = reps.submit(batch, "real.jsonl", i=0)
-            _, k = _wait_holding(reps, bid, timeout=300)
+            _, k = reps.wait_holding(bid, timeout=300)
             reps[k].kill9()
             b = reps.wait(bid, timeout=900)
             assert b.status == "completed", b
