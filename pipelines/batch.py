@@ -76,10 +76,13 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
     plan = parts.plan
     served = plan.rules() if hasattr(plan, "rules") else None  # an OpenAI batch input's lines
     units = plan_units(plan, spec.batching.unit_bytes)
-    work = p | "PlanUnits" >> PlanUnits(plan_work(units, spec.runner.resolved_workers()))
+    # a shared job's units are leased whole: never cut into parts (each part would need its own lease)
+    shared = spec.runner.lease_s
+    work = p | "PlanUnits" >> PlanUnits(plan_work(units, 1 if shared else spec.runner.resolved_workers()))
     ids = not (plan.format == "parquet" and "id" not in plan.columns)  # else ids come from positions: no duplicates
     columns = used_columns(plan.columns, spec.reference_column, spec.images.column) if plan.format == "parquet" else None
-    rows = work | "ReadPrompts" >> ReadPrompts(columns, served, parts.db_url, parts.job_id)
+    rows = work | "ReadPrompts" >> ReadPrompts(columns, served, parts.db_url, parts.job_id, shared,
+                                                spec.engine.task)
     if ids:
         rows = rows | "ClaimIds" >> ClaimIds(parts.db_url, parts.job_id)
     valid = rows | "Validate" >> Validate(spec.reference_column, spec.engine.lora_adapters, image_rules(spec))
@@ -117,6 +120,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
             cache=spec.cache,
             fingerprint=parts.fingerprint,
             adapter_hashes=parts.adapter_hashes,
+            lease_s=shared,
         ),
         parts.session_factory,
     )

@@ -234,6 +234,11 @@ class RunnerConfig(_Strict):
     a dead worker's tasks itself)."""
     pipeline_options: list[str] = Field(default_factory=list)
     """Extra Beam pipeline options, as command-line flags (`--environment_type=EXTERNAL`, ...)."""
+    lease_s: float | None = Field(None, gt=0)
+    """Run the job shared: several processes (the replicas of `tokenmill serve`) run it at once,
+    each work unit under a lease of this many seconds taken from the database and renewed while
+    it runs, every commit fenced by it (schemas/storage/leases.py); a unit whose holder died is
+    taken by another once its lease expires.  None: one run owns the job (the default)."""
 
     @field_validator("num_workers", mode="before")
     @classmethod

@@ -157,9 +157,12 @@ class Chunk:
     items: list[Any]
     part: int = 0
     parts: int = 1
+    lease: Any = None
+    """A shared job's lease on the unit (`storage.Lease`: holder and epoch), which every commit
+    of the unit's batches shows (fencing); None outside shared jobs."""
 
     def with_items(self, items: list[Any]) -> "Chunk":
-        return Chunk(self.unit, items, self.part, self.parts)
+        return Chunk(self.unit, items, self.part, self.parts, self.lease)
 
 
 @dataclass(slots=True)

@@ -57,6 +57,9 @@ class GenerateConfig:
     """The engine's identity in the result cache's keys (the launcher's `LaunchSide.fingerprint`)."""
     adapter_hashes: dict[str, str] | None = None
     """The LoRA adapters' content hashes in those keys (`engines/identity.adapter_hashes`)."""
+    lease_s: float | None = None
+    """A shared job's lease length (`runner.lease_s`): each batch's commit is fenced by its
+    unit's lease and renews it."""
 
 
 class BatchTimeout(RuntimeError):

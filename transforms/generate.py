@@ -11,10 +11,12 @@ requests are done, then emitted.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import time
 import uuid
+from typing import Any
 
 import apache_beam as beam
 
@@ -26,6 +28,8 @@ from tokenmill.transforms.chunks import DEAD, windowed
 from tokenmill.transforms.engines.kv import JobTokens
 from tokenmill.transforms.engines.protocol import EngineSession
 from tokenmill.transforms.engines.worker import worker_session
+
+log = logging.getLogger(__name__)
 
 STATS = "stats"
 #: Seconds between two updates of the worker's row while a bundle runs (its counters and peak
@@ -54,6 +58,8 @@ class GenerateFn(beam.DoFn):
         self._reported_at = float("-inf")
         self._keys: CacheKeys | None = None
         """The result-cache keys of the rows in flight (`cache: read-write`): their answers are stored."""
+        self._leases: dict[str, Any] = {}
+        """A shared job's unit leases by batch-id prefix: what each batch's commit is fenced by."""
 
     def _session(self, restart: bool = False, job_tokens: JobTokens | None = None) -> EngineSession:
         return worker_session(self.cfg.engine, self.cfg.model_path, self._factory, workers=self.cfg.num_workers,
@@ -111,13 +117,16 @@ class GenerateFn(beam.DoFn):
         if self._runner is None:
             self._runner = BatchRunner(self.cfg, self._session, self._restart, cancelled=self._cancelled,
                                        worker=self._worker, before_admit=self._admitting)
+        # unique per attempt: a unit retried after a failure plans new batches
+        prefix = f"{self.cfg.run_id}-{chunk.unit}.{chunk.part}-{uuid.uuid4().hex[:6]}-"
+        if chunk.lease is not None:
+            self._leases[prefix] = chunk.lease
         self._runner.feed(plan_batches(
             chunk.items,
             ordering=self.cfg.batching.ordering,
             token_budget=self.cfg.batching.token_budget,
             max_num_seqs=s.max_num_seqs,
-            # unique per attempt: a unit retried after a failure plans new batches
-            batch_prefix=f"{self.cfg.run_id}-{chunk.unit}.{chunk.part}-{uuid.uuid4().hex[:6]}-",
+            batch_prefix=prefix,
         ))
         # Returns once the unit's last batch is in the engine: its tail decodes while
         # the next unit is read and tokenized, and is emitted with the next unit's
@@ -186,13 +195,23 @@ class GenerateFn(beam.DoFn):
 
     def _finished(self, out):
         """One finished batch: committed (outputs, the engine's dead letters, figures: one
-        transaction), then the DoFn's outputs."""
+        transaction), then the DoFn's outputs.  In a shared job the commit is fenced by the
+        unit's lease: a batch whose unit was taken over (this process stalled past its lease)
+        is refused, counted as work lost, and yields nothing."""
         if self.cfg.db_url:
-            from tokenmill.transforms.write import commit_batch
+            from tokenmill.schemas.storage import LeaseLost
+            from tokenmill.transforms.write import commit_batch, count_lost
 
             rows, dead, stats = out
-            commit_batch(self.cfg.db_url, self.cfg.job_id, rows, dead, stats,
-                         cache_entries=self._keys.entries(rows, dead) if self._keys is not None else ())
+            lease = self._leases.get(str(stats.get("batch_id", "")).rsplit("-", 1)[0] + "-")
+            try:
+                commit_batch(self.cfg.db_url, self.cfg.job_id, rows, dead, stats,
+                             cache_entries=self._keys.entries(rows, dead) if self._keys is not None else (),
+                             lease=lease, lease_s=self.cfg.lease_s)
+            except LeaseLost as err:
+                log.warning("%s", err)
+                count_lost(self.cfg.db_url, lease, rows)
+                return iter(())
         return _outputs(out)
 
 

@@ -27,6 +27,12 @@ def draining() -> bool:
     return _DRAIN.is_set()
 
 
+def lease_key(task: str, unit: str) -> str:
+    """A unit's lease key: per engine task, since a batch file mixing chat and embedding lines
+    runs each unit once per task (one pipeline pass each)."""
+    return f"{task}/{unit}"
+
+
 def holder() -> str:
     """This process as a lease holder: host and pid."""
     return S.owner_tag()
@@ -46,14 +52,30 @@ class Holding:
         self._thread = threading.Thread(target=self._renew, daemon=True, name="tokenmill-leases")
         self._thread.start()
 
-    def add(self, lease: S.Lease) -> None:
-        with self._lock:
-            self.held[lease.unit] = lease
-            self.lost.discard(lease.unit)
+    def take(self, job_id: str, unit: str) -> S.Lease | None:
+        """The unit's lease for this process, renewed from now on; None when another holder has
+        it or this process is draining."""
+        if draining():
+            return None
+        lease = self.store.take(job_id, unit, holder(), self.lease_s)
+        if lease is not None:
+            with self._lock:
+                self.held[unit] = lease
+                self.lost.discard(unit)
+        return lease
+
+    def finish(self, lease: S.Lease) -> None:
+        """The unit's rows are all answered: done, no longer renewed."""
+        self.store.finish(lease)
+        self.drop(lease.unit)
 
     def drop(self, unit: str) -> None:
         with self._lock:
             self.held.pop(unit, None)
+
+    def mine(self) -> list[S.Lease]:
+        with self._lock:
+            return list(self.held.values())
 
     def _renew(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
@@ -71,3 +93,25 @@ class Holding:
 
     def close(self) -> None:
         self._stop.set()
+
+
+_HOLDINGS: dict[tuple[str, str], Holding] = {}
+_HOLDINGS_LOCK = threading.Lock()
+
+
+def holding(db_url: str, job_id: str, lease_s: float) -> Holding:
+    """This process's holding of `job_id`'s units (one renewal thread per job per process)."""
+    with _HOLDINGS_LOCK:
+        h = _HOLDINGS.get((db_url, job_id))
+        if h is None:
+            h = _HOLDINGS[(db_url, job_id)] = Holding(S.connect(db_url), lease_s)
+        return h
+
+
+def release(db_url: str, job_id: str) -> Holding | None:
+    """Stop renewing `job_id`'s leases in this process (its run ended); the holding, if any."""
+    with _HOLDINGS_LOCK:
+        h = _HOLDINGS.pop((db_url, job_id), None)
+    if h is not None:
+        h.close()
+    return h

@@ -46,6 +46,7 @@ from tokenmill.transforms.inputs import (
     read_footer,
     s3_client,
 )
+from tokenmill.transforms.leases import holding, lease_key
 from tokenmill.transforms.openai_batch import read_jsonl_shard
 from tokenmill.transforms.planning import plan_input
 from tokenmill.transforms.spill import read_spilled
@@ -147,20 +148,30 @@ class ReadUnitFn(beam.DoFn):
     rows it has not yet answered or dead-lettered (a done unit is not opened at all)."""
 
     def __init__(self, columns: list[str] | None = None, served: Any = None,
-                 db_url: str | None = None, job_id: str | None = None):
+                 db_url: str | None = None, job_id: str | None = None, lease_s: float | None = None,
+                 task: str = "generate"):
         self._columns = columns
         self._served = served  # an OpenAI batch input's `openai_batch.LineRules`
         self._url, self._job_id = db_url, job_id
+        self._lease_s, self._task = lease_s, task  # a shared job: a unit is read only under this process's lease
         self._read = beam.metrics.Metrics.counter("tokenmill", "rows_read")
         self._skipped = beam.metrics.Metrics.counter("tokenmill", "rows_skipped_done")
 
     def process(self, item: WorkItem):
+        lease, held = None, None
+        if self._lease_s is not None and self._url and self._job_id:
+            held = holding(self._url, self._job_id, self._lease_s)
+            lease = held.take(self._job_id, lease_key(self._task, item.unit.key))
+            if lease is None:  # another replica's engine has it, has done it, or this one is draining
+                return
         # A unit in parts is read whole: each part cuts its segment from the whole unit's
         # order (TakePart), which must not move as other parts of it commit (SkipDone drops).
         done = (done_rows(self._url, self._job_id, item.unit)
                 if item.parts == 1 and self._url and self._job_id else set())
         self._skipped.inc(len(done))
         if len(done) >= len(item.unit.rows):
+            if held is not None and lease is not None:
+                held.finish(lease)
             return
         try:
             rows = read_unit(item.unit, self._columns, self._served, done, self._spilled(item))
@@ -169,7 +180,7 @@ class ReadUnitFn(beam.DoFn):
                                   f"here: {type(err).__name__}: {first_line(err)}") from err
         self._read.inc(len(rows))
         if rows:
-            yield Chunk(item.unit.key, rows, item.part, item.parts)
+            yield Chunk(item.unit.key, rows, item.part, item.parts, lease)
 
 
     def _spilled(self, item: WorkItem) -> Iterator | None:
@@ -202,9 +213,10 @@ class ReadPrompts(beam.PTransform):
     `job_id`, those the job has not yet answered or dead-lettered)."""
 
     def __init__(self, columns: list[str] | None = None, served: Any = None,
-                 db_url: str | None = None, job_id: str | None = None):
+                 db_url: str | None = None, job_id: str | None = None, lease_s: float | None = None,
+                 task: str = "generate"):
         super().__init__()
-        self._fn = ReadUnitFn(columns, served, db_url, job_id)
+        self._fn = ReadUnitFn(columns, served, db_url, job_id, lease_s, task)
 
     def expand(self, units):
         return units | over_chunks(self._fn, "ReadUnit")

@@ -36,14 +36,22 @@ def dead_row(job_id: str, d: FailedRecord) -> dict[str, Any]:
 
 
 def commit_batch(db_url: str, job_id: str, rows: list[dict[str, Any]], dead: list[FailedRecord],
-                 stats: dict[str, Any], cache_entries: list[dict[str, Any]] | tuple = ()) -> None:
+                 stats: dict[str, Any], cache_entries: list[dict[str, Any]] | tuple = (),
+                 lease: S.Lease | None = None, lease_s: float | None = None) -> None:
     """One finished batch (Generate's): its outputs, the engine's dead letters, its figures and
     the result-cache entries of its answers (`cache: read-write`), committed together in one
     transaction by the worker that generated it, so
     what a failure loses is the batches in flight on any runner (a runner that does not
-    fuse Generate with a writer step would otherwise hold a whole unit's outputs)."""
+    fuse Generate with a writer step would otherwise hold a whole unit's outputs).  With a shared
+    job's `lease`, fenced: LeaseLost, nothing written, when the unit is no longer this lease's."""
     S.ResultWriter(S.connect(db_url)).commit_batch(rows, [dead_row(job_id, d) for d in dead], [stats],
-                                                   cache_entries=cache_entries)
+                                                   cache_entries=cache_entries, lease=lease, lease_s=lease_s)
+
+
+def count_lost(db_url: str, lease: S.Lease, rows: list[dict[str, Any]]) -> None:
+    """A refused batch's engine work, kept on its unit as work lost to a failure."""
+    S.LeaseStore(S.connect(db_url)).add_lost(lease, rows=len({(r["input_file"], r["input_row"]) for r in rows}),
+                                             output_tokens=sum(int(r.get("output_tokens") or 0) for r in rows))
 
 
 class WriteDeadLettersFn(beam.DoFn):

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, cast
 
@@ -37,6 +38,8 @@ from tokenmill.schemas.errors import first_line
 from tokenmill.transforms.counting import TokenCounter
 from tokenmill.transforms.engines.kinds import LaunchSide, engine_of
 from tokenmill.transforms.engines.protocol import EngineStartError
+from tokenmill.transforms.leases import draining, holder, holding, lease_key, release
+from tokenmill.transforms.read import done_rows, plan_units
 from tokenmill.transforms.spill import remove_job_spill
 
 log = logging.getLogger(__name__)
@@ -175,10 +178,12 @@ def run_job(
         except EngineStartError as err:
             raise JobError(str(err)) from None
 
-    # 2. Claim the job row (a second concurrent run of the same id refuses).
+    # 2. Claim the job row (a second concurrent run of the same id refuses), or, for a shared job
+    # (`runner.lease_s`: serve replicas), join it: every participant runs the units it can lease.
     hw = hardware()
-    claim = S.JobStore(eng).claim(job_id, {**job_values(spec), "versions": versions(spec.engine.kind), "hardware": hw,
-                                                "total": plan.total_rows})
+    shared = spec.runner.lease_s
+    values = {**job_values(spec), "versions": versions(spec.engine.kind), "hardware": hw, "total": plan.total_rows}
+    claim = S.JobStore(eng).join(job_id, values) if shared else S.JobStore(eng).claim(job_id, values)
     run_id = uuid.uuid4().hex[:6]
     S.JobStore(eng).start_run(job_id, run_id, t0)  # this run's device time starts with the launcher (docs/ACCOUNTING.md)
 
@@ -223,8 +228,9 @@ def run_job(
         f"starting the pipeline ({spec.runner.runner}, {spec.runner.num_workers} worker"
         f"{'s' if spec.runner.resolved_workers() > 1 else ''}); the engine loads first")
     try:
-        read = _run_passes(RunContext(spec, job_id, run_id, plan, model_path, db_url, eng, say, session_factory,
-                                      launch.block_size(on_gpu=on_gpu), pf.counter))
+        ctx = RunContext(spec, job_id, run_id, plan, model_path, db_url, eng, say, session_factory,
+                         launch.block_size(on_gpu=on_gpu), pf.counter)
+        read = _run_shared(ctx) if shared else _run_passes(ctx)
         status = "done"
     except KeyboardInterrupt:
         error = "interrupted"
@@ -236,7 +242,9 @@ def run_job(
         hb.stop_event.set()
         hb.join(timeout=5)
         utilization = sampler.stop()
-        if status != "done":
+        if status != "done" and shared:  # one participant's failure: the others go on, its units are handed back
+            S.JobStore(eng).finish_run(job_id, run_id, time.time())
+        elif status != "done":
             S.JobStore(eng).finish_run(job_id, run_id, time.time())
             c = S.MetricsReader(eng).counts(job_id)
             S.JobStore(eng).finish(job_id, status="failed", error=error, **c, heartbeat_at=None, owner=None)
@@ -248,52 +256,55 @@ def run_job(
         tick()
     if status != "done":
         raise JobError(f"job {job_id} failed: {error}")
-    remove_job_spill(job_id)  # every unit was read: what a large row group spilled here is spent
+    with ExitStack() as finishing:
+        if shared:  # one participant finishes the job: the one that finds every unit done and takes the lock
+            _finisher_or_busy(eng, job_id, run_id, finishing)
+        remove_job_spill(job_id)  # every unit was read: what a large row group spilled here is spent
 
-    # 3. Export (the old marker removed first), reconcile, account; then the marker of the final status.
-    cancelled = bool(_job_row(eng, job_id).get("cancel_requested"))
-    c = S.MetricsReader(eng).counts(job_id)
-    files = export_job(eng, job_id, spec.output, spec.output_format or "parquet")
-    say(f"exported {spec.output}: {files.get('outputs', 0):,} outputs, {files.get('dead_letters', 0):,} dead letters")
-    S.JobStore(eng).finish_run(job_id, run_id, time.time())  # after export: the devices were held until now
-    metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
-                              utilization=utilization, merged=True)
-    metrics["input"] = input_read(read, plan)
-    note = None
-    if cancelled:
-        final = "cancelled"
-    elif plan.total_rows != c["succeeded"] + c["failed"]:
-        final = "failed"
-        note = mismatch_note(eng, job_id, plan, c)
-    else:
-        final = "partial" if c["failed"] else "succeeded"
-        if plan.total_rows == 0:
-            note = "the input has no rows: nothing to do"
-    reason = note if final == "failed" else (
-        f"{'cancel requested' if watch is None or watch.reason is None else watch.reason}: stopped after the "
-        f"batches in flight, {c['succeeded'] + c['failed']} of {plan.total_rows} rows answered"
-        if final == "cancelled" else None)
-    if final == "cancelled" and watch is not None and watch.reason:
-        note = reason
-    tok = metrics.get("tokens") or {}
-    write_marker(spec.output, final, {**files, "run_id": run_id, "rows_in": plan.total_rows, **c,
-                                      "tokens": {k: tok.get(k) for k in ("prompt", "output", "total")}}, reason)
-    S.JobStore(eng).finish(job_id, status=final, error=note if final == "failed" else None, metrics=metrics,
-                           heartbeat_at=None, owner=None, **c)
-    if final in ("succeeded", "partial") and not claim["resumed"]:  # what `workers: auto` reads next time
-        launch.remember_run(spec.runner, plan.total_rows, time.time() - t0, process_tree_cpu_s() - cpu0)
-    return JobResult(
-        job_id=job_id,
-        status=final,
-        total=plan.total_rows,
-        succeeded=c["succeeded"],
-        failed=c["failed"],
-        resumed=claim["resumed"],
-        wall_s=time.time() - t0,
-        metrics=metrics,
-        files=files.get("files", {}),
-        note=note,
-    )
+        # 3. Export (the old marker removed first), reconcile, account; then the marker of the final status.
+        cancelled = bool(_job_row(eng, job_id).get("cancel_requested"))
+        c = S.MetricsReader(eng).counts(job_id)
+        files = export_job(eng, job_id, spec.output, spec.output_format or "parquet")
+        say(f"exported {spec.output}: {files.get('outputs', 0):,} outputs, {files.get('dead_letters', 0):,} dead letters")
+        S.JobStore(eng).finish_run(job_id, run_id, time.time())  # after export: the devices were held until now
+        metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
+                                  utilization=utilization, merged=True)
+        metrics["input"] = input_read(read, plan)
+        note = None
+        if cancelled:
+            final = "cancelled"
+        elif plan.total_rows != c["succeeded"] + c["failed"]:
+            final = "failed"
+            note = mismatch_note(eng, job_id, plan, c)
+        else:
+            final = "partial" if c["failed"] else "succeeded"
+            if plan.total_rows == 0:
+                note = "the input has no rows: nothing to do"
+        reason = note if final == "failed" else (
+            f"{'cancel requested' if watch is None or watch.reason is None else watch.reason}: stopped after the "
+            f"batches in flight, {c['succeeded'] + c['failed']} of {plan.total_rows} rows answered"
+            if final == "cancelled" else None)
+        if final == "cancelled" and watch is not None and watch.reason:
+            note = reason
+        tok = metrics.get("tokens") or {}
+        write_marker(spec.output, final, {**files, "run_id": run_id, "rows_in": plan.total_rows, **c,
+                                          "tokens": {k: tok.get(k) for k in ("prompt", "output", "total")}}, reason)
+        S.JobStore(eng).finish(job_id, status=final, error=note if final == "failed" else None, metrics=metrics,
+                               heartbeat_at=None, owner=None, **c)
+        if final in ("succeeded", "partial") and not claim["resumed"]:  # what `workers: auto` reads next time
+            launch.remember_run(spec.runner, plan.total_rows, time.time() - t0, process_tree_cpu_s() - cpu0)
+        return JobResult(
+            job_id=job_id,
+            status=final,
+            total=plan.total_rows,
+            succeeded=c["succeeded"],
+            failed=c["failed"],
+            resumed=claim["resumed"],
+            wall_s=time.time() - t0,
+            metrics=metrics,
+            files=files.get("files", {}),
+            note=note,
+        )
 
 
 #: Seconds between two checks of a capped job's bill while it runs (jobs/lifecycle/caps.py).
@@ -326,6 +337,67 @@ def _mark_failed(output: str, manifest: dict[str, Any], reason: str) -> None:
         write_marker(output, "failed", manifest, reason)
     except Exception as err:
         log.warning("job %s: could not mark %s as failed: %s", manifest.get("job_id"), output, first_line(err))
+
+
+#: Passes of a shared job's pipeline one participant runs before it leaves the rest to the others
+#: (each pass takes the units free at that moment: expired leases, units handed back).
+MAX_SHARED_PASSES = 5
+#: A finisher whose lock is older than this while the job still runs is taken as dead (another host's).
+FINISH_STALE_S = 600.0
+
+
+def _run_shared(run: RunContext) -> dict[str, int] | None:
+    """A shared job's participant (`runner.lease_s`, docs/SERVING.md "Replicas"): seed the job's
+    units (each engine task's, every participant the same), then run the pipeline, which takes a
+    unit's lease before reading it and skips the units other participants hold; after a pass the
+    units this process holds are marked done where every row is answered, and handed back
+    otherwise; another pass follows while units are free (a dead holder's expired, a drained one's
+    handed back), until every unit is done, or held by live others, or this process drains.
+    Returns the passes' counters summed."""
+    lease_s = float(run.spec.runner.lease_s or 0)
+    store = S.LeaseStore(run.eng)
+    units = {u.key: u for u in plan_units(run.plan, run.spec.batching.unit_bytes)}
+    store.seed(run.job_id, [lease_key(task, key) for task in job_tasks(run.spec, run.plan) for key in units])
+    counters: dict[str, int] | None = None
+    try:
+        for _ in range(MAX_SHARED_PASSES):
+            got = _run_passes(run)
+            if got is not None:
+                counters = {k: (counters or {}).get(k, 0) + got.get(k, 0) for k in {*(counters or {}), *got}}
+            _settle_units(run, units, holding(run.db_url, run.job_id, lease_s))
+            st = store.state(run.job_id)
+            if st["done"] == st["units"] or not st["free"] or draining() or \
+                    _job_row(run.eng, run.job_id).get("cancel_requested"):
+                break
+    finally:
+        release(run.db_url, run.job_id)
+        store.hand_back(holder(), run.job_id)  # what this process still holds, undone: the others take it
+    return counters
+
+
+def _settle_units(run: RunContext, units: dict[str, Any], held) -> None:
+    """After a pass: each unit this process holds is done when every row of it is answered or
+    dead-lettered (one range lookup), else it stays held until the run hands it back."""
+    for lease in held.mine():
+        unit = units.get(lease.unit.split("/", 1)[1])
+        if unit is not None and len(done_rows(run.db_url, run.job_id, unit)) >= len(unit.rows):
+            held.finish(lease)
+
+
+def _finisher_or_busy(eng, job_id: str, run_id: str, finishing: ExitStack) -> None:
+    """Return when this participant is the one to finish the shared job (export, metrics, the
+    job row): every unit done (or the job cancelled), and the job's finish lock taken; else end
+    this participant's run and raise JobBusy (the others finish it)."""
+    st = S.LeaseStore(eng).state(job_id)
+    cancelled = bool(_job_row(eng, job_id).get("cancel_requested"))
+    if st["done"] < st["units"] and not (cancelled and not st["held"]):
+        S.JobStore(eng).finish_run(job_id, run_id, time.time())
+        raise S.JobBusy(f"job {job_id}: {st['units'] - st['done']} of {st['units']} units not done "
+                        f"({st['held']} held by other participants); they finish it")
+    if not finishing.enter_context(S.JobStore(eng).named_lock(f"finish:{job_id}", stale_after_s=FINISH_STALE_S)) \
+            or _job_row(eng, job_id)["status"] != "running":
+        S.JobStore(eng).finish_run(job_id, run_id, time.time())
+        raise S.JobBusy(f"job {job_id}: another participant finishes it")
 
 
 def job_tasks(spec: JobSpec, plan) -> list[str]:

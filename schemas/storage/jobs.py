@@ -20,6 +20,7 @@ from tokenmill.schemas.storage.database import (
     owner_tag,
     pid_alive,
     utcnow,
+    write_lock,
 )
 
 #: A running job whose heartbeat is older than this is taken as dead (killed run).
@@ -97,6 +98,41 @@ class JobStore(SqlStore):
                 raise JobBusy(f"job {job_id!r} was claimed by another run at the same moment; not starting a second run")
         return {"resumed": True, "previous_status": job["status"]}
 
+    def join(self, job_id: str, values: dict[str, Any]) -> dict[str, Any]:
+        """A shared job's participant (`runner.lease_s`: several processes run it at once, each
+        unit under a lease): the row is created `running`, or a row `pending` or `failed` is made
+        `running` again (no owner: every participant's run row says it is alive), or a `running`
+        one is joined as it is, its cancel request standing.  A job that ended (succeeded,
+        partial, cancelled) is left alone: JobBusy, nothing to join."""
+        now = utcnow()
+        with self.engine.begin() as conn:
+            write_lock(conn)
+            q = select(T.jobs).where(T.jobs.c.id == job_id)
+            if conn.dialect.name == "postgresql":
+                q = q.with_for_update()
+            row = conn.execute(q).mappings().first()
+            if row is None:
+                conn.execute(insert(T.jobs).values(id=job_id, status="running", owner=None, heartbeat_at=now,
+                                                   started_at=now, submitted_at=now, cancel_requested=False,
+                                                   **values))
+                return {"resumed": False}
+            job = dict(row)
+            if job["status"] in ("succeeded", "partial", "cancelled"):
+                raise JobBusy(f"job {job_id!r} has ended ({job['status']}); nothing to join")
+            fresh = {} if job["status"] == "running" else {"cancel_requested": False, "error": None,
+                                                           "finished_at": None}
+            conn.execute(update(T.jobs).where(T.jobs.c.id == job_id).values(
+                status="running", owner=None, heartbeat_at=now, started_at=job["started_at"] or now,
+                **fresh, **values))
+        return {"resumed": True, "previous_status": job["status"]}
+
+    def live_runs(self, job_id: str, within_s: float) -> int:
+        """Runs of the job not finished and seen (their heartbeat) in the last `within_s` seconds."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(T.runs).where(
+                T.runs.c.job_id == job_id, T.runs.c.finished_at.is_(None),
+                T.runs.c.seen_at > time.time() - within_s)).scalar() or 0)
+
     def heartbeat(self, job_id: str, run_id: str | None = None) -> None:
         """Mark the job's owner alive (and, given `run_id`, that run: `runs.seen_at`)."""
         with self.engine.begin() as conn:
@@ -129,7 +165,7 @@ class JobStore(SqlStore):
     def delete(self, job_id: str) -> None:
         """The job and every row of it, in every table keyed by job id."""
         with self.engine.begin() as conn:
-            for t in (T.outputs, T.dead_letters, T.batches, T.workers, T.id_claims, T.runs):
+            for t in (T.outputs, T.dead_letters, T.batches, T.workers, T.id_claims, T.runs, T.unit_leases):
                 conn.execute(delete(t).where(t.c.job_id == job_id))
             conn.execute(delete(T.jobs).where(T.jobs.c.id == job_id))
 
