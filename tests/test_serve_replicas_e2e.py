@@ -2,7 +2,8 @@
 end: real servers on loopback (tests/serve_replicas.py), the `openai` SDK as the client, the
 sleeping stand-in engine (bench/standin.py) standing in for each replica's GPU, and real
 signals: a batch's lines spread over every replica, each line once through kill -9, a zombie
-(SIGSTOP past its lease, then SIGCONT) and a drain (SIGTERM); SQLite refuses a second replica.
+(SIGSTOP past its lease, then SIGCONT) and a drain (SIGTERM); one test on the real engine.
+(SQLite's refusal of a second replica and the replica registry: tests/test_serve_replicas.py.)
 
 Why the module takes about two minutes: one service of three replicas is started once (about
 10 s) and shared by the spread, zombie, drain and chaos tests, each of which restarts what it
@@ -22,16 +23,13 @@ import pytest
 from tests.conftest import TEST_ENGINE
 from tests.serve_replicas import (
     MODEL,
-    Replica,
     Replicas,
     accounting,
     fresh_database,
     lines,
-    replica_env,
     standin_model,
     twice,
 )
-from tests.serve_server import READY
 
 STEP_S = 0.1
 MAX_NUM_SEQS = 16
@@ -158,28 +156,6 @@ def test_ten_batches_through_random_kill_9s_each_custom_id_in_exactly_one_file_a
         assert b.status == "completed", b
         out, err = reps.outputs(b)
         assert accounting(b, out, err, _ids(batch)) == [], bid
-
-
-def test_a_second_replica_on_sqlite_is_refused_at_start_in_one_line(tmp_path):
-    cfg = {"db": f"sqlite:///{tmp_path / 'serve.db'}", "files": str(tmp_path / "files"),
-           "models": {MODEL: standin_model(step_s=0.0, max_num_seqs=16)}}
-    env = replica_env(tmp_path)
-    first = Replica(tmp_path / "r0", {**cfg, "work": str(tmp_path / "r0" / "runs")}, env, 0).start()
-    try:
-        second = Replica(tmp_path / "r1", {**cfg, "work": str(tmp_path / "r1" / "runs")}, env, 1).launch()
-        try:
-            second.wait_ready(60)
-        except RuntimeError:
-            pass  # it exited (or never answered: then it is still running, and fails below)
-        finally:
-            running = second.alive()
-            second.stop()
-        said = second.log.read_text().strip().splitlines()
-        assert not running and second.proc.returncode != 0 and len(said) == 1, said
-        assert "sqlite" in said[0].lower() and not READY.search(said[0]), said
-        assert first.alive() and first._answers(first.base_url)  # the first one goes on
-    finally:
-        first.stop()
 
 
 @pytest.mark.engine
