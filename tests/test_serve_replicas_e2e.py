@@ -35,8 +35,6 @@ STEP_S = 0.1
 MAX_NUM_SEQS = 16
 LEASE_S = 3.0
 DRAIN_S = 10.0
-#: A signalled process needs a moment past `drain_s` to flush and exit (interpreter teardown).
-EXIT_SLACK_S = 3.0
 
 
 def _ids(batch_lines):
@@ -120,8 +118,8 @@ def test_a_replica_told_sigterm_mid_batch_exits_0_within_drain_s_and_no_line_it_
     before = reps.generations()
     bid = reps.submit(batch, "drain.jsonl")
     _, d = reps.wait_holding(bid)
-    rc, took = reps[d].term(DRAIN_S + EXIT_SLACK_S + 30)
-    assert rc == 0 and took <= DRAIN_S + EXIT_SLACK_S, (rc, took, reps[d].tail())
+    rc, took = reps[d].term(DRAIN_S + 30)
+    assert rc == 0 and took <= DRAIN_S, (rc, took, reps[d].tail())  # a spot VM is gone at drain_s: exit before it
     b = reps.wait(bid, timeout=300)
     assert b.status == "completed", b
     out, err = reps.outputs(b)
