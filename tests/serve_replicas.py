@@ -101,6 +101,7 @@ class Replica(Server):
         root.mkdir(parents=True, exist_ok=True)
         super().__init__(root, config, {**env, "TOKENMILL_HOME": str(root / "home")})  # its machine's home
         self.index = index
+        self.frozen = False
 
     def start(self, timeout: float = 120.0) -> "Replica":
         self.launch()
@@ -143,9 +144,11 @@ class Replica(Server):
     def freeze(self) -> None:
         """SIGSTOP the whole replica (a VM paused, a process stalled past its lease)."""
         self._group(signal.SIGSTOP)
+        self.frozen = True
 
     def thaw(self) -> None:
         self._group(signal.SIGCONT)
+        self.frozen = False
 
     def term(self, timeout: float) -> tuple[int | None, float]:
         """SIGTERM to the server (a preemption notice): its exit code (None: still running after
@@ -223,7 +226,8 @@ class Replicas:
         return self._key
 
     def live(self) -> list[Replica]:
-        return [r for r in self.replicas if r.alive() and r.base_url]
+        """The replicas a load balancer would send to: running, answering, not frozen."""
+        return [r for r in self.replicas if r.alive() and r.base_url and not r.frozen]
 
     def client(self, i: int | None = None, **kw: Any) -> openai.OpenAI:
         """The `openai` SDK on replica `i`, or on a live one chosen at random (a load balancer)."""
