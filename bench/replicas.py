@@ -23,7 +23,7 @@ one fresh database per service, dropped after).
 Every run is reported; nothing is asserted.  Results: bench/results/replicas-<stamp>.json.
 
     python -m bench.replicas                     # 3,000 lines, 2 rounds, the drills; about 15 min on 2 cores
-    python -m bench.replicas --smoke             # 300 fast lines, 1 round, the drills: about a minute
+    python -m bench.replicas --smoke             # 300 fast lines, 1 round, the drills: about 2.5 min
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--drain-s", type=float, default=30.0)
     ap.add_argument("--timeout", type=float, default=900.0, help="the longest one batch may take")
     ap.add_argument("--no-drills", action="store_true", help="the scaling rounds only")
-    ap.add_argument("--smoke", action="store_true", help="300 fast lines, 1 round: shows it works (about a minute)")
+    ap.add_argument("--smoke", action="store_true", help="300 fast lines, 1 round: shows it works (about 2.5 min, mostly replicas starting)")
     ap.add_argument("--json", help="where to write the results (default bench/results/replicas-<stamp>.json)")
     ap.add_argument("--code", help="what code this is (default: HEAD's short hash)")
     args = ap.parse_args(argv)
