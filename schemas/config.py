@@ -198,6 +198,9 @@ class BatchingConfig(_Strict):
     """Prompt data per work unit (uncompressed input bytes; an integer or `64MiB`, `1GiB`): no process holds
     more than about one unit of prompts at a time, and a failed unit re-reads only itself.
     Default: sized from the machine (1/512 of its memory, 4-64 MiB), at most 8,192 rows."""
+    unit_lines: int | None = Field(None, ge=1)
+    """Lines per work unit of an OpenAI batch file (default 2,048): smaller units spread a batch over
+    more workers, and a shared job over more replicas (`tokenmill serve` over PostgreSQL uses 256)."""
     max_inflight_batches: int = Field(2, ge=1, le=64)
     """Batches handed to the engine ahead of the one finishing (keeps the engine fed at batch tails)."""
     batch_timeout_s: float = Field(1800.0, gt=0)

@@ -134,6 +134,10 @@ unit_leases = Table(
     Column("epoch", Integer, nullable=False, default=0, server_default="0"),
     Column("expires_at", Float),
     Column("done_at", Float),
+    # the unit's rows: input file and row range (first_row, row_count), so done-ness is one range count
+    Column("input_file", Integer),
+    Column("first_row", Integer),
+    Column("row_count", Integer),
     Column("taken", Integer, nullable=False, default=0, server_default="0"),
     Column("takeovers", Integer, nullable=False, default=0, server_default="0"),
     Column("lost_rows", Integer, nullable=False, default=0, server_default="0"),

@@ -54,6 +54,8 @@ def test_a_shared_job_run_alone_answers_every_row_and_marks_every_unit_done(tmp_
     assert res.status == "succeeded" and res.succeeded == ROWS
     st = S.LeaseStore(S.connect(pg_url)).state("alone")
     assert st["units"] == ROWS // GROUP and st["done"] == st["units"] and st["takeovers"] == 0
+    lost = res.metrics["failures"]  # nothing died: no engine work was spent on rows nobody kept
+    assert (lost["units_taken_over"], lost["rows_refused"], lost["rows_admitted_not_committed"]) == (0, 0, 0)
 
 
 @pytest.mark.postgres

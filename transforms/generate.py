@@ -60,6 +60,8 @@ class GenerateFn(beam.DoFn):
         """The result-cache keys of the rows in flight (`cache: read-write`): their answers are stored."""
         self._leases: dict[str, Any] = {}
         """A shared job's unit leases by batch-id prefix: what each batch's commit is fenced by."""
+        self._left: dict[str, int] = {}
+        """Batches of each leased unit not yet committed: at 0 the unit may be done."""
 
     def _session(self, restart: bool = False, job_tokens: JobTokens | None = None) -> EngineSession:
         return worker_session(self.cfg.engine, self.cfg.model_path, self._factory, workers=self.cfg.num_workers,
@@ -119,15 +121,16 @@ class GenerateFn(beam.DoFn):
                                        worker=self._worker, before_admit=self._admitting)
         # unique per attempt: a unit retried after a failure plans new batches
         prefix = f"{self.cfg.run_id}-{chunk.unit}.{chunk.part}-{uuid.uuid4().hex[:6]}-"
-        if chunk.lease is not None:
-            self._leases[prefix] = chunk.lease
-        self._runner.feed(plan_batches(
+        batches = plan_batches(
             chunk.items,
             ordering=self.cfg.batching.ordering,
             token_budget=self.cfg.batching.token_budget,
             max_num_seqs=s.max_num_seqs,
             batch_prefix=prefix,
-        ))
+        )
+        if chunk.lease is not None and batches:
+            self._leases[prefix], self._left[prefix] = chunk.lease, len(batches)
+        self._runner.feed(batches)
         # Returns once the unit's last batch is in the engine: its tail decodes while
         # the next unit is read and tokenized, and is emitted with the next unit's
         # batches (or by finish_bundle).
@@ -203,7 +206,8 @@ class GenerateFn(beam.DoFn):
             from tokenmill.transforms.write import commit_batch, count_lost
 
             rows, dead, stats = out
-            lease = self._leases.get(str(stats.get("batch_id", "")).rsplit("-", 1)[0] + "-")
+            prefix = str(stats.get("batch_id", "")).rsplit("-", 1)[0] + "-"
+            lease = self._leases.get(prefix)
             try:
                 commit_batch(self.cfg.db_url, self.cfg.job_id, rows, dead, stats,
                              cache_entries=self._keys.entries(rows, dead) if self._keys is not None else (),
@@ -212,7 +216,22 @@ class GenerateFn(beam.DoFn):
                 log.warning("%s", err)
                 count_lost(self.cfg.db_url, lease, rows)
                 return iter(())
+            if lease is not None:
+                self._unit_progress(prefix, lease)
         return _outputs(out)
+
+
+    def _unit_progress(self, prefix: str, lease: Any) -> None:
+        """One more batch of a leased unit committed; after its last, the unit is marked done if
+        every row of it is answered (the other steps' dead letters may still be on their way: then
+        the run settles it after the pass), so other replicas see it done, not held."""
+        self._left[prefix] -= 1
+        if self._left[prefix] > 0:
+            return
+        del self._left[prefix], self._leases[prefix]
+        from tokenmill.transforms.leases import holding
+
+        holding(str(self.cfg.db_url), self.cfg.job_id, float(self.cfg.lease_s or 0)).finish_if_complete(lease)
 
 
 class WorkerCheckError(RuntimeError):

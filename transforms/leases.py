@@ -69,6 +69,13 @@ class Holding:
         self.store.finish(lease)
         self.drop(lease.unit)
 
+    def finish_if_complete(self, lease: S.Lease) -> bool:
+        """Done, and no longer renewed, if every row of the unit is answered (else still held)."""
+        if self.store.finish_if_complete(lease):
+            self.drop(lease.unit)
+            return True
+        return False
+
     def drop(self, unit: str) -> None:
         with self._lock:
             self.held.pop(unit, None)

@@ -55,7 +55,7 @@ from tokenmill.schemas.wire.openai.request import ENDPOINTS, TASK_ENDPOINTS, par
 from tokenmill.transforms.inputs import InputError, InputPlan, expand_input, open_input, planning_client, stat
 
 JSONL_PATTERNS = ("*.jsonl", "*.jsonl.gz")
-#: Lines per read shard: small enough to spread a big file over workers.
+#: Lines per read shard by default (`batching.unit_lines`): small enough to spread a big file over workers.
 SHARD_LINES = 2048
 ERROR_KEY = "_error"  # (reason, message) of a line the reader could not make a row of
 RAW_KEY = "_raw"
@@ -181,7 +181,7 @@ def line_entries(path: str, client: Any = None) -> Iterator[tuple[int, str | Non
             yield off, None, None
 
 
-def plan_jsonl(path: str, options: Any = None) -> JsonlPlan:
+def plan_jsonl(path: str, options: Any = None, shard_lines: int = SHARD_LINES) -> JsonlPlan:
     """Plan an OpenAI batch input (a .jsonl file, a folder of them or a glob) at construction.
 
     Counts the request lines (blank lines are not requests), cuts them into shards
@@ -209,7 +209,7 @@ def plan_jsonl(path: str, options: Any = None) -> JsonlPlan:
                     if model is not None:
                         models[model] = models.get(model, 0) + 1
                 count += 1
-                if count >= SHARD_LINES and not compressed:
+                if count >= shard_lines and not compressed:
                     shards.append(JsonlShard(fi, f, start, count, start_off, "".join(codes)))
                     count = 0
         except (OSError, EOFError) as err:

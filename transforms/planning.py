@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.transforms.inputs import InputPlan, plan_parquet
-from tokenmill.transforms.openai_batch import plan_jsonl
+from tokenmill.transforms.openai_batch import SHARD_LINES, plan_jsonl
 
 
-def plan_input(path: str, fmt: str = "parquet", options: Any = None) -> InputPlan:
-    """The plan of the input at `path` in format `fmt` ("parquet" or "openai-jsonl"); s3://
-    read with `options` (pipeline options; default: inputs.use_options'); InputError (one
-    line) when it cannot be planned."""
+def plan_input(path: str, fmt: str = "parquet", options: Any = None, unit_lines: int | None = None) -> InputPlan:
+    """The plan of the input at `path` in format `fmt` ("parquet" or "openai-jsonl"; a batch
+    file cut into units of `unit_lines` lines, default `SHARD_LINES`); s3:// read with `options`
+    (pipeline options; default: inputs.use_options'); InputError (one line) when it cannot be planned."""
     if fmt == "openai-jsonl":
-        return plan_jsonl(path, options)
+        return plan_jsonl(path, options, unit_lines or SHARD_LINES)
     return plan_parquet(path, options)

@@ -434,7 +434,7 @@ def preflight(spec: JobSpec, *, engine: bool = True, fake_engine: bool = False,
     use_options(pf.options)  # planning's own S3 reads (transforms/inputs.py), apart from Beam's
     try:
         check_bucket(spec.input, "input", pf.options)
-        pf.plan = plan_input(spec.input, spec.resolved_input_format())
+        pf.plan = plan_input(spec.input, spec.resolved_input_format(), unit_lines=spec.batching.unit_lines)
         if hasattr(pf.plan, "served_models"):  # OpenAI batch lines naming another model become dead letters
             pf.plan.served_models = pf.served_models
             pf.plan.adapters = tuple(spec.engine.lora_adapters)  # a line naming an adapter as its model runs with it

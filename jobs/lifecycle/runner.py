@@ -39,7 +39,7 @@ from tokenmill.transforms.counting import TokenCounter
 from tokenmill.transforms.engines.kinds import LaunchSide, engine_of
 from tokenmill.transforms.engines.protocol import EngineStartError
 from tokenmill.transforms.leases import draining, holder, holding, lease_key, release
-from tokenmill.transforms.read import done_rows, plan_units
+from tokenmill.transforms.read import plan_units
 from tokenmill.transforms.spill import remove_job_spill
 
 log = logging.getLogger(__name__)
@@ -270,6 +270,8 @@ def run_job(
         metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
                                   utilization=utilization, merged=True)
         metrics["input"] = input_read(read, plan)
+        if shared:  # work lost to replicas that died or froze, apart from what the job's rows count
+            metrics["failures"] = S.LeaseStore(eng).lost_work(job_id)
         note = None
         if cancelled:
             final = "cancelled"
@@ -357,14 +359,15 @@ def _run_shared(run: RunContext) -> dict[str, int] | None:
     lease_s = float(run.spec.runner.lease_s or 0)
     store = S.LeaseStore(run.eng)
     units = {u.key: u for u in plan_units(run.plan, run.spec.batching.unit_bytes)}
-    store.seed(run.job_id, [lease_key(task, key) for task in job_tasks(run.spec, run.plan) for key in units])
+    store.seed(run.job_id, [(lease_key(task, key), u.file_index, u.rows.start, len(u.rows))
+                            for task in job_tasks(run.spec, run.plan) for key, u in units.items()])
     counters: dict[str, int] | None = None
     try:
         for _ in range(MAX_SHARED_PASSES):
             got = _run_passes(run)
             if got is not None:
                 counters = {k: (counters or {}).get(k, 0) + got.get(k, 0) for k in {*(counters or {}), *got}}
-            _settle_units(run, units, holding(run.db_url, run.job_id, lease_s))
+            _settle_units(holding(run.db_url, run.job_id, lease_s))
             st = store.state(run.job_id)
             if st["done"] == st["units"] or not st["free"] or draining() or \
                     _job_row(run.eng, run.job_id).get("cancel_requested"):
@@ -375,13 +378,11 @@ def _run_shared(run: RunContext) -> dict[str, int] | None:
     return counters
 
 
-def _settle_units(run: RunContext, units: dict[str, Any], held) -> None:
-    """After a pass: each unit this process holds is done when every row of it is answered or
-    dead-lettered (one range lookup), else it stays held until the run hands it back."""
+def _settle_units(held) -> None:
+    """After a pass: each unit this process still holds is done when every row of it is answered
+    or dead-lettered (one range lookup), else it stays held until the run hands it back."""
     for lease in held.mine():
-        unit = units.get(lease.unit.split("/", 1)[1])
-        if unit is not None and len(done_rows(run.db_url, run.job_id, unit)) >= len(unit.rows):
-            held.finish(lease)
+        held.finish_if_complete(lease)
 
 
 def _finisher_or_busy(eng, job_id: str, run_id: str, finishing: ExitStack) -> None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from tokenmill.schemas.models import BUILTIN_MODELS, PrepareError, bundled_gguf, models_dir
+
+log = logging.getLogger(__name__)
 
 
 def is_prepared(name: str) -> bool:
@@ -25,9 +29,8 @@ def prepare(name: str = "smollm2-135m", force: bool = False) -> Path:
         raise PrepareError(f"no recipe to prepare {name!r}; known: {sorted(BUILTIN_MODELS)}")
     dest = models_dir() / name
     if is_prepared(name) and not force:
+        warm_model_info(dest)
         return dest
-    import os
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF reader's bar (read when tqdm is imported)
     import torch
@@ -61,4 +64,31 @@ def prepare(name: str = "smollm2-135m", force: bool = False) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    warm_model_info(dest)
     return dest
+
+
+def warm_model_info(folder: Path) -> bool:
+    """Have vLLM inspect the model's architecture now and keep what it found.  The first time a
+    vLLM cache folder (VLLM_CACHE_ROOT, `~/.cache/vllm`) meets an architecture, every engine start
+    inspects it in a subprocess that imports vLLM whole (10-18 s of CPU on 2 cores) and stores the
+    result under `modelinfos/`; on a fresh home the first job's two `dtype: auto` probe engines,
+    started together, each paid it inside the probe's 60 s, which then fell back to a provisional
+    float32.  Done here, once per home: a later call finds the file and imports nothing.  Best
+    effort (vLLM's registry is not a public API): whether the cache holds the architecture now."""
+    try:
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    root = Path(os.environ.get("VLLM_CACHE_ROOT") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                / "vllm") / "modelinfos"
+    missing = [a for a in archs if not any(root.glob(f"*-{a}.json"))]
+    if not missing:
+        return bool(archs)
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        return all(ModelRegistry._try_inspect_model_cls(a) is not None for a in missing)
+    except Exception as err:  # an engine not installed, a registry that changed: the engines inspect it themselves
+        log.info("vLLM's model info for %s not cached ahead: %s", folder, err)
+        return False

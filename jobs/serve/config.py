@@ -16,6 +16,11 @@ from tokenmill.schemas.models import tokenmill_home
 
 #: The model served when the config names none: the bundled SmolLM2 on the default engine.
 DEFAULT_MODEL = "smollm2-135m"
+#: A replicated service's unit lease, until ServeConfig says otherwise (`lease_s`), and the lines
+#: per work unit of its batches: a unit is what one replica's engine takes at a time, so a batch
+#: of a few thousand lines spreads over several replicas.
+DEFAULT_LEASE_S = 30.0
+SHARED_UNIT_LINES = 256
 #: The job spec keys a served model may set (the rest are the batch's: input, output, ids).
 MODEL_KEYS = ("engine", "sampling", "batching", "runner", "cache", "price_per_hour", "prices", "s3_endpoint_url")
 _WINDOW = re.compile(r"(\d+)([smhd])")
@@ -212,6 +217,11 @@ class ServeConfig(_Strict):
     def db_url(self) -> str:
         return self.db or default_db_url()
 
+    def replicated(self) -> bool:
+        """Whether replicas may share this service's database (PostgreSQL): each batch's job then
+        runs shared, unit by unit, on every replica's engine for its model."""
+        return self.db_url().startswith(("postgresql", "postgres"))
+
     def files_root(self) -> str:
         return self.files or str(self.home() / "files")
 
@@ -232,6 +242,9 @@ class ServeConfig(_Strict):
         output folder and id; OpenAI batch JSONL in and out."""
         data = {**self.models[model], "input": input, "input_format": "openai-jsonl", "output": output,
                 "output_format": "openai-jsonl", "job_id": job_id, "name": f"batch {job_id}"}
+        if self.replicated():  # every replica's engine may run a unit of it (docs/SERVING.md, "Replicas")
+            data["runner"] = {**(data.get("runner") or {}), "lease_s": getattr(self, "lease_s", DEFAULT_LEASE_S)}
+            data["batching"] = {"unit_lines": SHARED_UNIT_LINES, **(data.get("batching") or {})}
         try:
             return JobSpec.model_validate(data)
         except Exception as err:

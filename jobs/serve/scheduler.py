@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 #: The longest wait between ticks (a new batch, a cancel or an engine's report wakes it sooner).
 TICK_S = 0.5
+#: A shared job's run is taken as alive while its heartbeat (every 5 s, runner._Heartbeat) is this fresh.
+RUN_SEEN_S = 15.0
 
 
 def ended(job: dict[str, Any] | None) -> bool:
@@ -125,11 +127,34 @@ class Scheduler:
             elif running:
                 if status == "cancelling" or now >= b["expires_at"]:
                     self._ask_job_to_stop(b["id"])
-            elif status == "cancelling" or now >= b["expires_at"] or ended(S.JobStore(self.eng).get(b["id"])):
-                self.steps.finalize(b)  # its job ended, perhaps while no server watched
             else:
-                queued.append(b)
+                job = S.JobStore(self.eng).get(b["id"])
+                if status == "cancelling" or now >= b["expires_at"] or ended(job):
+                    if not ended(job) and self._runs_elsewhere(job):
+                        self._ask_job_to_stop(b["id"])  # other replicas' engines stop; the last one ends the job
+                    else:
+                        self.steps.finalize(b)  # its job ended, perhaps while no server watched
+                elif self._wants_hands(job):
+                    queued.append(b)
         self._dispatch(queued)
+
+    def _runs_elsewhere(self, job: dict[str, Any] | None) -> bool:
+        """Whether a shared job is running on another replica's engine (a run of it seen lately)."""
+        return bool(job and job["status"] == "running" and self.cfg.replicated()
+                    and S.JobStore(self.eng).live_runs(job["id"], within_s=RUN_SEEN_S))
+
+    def _wants_hands(self, job: dict[str, Any] | None) -> bool:
+        """Whether this replica's engine should run the batch's job now: it has not started, or
+        (a shared job, docs/SERVING.md "Replicas") units of it are free to take (never taken, a
+        dead replica's expired, a drained one's handed back), or every unit is done but nobody
+        is finishing it (its finisher died).  A shared job whose every unit a live replica holds
+        is left to them: asking would start a run that finds nothing to do."""
+        if job is None or job["status"] != "running" or not self.cfg.replicated():
+            return True
+        st = S.LeaseStore(self.eng).state(job["id"])
+        if st["units"] == 0 or st["free"]:
+            return True
+        return st["done"] == st["units"] and not S.JobStore(self.eng).live_runs(job["id"], within_s=RUN_SEEN_S)
 
     def _dispatch(self, queued: list[dict[str, Any]]) -> None:
         busy = [model for model, e in self.engines.items() if e.running]

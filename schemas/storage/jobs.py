@@ -104,6 +104,12 @@ class JobStore(SqlStore):
         `running` again (no owner: every participant's run row says it is alive), or a `running`
         one is joined as it is, its cancel request standing.  A job that ended (succeeded,
         partial, cancelled) is left alone: JobBusy, nothing to join."""
+        try:
+            return self._join(job_id, values)
+        except IntegrityError:  # another participant created the row at the same moment: join it
+            return self._join(job_id, values)
+
+    def _join(self, job_id: str, values: dict[str, Any]) -> dict[str, Any]:
         now = utcnow()
         with self.engine.begin() as conn:
             write_lock(conn)

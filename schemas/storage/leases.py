@@ -45,10 +45,15 @@ class Lease:
 class LeaseStore(SqlStore):
     """The `unit_leases` table: one row per (job, unit)."""
 
-    def seed(self, job_id: str, units: Iterable[str]) -> int:
+    def seed(self, job_id: str, units: Iterable[str | tuple[str, int, int, int]]) -> int:
         """One free row per unit not yet known (every participant seeds the same plan; the rows
-        of a unit already taken or done are kept).  Returns the rows added."""
-        rows = [{"job_id": job_id, "unit": u, "epoch": 0, "taken": 0} for u in dict.fromkeys(units)]
+        of a unit already taken or done are kept): a key, or (key, input file, first row, rows),
+        the range `finish_if_complete` counts.  Returns the rows added."""
+        rows = []
+        for u in units:
+            key, f, first, n = (u, None, None, None) if isinstance(u, str) else u
+            rows.append({"job_id": job_id, "unit": key, "epoch": 0, "taken": 0, "input_file": f, "first_row": first,
+                         "row_count": n})
         n = 0
         with self.engine.begin() as conn:
             for part in chunks(rows):
@@ -115,6 +120,28 @@ class LeaseStore(SqlStore):
             res = conn.execute(update(T.unit_leases).where(*_held(lease)).values(done_at=time.time()))
         return res.rowcount == 1
 
+    def finish_if_complete(self, lease: Lease) -> bool:
+        """Mark the unit done if `lease` still holds it and every row of its range is answered or
+        dead-lettered (a unit seeded with its range); whether it is done now."""
+        c = T.unit_leases.c
+        with self.engine.begin() as conn:
+            row = conn.execute(select(c.input_file, c.first_row, c.row_count, c.done_at)
+                               .where(*_held(lease))).first()
+            if row is None or row.row_count is None:
+                return False
+            if row.done_at is not None:
+                return True
+            done: set[int] = set()
+            last = row.first_row + row.row_count - 1
+            for t in (T.outputs.c, T.dead_letters.c):
+                done.update(conn.execute(select(t.input_row).distinct().where(
+                    t.job_id == lease.job_id, t.input_file == row.input_file,
+                    t.input_row.between(row.first_row, last))).scalars())
+            if len(done) < row.row_count:
+                return False
+            conn.execute(update(T.unit_leases).where(*_held(lease)).values(done_at=time.time()))
+        return True
+
     def mark_done(self, job_id: str, unit: str) -> None:
         """Mark a unit done whoever holds it: every row of it is answered (found by a reader)."""
         c = T.unit_leases.c
@@ -156,6 +183,27 @@ class LeaseStore(SqlStore):
             n, done, held, free_n, takeovers, lost_rows, lost_tokens = conn.execute(q).one()
         return {"units": int(n), "done": int(done), "held": int(held or 0), "free": int(free_n or 0),
                 "takeovers": int(takeovers), "lost_rows": int(lost_rows), "lost_output_tokens": int(lost_tokens)}
+
+    def lost_work(self, job_id: str) -> dict[str, Any]:
+        """Engine work a shared job spent on rows no commit kept, as the job's metrics report it
+        (`failures`): units taken over after their holder's lease expired (killed, frozen), rows
+        and output tokens whose commit a lost lease refused (a zombie's), and rows admitted to an
+        engine that the same worker never committed (each worker writes its admitted count ahead
+        of every batch: a killed replica's batches in flight)."""
+        st = self.state(job_id)
+        w, o = T.workers.c, T.outputs.c
+        with self.engine.connect() as conn:
+            admitted = {k: int(v or 0) for k, v in conn.execute(
+                select(w.worker, w.admitted_rows).where(w.job_id == job_id))}
+            committed = {k: int(v) for k, v in conn.execute(
+                select(o.worker, func.count()).where(o.job_id == job_id, o.sample == 0).group_by(o.worker))}
+        return {"units_taken_over": st["takeovers"], "rows_refused": st["lost_rows"],
+                "output_tokens_refused": st["lost_output_tokens"],
+                "rows_admitted_not_committed": sum(max(0, n - committed.get(k, 0)) for k, n in admitted.items()),
+                "counts": "engine work no commit kept: units another replica took over after their lease expired, "
+                          "rows whose commit a lost lease refused, and per engine worker the rows it admitted "
+                          "(written ahead of each batch) less the rows it committed (engine-side dead letters "
+                          "count as not committed)"}
 
     def holders(self, job_id: str) -> dict[str, int]:
         """Units done per holder that finished them (which replicas' engines answered the job)."""
