@@ -5,14 +5,14 @@ signals: a batch's lines spread over every replica, each line once through kill 
 (SIGSTOP past its lease, then SIGCONT) and a drain (SIGTERM); one test on the real engine.
 (SQLite's refusal of a second replica and the replica registry: tests/test_serve_replicas.py.)
 
-Why the module takes about four minutes (measured 2026-12-07 on the shared 2-core machine): one
-service of three replicas is started once (about 8 s) and shared by the spread (about 45 s),
-zombie (about 40 s), drain and chaos (about 100 s) tests, each of which restarts what it killed
-(about 8 s a restart).  The chaos test is the slow one: ten 400-line batches through a kill -9
-every 2-4 s, each kill costing a restart and a lease's expiry.  `lease_s` is 3 s, so a killed or
-frozen replica's units are taken over within seconds; the stand-in's step (`STEP_S` asleep,
-`MAX_NUM_SEQS` lines a step, 160 lines/s a replica) is slow enough that a 3,000-line batch is
-still running when a test signals a replica holding one of its units."""
+Why the module takes about two minutes (1 min 45 s measured 2026-12-07 on the shared 2-core
+machine, with the lead's shared jobs and the replica registry merged): one service of three
+replicas is started once (about 10 s) and shared by the spread (about 30 s), zombie (about
+17 s), drain (about 13 s) and chaos (about 27 s) tests, each of which restarts what it killed
+(3-8 s a restart).  `lease_s` is 3 s, so a killed or frozen replica's units are taken over
+within seconds; the stand-in's step (`STEP_S` asleep, `MAX_NUM_SEQS` lines a step, 160 lines/s
+a replica) is slow enough that a 3,000-line batch is still running when a test signals a
+replica holding one of its units."""
 
 from __future__ import annotations
 
