@@ -12,7 +12,8 @@ replicas is started once (about 10 s) and shared by the spread (about 30 s), zom
 (3-8 s a restart).  `lease_s` is 3 s, so a killed or frozen replica's units are taken over
 within seconds; the stand-in's step (`STEP_S` asleep, `MAX_NUM_SEQS` lines a step, 160 lines/s
 a replica) is slow enough that a 3,000-line batch is still running when a test signals a
-replica holding one of its units."""
+replica holding one of its units.  The real-engine test (`engine`) starts its own two replicas,
+each loading vLLM on the bundled model: about 2 min on its own."""
 
 from __future__ import annotations
 
