@@ -305,3 +305,4 @@ def test_metrics_need_an_admin_key_and_count_the_batches(server, keys):
     assert r.status_code == 200
     assert 'tokenmill_serve_batches{status="completed"}' in r.text
     assert 'tokenmill_serve_engines_loaded{model="smollm2-135m"}' in r.text
+    assert 'tokenmill_serve_work_lost{what="units_taken_over"} 0.0' in r.text  # one server: nothing taken over

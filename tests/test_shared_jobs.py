@@ -54,8 +54,12 @@ def test_a_shared_job_run_alone_answers_every_row_and_marks_every_unit_done(tmp_
     assert res.status == "succeeded" and res.succeeded == ROWS
     st = S.LeaseStore(S.connect(pg_url)).state("alone")
     assert st["units"] == ROWS // GROUP and st["done"] == st["units"] and st["takeovers"] == 0
-    lost = res.metrics["failures"]  # nothing died: no engine work was spent on rows nobody kept
+    lost = res.metrics["work_lost"]  # nothing died: no engine work was spent on rows nobody kept
     assert (lost["units_taken_over"], lost["rows_refused"], lost["rows_admitted_not_committed"]) == (0, 0, 0)
+    from tokenmill.jobs.metrics.report import format_report, load_report
+
+    text = format_report(load_report(S.connect(pg_url), "alone"))
+    assert "work lost to failures" in text and "0 units taken over, 0 rows refused" in text
 
 
 @pytest.mark.postgres

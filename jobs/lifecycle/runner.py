@@ -270,8 +270,9 @@ def run_job(
         metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
                                   utilization=utilization, merged=True)
         metrics["input"] = input_read(read, plan)
-        if shared:  # work lost to replicas that died or froze, apart from what the job's rows count
-            metrics["failures"] = S.LeaseStore(eng).lost_work(job_id)
+        # work lost to replicas that died or froze, apart from what the job's rows count (a job one run
+        # owns: none of these, null)
+        metrics["work_lost"] = S.LeaseStore(eng).lost_work(job_id) if shared else dict.fromkeys(WORK_LOST)
         note = None
         if cancelled:
             final = "cancelled"
@@ -341,6 +342,8 @@ def _mark_failed(output: str, manifest: dict[str, Any], reason: str) -> None:
         log.warning("job %s: could not mark %s as failed: %s", manifest.get("job_id"), output, first_line(err))
 
 
+#: What a shared job's metrics say of the engine work no commit kept (`LeaseStore.lost_work`).
+WORK_LOST = ("units_taken_over", "rows_refused", "output_tokens_refused", "rows_admitted_not_committed")
 #: Passes of a shared job's pipeline one participant runs before it leaves the rest to the others
 #: (each pass takes the units free at that moment: expired leases, units handed back).
 MAX_SHARED_PASSES = 5

@@ -171,6 +171,14 @@ def _result_cache(m: dict[str, Any]) -> list[tuple[str, str]]:
              "saved {cache_prompt_tokens} prompt + {cache_output_tokens} output tokens".format_map(FigureText(m)))]
 
 
+def _work_lost(m: dict[str, Any]) -> list[tuple[str, str]]:
+    """Engine work no commit kept, for a job several replicas ran (docs/SERVING.md, "Replicas")."""
+    if figure("units_taken_over").value(m) is None:
+        return []
+    return [("work lost to failures", "{units_taken_over} units taken over, {rows_refused} rows refused, "
+             "{rows_admitted_not_committed} rows admitted and not committed".format_map(FigureText(m)))]
+
+
 def _prices_used(m: dict[str, Any]) -> list[tuple[str, str]]:
     return [("price used", line) for line in figure("prices").value(m) or []]
 
@@ -182,7 +190,7 @@ Line = tuple[str, str] | Callable[[dict[str, Any]], list[tuple[str, str]]]
 SECTIONS: tuple[tuple[str, tuple[Line, ...]], ...] = (
     ("Requests", (
         ("input rows", "{requests_total}"), ("succeeded", "{requests_succeeded}"),
-        ("failed", "{requests_failed} ({failure_rate})"), _failed_by_reason, _answers, _result_cache,
+        ("failed", "{requests_failed} ({failure_rate})"), _failed_by_reason, _answers, _result_cache, _work_lost,
         ("rows read / skipped as done", "{input_rows_read} / {input_rows_skipped_done}"),
         ("input bytes read / file size", "{input_bytes_read} / {input_file_bytes}"))),
     ("Concurrency (offline: all requests at once)", (

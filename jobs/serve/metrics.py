@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.jobs.serve.objects import batch_status
+from tokenmill.schemas import storage as S
 
 if TYPE_CHECKING:
     from tokenmill.jobs.serve.service import BatchService
@@ -33,6 +34,13 @@ class _Collector:
         for s in STATUSES:
             g.add_metric([s], by_status.get(s, 0))
         yield g
+        lost = S.LeaseStore(svc.eng).totals()  # replicas over one database (docs/SERVING.md, "Replicas")
+        w = GaugeMetricFamily("tokenmill_serve_work_lost", "Engine work lost to replicas that died or froze, all "
+                              "batches: units taken over after their lease expired, rows and output tokens whose "
+                              "commit a lost lease refused", labels=["what"])
+        for what, n in lost.items():
+            w.add_metric([what], n)
+        yield w
         running = {e.running for e in svc.scheduler.engines.values() if e.running}
         queued = Counter(b["model"] or "" for b in rows if batch_status(b) == "in_progress" and b["id"] not in running)
         q = GaugeMetricFamily("tokenmill_serve_queued_batches", "Batches validated and waiting for their model's engine",

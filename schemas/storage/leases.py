@@ -205,6 +205,16 @@ class LeaseStore(SqlStore):
                           "(written ahead of each batch) less the rows it committed (engine-side dead letters "
                           "count as not committed)"}
 
+    def totals(self) -> dict[str, int]:
+        """Over every shared job: units taken over after their lease expired, and the rows and
+        output tokens whose commit a lost lease refused (what `/metrics` shows as work lost)."""
+        c = T.unit_leases.c
+        q = select(func.coalesce(func.sum(c.takeovers), 0), func.coalesce(func.sum(c.lost_rows), 0),
+                   func.coalesce(func.sum(c.lost_output_tokens), 0))
+        with self.engine.connect() as conn:
+            takeovers, rows, tokens = conn.execute(q).one()
+        return {"units_taken_over": int(takeovers), "rows_refused": int(rows), "output_tokens_refused": int(tokens)}
+
     def holders(self, job_id: str) -> dict[str, int]:
         """Units done per holder that finished them (which replicas' engines answered the job)."""
         c = T.unit_leases.c
