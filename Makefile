@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install lint airflow llamacpp llamacpp-convert llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-lora bench-quant bench-tune bench-scale bench-rerun bench-cache bench-ceiling bench-10m bench-estimate bench-serve bench-revs bench-layout bench-report bench-db bench-page gpu-check clean help
+.PHONY: install lint airflow llamacpp llamacpp-convert llmcompressor prepare demo test test-fast bench bench-dtype bench-engines bench-kinds bench-embed bench-lora bench-quant bench-tune bench-scale bench-rerun bench-cache bench-ceiling bench-replicas bench-10m bench-estimate bench-serve bench-revs bench-layout bench-report bench-db bench-page gpu-check clean help
 
 help:
 	@echo "make demo   - set up everything and run the demo job on the bundled sample"
@@ -33,6 +33,7 @@ help:
 	@echo "make bench-tune - tokenmill tune on the bundled sample, then A B B A full jobs (docs/TUNE.md)"
 	@echo "make bench-cache - a warm rerun from the result cache against a cold run, wall and cost (bench/cache.py)"
 	@echo "make bench-ceiling - tokenmill with a stand-in engine against a plain loop on the same 100,000 rows, A B B A (bench/ceiling.py)"
+	@echo "make bench-replicas - one batch on 1, 2 and 3 serve replicas with a sleeping stand-in engine; kill -9 and drain drills (bench/replicas.py)"
 	@echo "make bench-10m - 1M and 10M rows with the stand-in engine, peak RSS per process, a finished and a 90%-done rerun (bench/tenmillion.py)"
 	@echo "make bench-serve - tokenmill serve against tokenmill run: a 20-line and a 2,000-line batch, 20 pollers, 50 batches' memory (bench/serve.py)"
 	@echo "make bench-revs - two git revisions side by side, A B B A: warm servers' 20-line and 2,000-line batches, the ceiling (bench/revs.py; BENCH_ARGS=\"--revs A B\")"
@@ -268,6 +269,14 @@ bench-cache: prepare
 # Shorter: make bench-ceiling BENCH_ARGS="--n 2000 --rounds 1".
 bench-ceiling: prepare
 	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.ceiling $(BENCH_ARGS)
+
+# Several `tokenmill serve` replicas over one PostgreSQL database (bench/replicas.py, issue 54): one 3,000-line batch on
+# 1, 2 and 3 replicas with the sleeping stand-in engine (bench/standin.py, a GPU's wall time without its CPU), rounds
+# interleaved, a warm-up per service; lines/s and the ratios against 1 replica; lines generated twice after a kill -9
+# of one of 3 replicas and after a drain.  Needs PostgreSQL on 127.0.0.1:5432; ~15 min on 2 cores.
+# Shorter: make bench-replicas BENCH_ARGS="--smoke".
+bench-replicas: prepare
+	$(PY) -m tokenmill.jobs.lifecycle.envexec $(PY) -m bench.replicas $(BENCH_ARGS)
 
 # Ten million rows end to end with the same stand-in engine (bench/tenmillion.py, issue 39): 1M then 10M rows in
 # fresh databases, then the 10M job rerun finished and 90% done; about an hour on 2 cores, 10 GB free under bench/work.

@@ -37,13 +37,24 @@ class Server:
         return [sys.executable, "-m", "tokenmill.jobs.cli", "serve", "--config", str(self.config_path), "--port", "0"]
 
     def start(self, timeout: float = 120.0) -> "Server":
-        start_at = self.log.stat().st_size if self.log.exists() else 0  # a restart: only its own lines
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self, **popen: Any) -> "Server":
+        """Start the process and return at once (`wait_ready` waits for it to answer)."""
+        self._start_at = self.log.stat().st_size if self.log.exists() else 0  # a restart: only its own lines
         self._fh = open(self.log, "ab")
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self._fh, stderr=subprocess.STDOUT)
+        self.base_url = ""
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=self._fh, stderr=subprocess.STDOUT,
+                                     **popen)
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> "Server":
+        assert self.proc is not None
         deadline = time.time() + timeout
         while time.time() < deadline:
             with open(self.log, "rb") as fh:
-                fh.seek(start_at)
+                fh.seek(self._start_at)
                 m = READY.search(fh.read().decode(errors="replace"))
             if m and self._answers(f"http://{m.group(1)}:{m.group(2)}"):
                 self.base_url = f"http://{m.group(1)}:{m.group(2)}"
