@@ -16,10 +16,8 @@ from tokenmill.schemas.models import tokenmill_home
 
 #: The model served when the config names none: the bundled SmolLM2 on the default engine.
 DEFAULT_MODEL = "smollm2-135m"
-#: A replicated service's unit lease, until ServeConfig says otherwise (`lease_s`), and the lines
-#: per work unit of its batches: a unit is what one replica's engine takes at a time, so a batch
-#: of a few thousand lines spreads over several replicas.
-DEFAULT_LEASE_S = 30.0
+#: Lines per work unit of a replicated service's batches: a unit is what one replica's engine
+#: takes at a time, so a batch of a few thousand lines spreads over several replicas.
 SHARED_UNIT_LINES = 256
 #: The job spec keys a served model may set (the rest are the batch's: input, output, ids).
 MODEL_KEYS = ("engine", "sampling", "batching", "runner", "cache", "price_per_hour", "prices", "s3_endpoint_url")
@@ -250,7 +248,7 @@ class ServeConfig(_Strict):
         data = {**self.models[model], "input": input, "input_format": "openai-jsonl", "output": output,
                 "output_format": "openai-jsonl", "job_id": job_id, "name": f"batch {job_id}"}
         if self.replicated():  # every replica's engine may run a unit of it (docs/SERVING.md, "Replicas")
-            data["runner"] = {**(data.get("runner") or {}), "lease_s": getattr(self, "lease_s", DEFAULT_LEASE_S)}
+            data["runner"] = {**(data.get("runner") or {}), "lease_s": self.lease_s}
             data["batching"] = {"unit_lines": SHARED_UNIT_LINES, **(data.get("batching") or {})}
         try:
             return JobSpec.model_validate(data)

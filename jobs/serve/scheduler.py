@@ -188,7 +188,9 @@ class Scheduler:
     def on_engine(self, model: str, event: Event) -> None:
         """An engine process's report (its reader thread): a run's end frees the engine; one
         that raised or died counts an attempt; one that ended `failed` is not tried again."""
-        if isinstance(event, ProcessDied) and event.job_id is not None:
+        if isinstance(event, ProcessDied) and event.job_id is not None and self.draining:
+            pass  # stopped at drain_s (a preemption), not the batch's fault: its units are handed back
+        elif isinstance(event, ProcessDied) and event.job_id is not None:
             self._count_attempt(event.job_id, "its engine process died")
         elif isinstance(event, Launched) and event.raised:
             self._count_attempt(event.job_id, event.note or "the job failed")
