@@ -25,6 +25,7 @@ from tokenmill.jobs.lifecycle.export import finished_export, previous_parts, wri
 from tokenmill.jobs.lifecycle.jobrow import hardware, job_values, versions
 from tokenmill.jobs.lifecycle.preflight import pipeline_options, preflight, resolve_workers
 from tokenmill.jobs.lifecycle.reconcile import mismatch_note
+from tokenmill.jobs.lifecycle.shared import finisher_or_busy, run_shared, work_lost
 from tokenmill.jobs.lifecycle.sinks import export_job
 from tokenmill.jobs.metrics.accounting import JobTerms
 from tokenmill.jobs.metrics.catalog import values
@@ -38,8 +39,6 @@ from tokenmill.schemas.errors import first_line
 from tokenmill.transforms.counting import TokenCounter
 from tokenmill.transforms.engines.kinds import LaunchSide, engine_of
 from tokenmill.transforms.engines.protocol import EngineStartError
-from tokenmill.transforms.leases import draining, holder, holding, lease_key, release
-from tokenmill.transforms.read import plan_units
 from tokenmill.transforms.spill import remove_job_spill
 
 log = logging.getLogger(__name__)
@@ -230,7 +229,7 @@ def run_job(
     try:
         ctx = RunContext(spec, job_id, run_id, plan, model_path, db_url, eng, say, session_factory,
                          launch.block_size(on_gpu=on_gpu), pf.counter)
-        read = _run_shared(ctx) if shared else _run_passes(ctx)
+        read = run_shared(ctx, job_tasks(spec, plan), _run_passes) if shared else _run_passes(ctx)
         status = "done"
     except KeyboardInterrupt:
         error = "interrupted"
@@ -258,7 +257,7 @@ def run_job(
         raise JobError(f"job {job_id} failed: {error}")
     with ExitStack() as finishing:
         if shared:  # one participant finishes the job: the one that finds every unit done and takes the lock
-            _finisher_or_busy(eng, job_id, run_id, finishing)
+            finisher_or_busy(eng, job_id, run_id, finishing)
         remove_job_spill(job_id)  # every unit was read: what a large row group spilled here is spent
 
         # 3. Export (the old marker removed first), reconcile, account; then the marker of the final status.
@@ -270,9 +269,7 @@ def run_job(
         metrics = compute_metrics(eng, job_id, spec, plan.total_rows, hw, job_wall_s=time.time() - t0,
                                   utilization=utilization, merged=True)
         metrics["input"] = input_read(read, plan)
-        # work lost to replicas that died or froze, apart from what the job's rows count (a job one run
-        # owns: none of these, null)
-        metrics["work_lost"] = S.LeaseStore(eng).lost_work(job_id) if shared else dict.fromkeys(WORK_LOST)
+        metrics["work_lost"] = work_lost(eng, job_id, shared=bool(shared))
         note = None
         if cancelled:
             final = "cancelled"
@@ -340,68 +337,6 @@ def _mark_failed(output: str, manifest: dict[str, Any], reason: str) -> None:
         write_marker(output, "failed", manifest, reason)
     except Exception as err:
         log.warning("job %s: could not mark %s as failed: %s", manifest.get("job_id"), output, first_line(err))
-
-
-#: What a shared job's metrics say of the engine work no commit kept (`LeaseStore.lost_work`).
-WORK_LOST = ("units_taken_over", "rows_refused", "output_tokens_refused", "rows_admitted_not_committed")
-#: Passes of a shared job's pipeline one participant runs before it leaves the rest to the others
-#: (each pass takes the units free at that moment: expired leases, units handed back).
-MAX_SHARED_PASSES = 5
-#: A finisher whose lock is older than this while the job still runs is taken as dead (another host's).
-FINISH_STALE_S = 600.0
-
-
-def _run_shared(run: RunContext) -> dict[str, int] | None:
-    """A shared job's participant (`runner.lease_s`, docs/SERVING.md "Replicas"): seed the job's
-    units (each engine task's, every participant the same), then run the pipeline, which takes a
-    unit's lease before reading it and skips the units other participants hold; after a pass the
-    units this process holds are marked done where every row is answered, and handed back
-    otherwise; another pass follows while units are free (a dead holder's expired, a drained one's
-    handed back), until every unit is done, or held by live others, or this process drains.
-    Returns the passes' counters summed."""
-    lease_s = float(run.spec.runner.lease_s or 0)
-    store = S.LeaseStore(run.eng)
-    units = {u.key: u for u in plan_units(run.plan, run.spec.batching.unit_bytes)}
-    store.seed(run.job_id, [(lease_key(task, key), u.file_index, u.rows.start, len(u.rows))
-                            for task in job_tasks(run.spec, run.plan) for key, u in units.items()])
-    counters: dict[str, int] | None = None
-    try:
-        for _ in range(MAX_SHARED_PASSES):
-            got = _run_passes(run)
-            if got is not None:
-                counters = {k: (counters or {}).get(k, 0) + got.get(k, 0) for k in {*(counters or {}), *got}}
-            _settle_units(holding(run.db_url, run.job_id, lease_s))
-            st = store.state(run.job_id)
-            if st["done"] == st["units"] or not st["free"] or draining() or \
-                    _job_row(run.eng, run.job_id).get("cancel_requested"):
-                break
-    finally:
-        release(run.db_url, run.job_id)
-        store.hand_back(holder(), run.job_id)  # what this process still holds, undone: the others take it
-    return counters
-
-
-def _settle_units(held) -> None:
-    """After a pass: each unit this process still holds is done when every row of it is answered
-    or dead-lettered (one range lookup), else it stays held until the run hands it back."""
-    for lease in held.mine():
-        held.finish_if_complete(lease)
-
-
-def _finisher_or_busy(eng, job_id: str, run_id: str, finishing: ExitStack) -> None:
-    """Return when this participant is the one to finish the shared job (export, metrics, the
-    job row): every unit done (or the job cancelled), and the job's finish lock taken; else end
-    this participant's run and raise JobBusy (the others finish it)."""
-    st = S.LeaseStore(eng).state(job_id)
-    cancelled = bool(_job_row(eng, job_id).get("cancel_requested"))
-    if st["done"] < st["units"] and not (cancelled and not st["held"]):
-        S.JobStore(eng).finish_run(job_id, run_id, time.time())
-        raise S.JobBusy(f"job {job_id}: {st['units'] - st['done']} of {st['units']} units not done "
-                        f"({st['held']} held by other participants); they finish it")
-    if not finishing.enter_context(S.JobStore(eng).named_lock(f"finish:{job_id}", stale_after_s=FINISH_STALE_S)) \
-            or _job_row(eng, job_id)["status"] != "running":
-        S.JobStore(eng).finish_run(job_id, run_id, time.time())
-        raise S.JobBusy(f"job {job_id}: another participant finishes it")
 
 
 def job_tasks(spec: JobSpec, plan) -> list[str]:

@@ -173,10 +173,9 @@ def _result_cache(m: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _work_lost(m: dict[str, Any]) -> list[tuple[str, str]]:
     """Engine work no commit kept, for a job several replicas ran (docs/SERVING.md, "Replicas")."""
-    if figure("units_taken_over").value(m) is None:
-        return []
-    return [("work lost to failures", "{units_taken_over} units taken over, {rows_refused} rows refused, "
-             "{rows_admitted_not_committed} rows admitted and not committed".format_map(FigureText(m)))]
+    return [] if figure("units_taken_over").value(m) is None else [(
+        "work lost to failures", "{units_taken_over} units taken over, {rows_refused} rows refused, "
+        "{rows_admitted_not_committed} rows admitted and not committed".format_map(FigureText(m)))]
 
 
 def _prices_used(m: dict[str, Any]) -> list[tuple[str, str]]:
