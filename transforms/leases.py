@@ -41,12 +41,11 @@ def holder() -> str:
 class Holding:
     """The leases this process holds for one job, renewed every `lease_s / 3` seconds by a
     thread; a lease found lost (taken over after this process stalled past its expiry) is
-    dropped and remembered in `lost`, so the work under it stops being committed."""
+    dropped (the commits under it are refused by their fence, `LeaseStore.fence`)."""
 
     def __init__(self, eng, lease_s: float):
         self.store, self.lease_s = S.LeaseStore(eng), lease_s
         self.held: dict[str, S.Lease] = {}
-        self.lost: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, daemon=True, name="tokenmill-leases")
@@ -61,7 +60,6 @@ class Holding:
         if lease is not None:
             with self._lock:
                 self.held[unit] = lease
-                self.lost.discard(unit)
         return lease
 
     def finish(self, lease: S.Lease) -> None:
@@ -70,8 +68,15 @@ class Holding:
         self.drop(lease.unit)
 
     def finish_if_complete(self, lease: S.Lease) -> bool:
-        """Done, and no longer renewed, if every row of the unit is answered (else still held)."""
-        if self.store.finish_if_complete(lease):
+        """Done, and no longer renewed, if the lease still holds the unit and every row of it is
+        answered or dead-lettered (the resume lookup, `ResultWriter.done_rows`); else still held."""
+        rows = self.store.unit_rows(lease)
+        if rows is None:
+            return False
+        f, first, n = rows
+        if len(S.ResultWriter(self.store.engine).done_rows(lease.job_id, f, first, first + n - 1)) < n:
+            return False
+        if self.store.finish(lease):
             self.drop(lease.unit)
             return True
         return False
@@ -92,9 +97,7 @@ class Holding:
                 for lease in self.store.renew(held, self.lease_s):
                     log.warning("lease on unit %s of job %s lost (epoch %d): its commits are refused",
                                 lease.unit, lease.job_id, lease.epoch)
-                    with self._lock:
-                        self.held.pop(lease.unit, None)
-                        self.lost.add(lease.unit)
+                    self.drop(lease.unit)
             except Exception as err:  # the database away for a moment: the next round tries again
                 log.warning("lease renewal failed: %s", first_line(err))
 

@@ -241,10 +241,9 @@ def run_job(
         hb.stop_event.set()
         hb.join(timeout=5)
         utilization = sampler.stop()
-        if status != "done" and shared:  # one participant's failure: the others go on, its units are handed back
+        if status != "done":
             S.JobStore(eng).finish_run(job_id, run_id, time.time())
-        elif status != "done":
-            S.JobStore(eng).finish_run(job_id, run_id, time.time())
+        if status != "done" and not shared:  # a shared job's other participants go on; its units were handed back
             c = S.MetricsReader(eng).counts(job_id)
             S.JobStore(eng).finish(job_id, status="failed", error=error, **c, heartbeat_at=None, owner=None)
             fmt = spec.output_format or "parquet"  # the earlier export's parts stay named, for the next run to keep

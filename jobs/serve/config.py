@@ -225,7 +225,9 @@ class ServeConfig(_Strict):
     def replicated(self) -> bool:
         """Whether replicas may share this service's database (PostgreSQL): each batch's job then
         runs shared, unit by unit, on every replica's engine for its model."""
-        return self.db_url().startswith(("postgresql", "postgres"))
+        from sqlalchemy.engine import make_url
+
+        return make_url(self.db_url()).get_backend_name() != "sqlite"  # the replica registry's rule (replica.py)
 
     def files_root(self) -> str:
         return self.files or str(self.home() / "files")

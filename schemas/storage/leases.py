@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.engine import Connection
 
 from tokenmill.schemas import tables as T
@@ -120,34 +120,14 @@ class LeaseStore(SqlStore):
             res = conn.execute(update(T.unit_leases).where(*_held(lease)).values(done_at=time.time()))
         return res.rowcount == 1
 
-    def finish_if_complete(self, lease: Lease) -> bool:
-        """Mark the unit done if `lease` still holds it and every row of its range is answered or
-        dead-lettered (a unit seeded with its range); whether it is done now."""
+    def unit_rows(self, lease: Lease) -> tuple[int, int, int] | None:
+        """(input file, first row, rows) of the unit `lease` still holds and has not finished, as it
+        was seeded; None otherwise (or a unit seeded without its range)."""
         c = T.unit_leases.c
-        with self.engine.begin() as conn:
-            row = conn.execute(select(c.input_file, c.first_row, c.row_count, c.done_at)
-                               .where(*_held(lease))).first()
-            if row is None or row.row_count is None:
-                return False
-            if row.done_at is not None:
-                return True
-            done: set[int] = set()
-            last = row.first_row + row.row_count - 1
-            for t in (T.outputs.c, T.dead_letters.c):
-                done.update(conn.execute(select(t.input_row).distinct().where(
-                    t.job_id == lease.job_id, t.input_file == row.input_file,
-                    t.input_row.between(row.first_row, last))).scalars())
-            if len(done) < row.row_count:
-                return False
-            conn.execute(update(T.unit_leases).where(*_held(lease)).values(done_at=time.time()))
-        return True
-
-    def mark_done(self, job_id: str, unit: str) -> None:
-        """Mark a unit done whoever holds it: every row of it is answered (found by a reader)."""
-        c = T.unit_leases.c
-        with self.engine.begin() as conn:
-            conn.execute(update(T.unit_leases).where(c.job_id == job_id, c.unit == unit, c.done_at.is_(None))
-                         .values(done_at=time.time()))
+        with self.engine.connect() as conn:
+            row = conn.execute(select(c.input_file, c.first_row, c.row_count)
+                               .where(*_held(lease), c.done_at.is_(None))).first()
+        return None if row is None or row.row_count is None else (row.input_file, row.first_row, row.row_count)
 
     def hand_back(self, holder: str, job_id: str | None = None) -> int:
         """Free every unit `holder` holds and has not finished (of `job_id`, or of every job),
@@ -229,6 +209,4 @@ def _held(lease: Lease):
 
 
 def _flag(cond):
-    from sqlalchemy import case
-
     return case((cond, 1), else_=0)
