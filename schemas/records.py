@@ -62,6 +62,7 @@ BAD_RESPONSE = "bad_response"
 UNKNOWN_ADAPTER = "unknown_adapter"  # a row names a LoRA adapter the job did not declare (engine.lora_adapters)
 BAD_IMAGE = "bad_image"  # an image that cannot be read or decoded, or over images.max_bytes or max_pixels
 REMOTE_IMAGE = "remote_image"  # an image given as an http(s) URL: nothing is fetched from the web
+UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a batch line asks for what is not served (wire/lines.Unsupported)
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 

@@ -222,6 +222,9 @@ api_files = Table(
     Column("lines", Integer),
     Column("created_at", Float, nullable=False, index=True),
     Column("deleted_at", Float),
+    # when the file expires (OpenAI's `expires_at`; null: kept until deleted): from then on it is
+    # not found, and the scheduler's sweep removes its bytes and its row
+    Column("expires_at", Float, index=True),
 )
 
 #: OpenAI batches: each runs as the tokenmill job of the same id.  Its state is its timestamps
@@ -254,6 +257,8 @@ api_batches = Table(
     Column("error_file_id", String(64)),
     Column("request_counts", JSON),
     Column("usage", JSON),
+    # OpenAI's `output_expires_after.seconds`: the output and error files expire this long after they are made
+    Column("output_expires_after", Integer),
 )
 
 #: Every `tokenmill serve` started over this database (schemas/storage/replicas.py): where it runs

@@ -37,7 +37,9 @@ rows, written back as one line with n choices.  Refused (`request.UNSUPPORTED`):
 `tools` (tools are not served).  A line
 that is not a usable request (bad JSON, no custom_id, another method or endpoint, a
 refused or misspelt body field) becomes a `bad_request` dead letter carrying the
-line; it never fails the job.
+line; it never fails the job.  A `/v1/responses` line is mapped onto the same chat row
+(schemas/wire/openai/responses.py); one asking for what is not served (tools, reasoning, ...)
+is a dead letter with the code `unsupported_parameter`.
 
 The output files (`outputs.jsonl`, `errors.jsonl`, log-probabilities in OpenAI's
 shape per endpoint) are written at export: jobs/lifecycle/openai_export.py.
@@ -50,7 +52,7 @@ from typing import AbstractSet, Any, Iterator
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
-from tokenmill.schemas.wire.lines import LineError, LineIndex, index_location, scan
+from tokenmill.schemas.wire.lines import LineError, LineIndex, Unsupported, index_location, scan
 from tokenmill.schemas.wire.openai.request import ENDPOINTS, TASK_ENDPOINTS, parse_request, peek
 from tokenmill.transforms.inputs import InputError, InputPlan, expand_input, open_input, planning_client, stat
 
@@ -239,8 +241,8 @@ def line_row(line: bytes, file_index: int, line_no: int, served: LineRules | Non
             raise LineError(f"body.model {req['model']!r} is not served by this job (it serves {rules.models[0]!r})")
         if req["url"] not in rules.urls:
             return None
-    except LineError as err:
-        row[ERROR_KEY] = (R.BAD_REQUEST, str(err))
+    except LineError as err:  # a line asking for what is not served fails with its own code (`unsupported_parameter`)
+        row[ERROR_KEY] = (err.code if isinstance(err, Unsupported) else R.BAD_REQUEST, str(err))
         row[RAW_KEY] = line.decode("utf-8", errors="replace").rstrip("\n")[:2000]
         cid = peek(line)[2]  # keep the custom_id when the line has one, so the error line can be matched
         if cid is not None:

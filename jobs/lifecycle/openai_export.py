@@ -20,13 +20,13 @@ from tokenmill.jobs.lifecycle.export import job_input, write_jsonl
 from tokenmill.schemas.records import DeadLetterRow, OutputRow
 from tokenmill.schemas.storage import MetricsReader
 from tokenmill.schemas.wire.lines import LineIndex
-from tokenmill.schemas.wire.openai.request import CHAT, COMPLETIONS, EMBEDDINGS
+from tokenmill.schemas.wire.openai.request import CHAT, ENDPOINTS
 from tokenmill.schemas.wire.openai.response import by_request, error_line, output_line
 from tokenmill.transforms.openai_batch import JSONL_PATTERNS, line_entries
 from tokenmill.transforms.read import InputError, expand_input
 
 #: The endpoints an input line may name, by their code in `RequestIndex` (0: unknown, read as chat).
-KINDS = ("", CHAT, COMPLETIONS, EMBEDDINGS)
+KINDS = ("", *ENDPOINTS)
 
 
 class RequestIndex:

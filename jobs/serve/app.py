@@ -24,12 +24,15 @@ from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.guard import FORM_OVERHEAD, BodyLimit
 from tokenmill.jobs.serve.objects import batch_object, error_body, file_deleted, file_object, page
 from tokenmill.jobs.serve.requests import (
+    EXPIRES_ANCHOR,
+    EXPIRES_SECONDS,
     After,
     CreateBatch,
     ObjectId,
     Purpose,
     describe_upload,
     error_param,
+    upload_expiry,
 )
 from tokenmill.jobs.serve.service import BatchService
 from tokenmill.jobs.serve.watch import install
@@ -78,6 +81,7 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
                            param="purpose", code="invalid_value")
         if upload is None or isinstance(upload, str):
             raise ApiError(400, "a multipart field 'file' with the JSONL file is required", param="file")
+        ttl_s = upload_expiry(form.get(EXPIRES_ANCHOR), form.get(EXPIRES_SECONDS))
         fd, tmp = tempfile.mkstemp(suffix=".jsonl")
         nbytes = lines = 0
         try:
@@ -94,7 +98,7 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
             if lines > lim.max_file_lines:
                 raise ApiError(400, f"the file has {lines:,} lines; a batch file holds at most "
                                     f"{lim.max_file_lines:,} requests", param="file", code="too_many_lines")
-            row = svc.add_file(who.key_id, upload.filename, purpose, tmp, nbytes, lines)
+            row = svc.add_file(who.key_id, upload.filename, purpose, tmp, nbytes, lines, ttl_s=ttl_s)
         finally:
             os.unlink(tmp)
         return file_object(row)
@@ -131,8 +135,9 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
 
     @app.post("/v1/batches")
     def create_batch(body: CreateBatch, who: Who) -> dict[str, Any]:
+        expiry = body.output_expires_after
         return render(svc.create_batch(who.key_id, body.input_file_id, body.endpoint, body.completion_window,
-                                       body.metadata))
+                                       body.metadata, output_expires_after=expiry.seconds if expiry else None))
 
     @app.get("/v1/batches")
     def list_batches(who: Who, limit: int = Query(20, ge=1, le=100), after: After = None) -> dict[str, Any]:

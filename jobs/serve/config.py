@@ -179,6 +179,9 @@ class ServeConfig(_Strict):
     drain_s: float = Field(30.0, ge=0, le=3600)
     """On SIGTERM, how long the replica lets its engines finish or hand back their units in
     flight before it stops them (a spot notice: GCP's 30 s, AWS's 2 min); then it exits 0."""
+    sweep_s: float = Field(60.0, gt=0, le=86400)
+    """How often the scheduler removes expired files (their bytes in the files store and their
+    rows); an expired file is not found from its `expires_at` on, whenever the sweep runs."""
 
     @field_validator("models")
     @classmethod

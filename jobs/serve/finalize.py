@@ -209,8 +209,9 @@ class BatchFiles:
 
     def _register(self, b: dict[str, Any], which: str, lines: int, size: int) -> str:
         file_id = derived_file_id(b["id"], which)
-        if self.files.get(file_id, None) is None:
+        if not self.files.known(file_id):  # a second finalization (its first cut off) registers it once
+            now, ttl = time.time(), b.get("output_expires_after")  # the batch's `output_expires_after`
             self.files.add({"id": file_id, "owner": b["owner"], "filename": f"{b['id']}_{which}.jsonl",
                             "purpose": "batch_output", "bytes": size, "lines": lines,
-                            "created_at": time.time(), "deleted_at": None})
+                            "created_at": now, "deleted_at": None, "expires_at": now + ttl if ttl else None})
         return file_id

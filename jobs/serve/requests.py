@@ -1,9 +1,10 @@
 """What a request to `tokenmill serve` may hold, bounded before it reaches the database or an
-engine: ids, cursors, offsets, filters and the body of `POST /v1/batches`.  Whatever is out of
-range, longer than the column it is compared with or stored in, or holds a control character
-(PostgreSQL refuses NUL in text) is refused as a 400 in OpenAI's error shape naming the field
-(app.py's handler of `RequestValidationError`), never a 500.  A column's width is read from the
-column (schemas/tables.py), here for the API's schema and in `storable` for the service."""
+engine: ids, cursors, offsets, filters, an upload's `expires_after` and the body of `POST
+/v1/batches`.  Whatever is out of range, longer than the column it is compared with or stored
+in, or holds a control character (PostgreSQL refuses NUL in text) is refused as a 400 in
+OpenAI's error shape naming the field (app.py's handler of `RequestValidationError`), never a
+500.  A column's width is read from the column (schemas/tables.py), here for the API's schema
+and in `storable` for the service."""
 
 from __future__ import annotations
 
@@ -42,8 +43,13 @@ ID_CHARS = length_of(T.api_files.c.id)
 JOB_ID_CHARS = length_of(T.jobs.c.id)
 #: The largest page offset: past any row a database here holds, inside every backend's integer.
 MAX_OFFSET = 2**31 - 1
-#: OpenAI's bounds of `output_expires_after.seconds`: one hour to 30 days.
+#: OpenAI's bounds of `output_expires_after.seconds` and of an upload's `expires_after[seconds]`:
+#: one hour to 30 days.
 OUTPUT_EXPIRY_S = (3600, 30 * 24 * 3600)
+#: How long an uploaded `purpose=batch` file is kept when its upload gives no `expires_after` (OpenAI's 30 days).
+BATCH_FILE_TTL_S = 30 * 24 * 3600
+#: The form fields of an upload's `expires_after`, as the `openai` SDK sends them.
+EXPIRES_ANCHOR, EXPIRES_SECONDS = "expires_after[anchor]", "expires_after[seconds]"
 
 Text = Annotated[str, StringConstraints(pattern=PRINTABLE)]
 ObjectId = Annotated[str, Path(min_length=1, max_length=ID_CHARS, pattern=PRINTABLE)]
@@ -89,6 +95,23 @@ class CreateBatch(BaseModel):
     output_expires_after: OutputExpiresAfter | None = None
 
 
+def upload_expiry(anchor: Any, seconds: Any) -> int:
+    """How long an upload is kept, from its form's `expires_after[anchor]` and
+    `expires_after[seconds]` (both, or neither: `BATCH_FILE_TTL_S`); a 400 naming the field
+    when one is missing or out of OpenAI's bounds."""
+    if anchor is None and seconds is None:
+        return BATCH_FILE_TTL_S
+    if anchor != "created_at":
+        raise ApiError(400, f"expires_after[anchor] must be 'created_at', got {str(anchor)[:40]!r}",
+                       param="expires_after.anchor", code="invalid_value")
+    least, most = OUTPUT_EXPIRY_S
+    text = seconds if isinstance(seconds, str) else ""
+    if not (text.isascii() and text.isdigit() and len(text) <= 9 and least <= int(text) <= most):
+        raise ApiError(400, f"expires_after[seconds] must be a whole number from {least} to {most}, got "
+                            f"{text[:40]!r}", param="expires_after.seconds", code="invalid_value")
+    return int(text)
+
+
 def stored_filename(name: str | None, default: str = "upload.jsonl") -> str:
     """An upload's file name as it is stored: control characters dropped, cut to the width of
     `api_files.filename`."""
@@ -101,7 +124,10 @@ def describe_upload() -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
         "type": "object", "required": ["purpose", "file"],
         "properties": {"purpose": {"type": "string", "enum": ["batch"]},
-                       "file": {"type": "string", "format": "binary"}}}}}}}
+                       "file": {"type": "string", "format": "binary"},
+                       EXPIRES_ANCHOR: {"type": "string", "enum": ["created_at"]},
+                       EXPIRES_SECONDS: {"type": "integer", "minimum": OUTPUT_EXPIRY_S[0],
+                                         "maximum": OUTPUT_EXPIRY_S[1]}}}}}}}
 
 
 #: Request fields that are mappings of the client's own keys: an error inside one names the

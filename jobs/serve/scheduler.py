@@ -3,6 +3,7 @@ job, ask the job to stop, finalize it), and the coordinator (`coordinator.take`:
 then age; `concurrent_models`; one job per model's engine) starts queued jobs on the warm
 engine pool (engines.py), whose typed reports (`Launched`, `ProcessDied`) end them.  What is
 done with a batch's files at its steps is the service's (`BatchSteps`, finalize.BatchFiles).
+Every `sweep_s` the thread also removes the expired files (`sweep`: OpenAI's `expires_after`).
 
 A batch's job row is the queue and run store (`JobStore`): it holds the batch's priority and
 API key, and its `attempts`, the runs that ended in an error or a dead engine process, so a
@@ -75,8 +76,9 @@ class Scheduler:
     def __init__(self, cfg: ServeConfig, eng: Engine, steps: BatchSteps, *, quotas: Quotas, blobs: Blobs):
         self.cfg, self.eng, self.steps, self.quotas, self.blobs = cfg, eng, steps, quotas, blobs
         self.db_url = cfg.db_url()
-        self.batches = S.BatchStore(eng)
+        self.batches, self.files = S.BatchStore(eng), S.FileStore(eng)
         self.engines: dict[str, EngineProcess] = {}
+        self._sweep_at = 0.0  # when the next sweep of expired files is due (monotonic)
         #: The replica was told SIGTERM (service.start_draining): no new run is dispatched.
         self.draining = False
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -105,6 +107,12 @@ class Scheduler:
                 self.tick()
             except Exception:  # one bad batch or a database hiccup must not stop the service
                 log.exception("scheduler tick failed")
+            if time.monotonic() >= self._sweep_at:  # apart from the tick: neither stops the other
+                self._sweep_at = time.monotonic() + self.cfg.sweep_s
+                try:
+                    self.sweep(time.time())
+                except Exception:  # a files store that does not answer: the next sweep tries again
+                    log.exception("sweep of expired files failed")
             self._wake.wait(TICK_S)
             self._wake.clear()
 
@@ -139,6 +147,21 @@ class Scheduler:
                 elif self._wants_hands(job):
                     queued.append(b)
         self._dispatch(queued)
+
+    def sweep(self, now: float) -> int:
+        """Remove the files expired at `now` that no batch not ended reads: each marked deleted
+        (not found from then on), its bytes and line index removed from the files store, then its
+        row.  Every step may be done twice (another replica's sweep, one cut off): none fails for
+        it.  Returns the files removed."""
+        removed = 0
+        for file_id in self.files.expired(now):
+            if self.files.take_expired(file_id, now):
+                self.blobs.delete(file_id)
+                self.files.drop(file_id)
+                removed += 1
+        if removed:
+            log.info("removed %d expired file(s)", removed)
+        return removed
 
     def _runs_elsewhere(self, job: dict[str, Any] | None) -> bool:
         """Whether a shared job is running on another replica's engine (a run of it seen lately)."""

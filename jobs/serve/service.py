@@ -75,9 +75,13 @@ class BatchService:
     # ------------------------------------------------------------------ what the routes call
 
     def add_file(self, owner: str, filename: str | None, purpose: str, path: str, nbytes: int,
-                 lines: int) -> dict[str, Any]:
+                 lines: int, *, ttl_s: float | None = None) -> dict[str, Any]:
+        """Store an upload; with `ttl_s`, it expires that long after it is made (then it is not
+        found, and the scheduler's sweep removes it)."""
+        now = time.time()
         row: dict[str, Any] = {"id": new_id("file-"), "owner": owner, "filename": stored_filename(filename),
-               "purpose": purpose, "bytes": nbytes, "lines": lines, "created_at": time.time(), "deleted_at": None}
+               "purpose": purpose, "bytes": nbytes, "lines": lines, "created_at": now, "deleted_at": None,
+               "expires_at": None if ttl_s is None else now + ttl_s}
         self.blobs.put_file(row["id"], path)
         self.files.add(row)
         return row
@@ -94,7 +98,7 @@ class BatchService:
         self.blobs.delete(file_id)
 
     def create_batch(self, owner: str, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None) -> dict[str, Any]:
+                     metadata: dict[str, str] | None, *, output_expires_after: int | None = None) -> dict[str, Any]:
         limits = self.cfg.limits
         storable(completion_window, T.api_batches.c.completion_window, "completion_window")
         if endpoint not in ENDPOINTS:
@@ -120,7 +124,7 @@ class BatchService:
             now = time.time()
             row: dict[str, Any] = {"id": new_id("batch_"), "owner": owner, "endpoint": endpoint, "input_file_id": input_file_id,
                    "completion_window": completion_window, "metadata": meta, "priority": priority_of(meta),
-                   "created_at": now, "expires_at": now + window}
+                   "created_at": now, "expires_at": now + window, "output_expires_after": output_expires_after}
             if not self.batches.add_over_file(row):  # deleted since: the file's row is held while the batch is added
                 raise ApiError(404, f"No such File object: {input_file_id}", code="not_found", param="input_file_id")
         self.scheduler.wake()

@@ -1,7 +1,9 @@
 """A batch's input file checked before anything runs, as OpenAI's `validating` step does: every
 line a request tokenmill serves, each `custom_id` once, one served model (a line may name it or
 one of its LoRA adapters).  A batch with any bad line fails whole, its errors naming the line
-(1-based, blank lines counted), and no engine works on it.  Each line is parsed once, by the
+(1-based, blank lines counted), and no engine works on it; a well-formed line asking for what
+is not served (`Unsupported`: a `/v1/responses` line's tools, reasoning, ...) passes, and fails
+alone when the batch runs.  Each line is parsed once, by the
 wire format (schemas/wire/openai/request.py), and the check gives the file's per-line index
 (schemas/wire/lines.py) that the job's planning, export and finalization read instead of the file."""
 
@@ -10,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterable, Mapping
 
-from tokenmill.schemas.wire.lines import LineError, LineIndex, scan
+from tokenmill.schemas.wire.lines import LineError, LineIndex, Unsupported, scan
 from tokenmill.schemas.wire.openai.objects import line_error
-from tokenmill.schemas.wire.openai.request import ENDPOINTS, check_sampling, decode, request_fields
+from tokenmill.schemas.wire.openai.request import ENDPOINTS, check_sampling, decode, request_fields, request_line
 
 
 @dataclass
@@ -87,6 +89,9 @@ def check_lines(lines: Iterable[bytes], served: Mapping[str, str], *, max_lines:
         try:
             req = request_fields(obj)
             check_sampling(req)  # out of range fails here, as OpenAI's validation does, not at run time
+        except Unsupported:  # the line alone fails when the batch runs: its envelope is checked here
+            env = request_line(obj)
+            req = {"custom_id": env.custom_id, "url": env.url, "model": env.model}
         except LineError as err:
             fail(err.code, f"line {n}: {err}", n, err.param)
             continue

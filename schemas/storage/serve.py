@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import Select, delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from tokenmill.schemas import tables as T
@@ -90,8 +90,22 @@ def _owned(tbl, owner: str | None):
     return (tbl.c.owner == owner) if owner is not None else True
 
 
+def _live():
+    """A file not deleted and not expired (at the clock's time now)."""
+    f = T.api_files.c
+    return f.deleted_at.is_(None) & (f.expires_at.is_(None) | (f.expires_at > time.time()))
+
+
+def _batches_reading(file_id: Any) -> Select:
+    """The batches not ended that read the file `file_id` (an id, or the api_files id column) as their input."""
+    b = T.api_batches
+    return select(b.c.id).where(b.c.input_file_id == file_id, *[b.c[c].is_(None) for c in TERMINAL])
+
+
 class FileStore(SqlStore):
-    """The `api_files` table (a deleted file keeps its row, marked, so its id is never reused)."""
+    """The `api_files` table (a deleted file keeps its row, marked, so its id is never reused; an
+    expired one is not found from its `expires_at` on, and `expired`, `take_expired` and `drop`
+    remove it whole: the scheduler's sweep)."""
 
     def add(self, row: dict[str, Any]) -> None:
         with self.engine.begin() as conn:
@@ -100,14 +114,18 @@ class FileStore(SqlStore):
     def get(self, file_id: str, owner: str | None) -> dict[str, Any] | None:
         f = T.api_files
         with self.engine.connect() as conn:
-            row = conn.execute(select(f).where(f.c.id == file_id, _owned(f, owner), f.c.deleted_at.is_(None))
-                               ).mappings().first()
+            row = conn.execute(select(f).where(f.c.id == file_id, _owned(f, owner), _live())).mappings().first()
         return dict(row) if row else None
+
+    def known(self, file_id: str) -> bool:
+        """Whether the id has a row, deleted, expired or not (an id is never given twice)."""
+        with self.engine.connect() as conn:
+            return conn.execute(select(T.api_files.c.id).where(T.api_files.c.id == file_id)).first() is not None
 
     def page(self, owner: str | None, *, purpose: str | None = None, limit: int = 10000,
              after: str | None = None, newest_first: bool = True) -> list[dict[str, Any]]:
         f = T.api_files
-        q = select(f).where(_owned(f, owner), f.c.deleted_at.is_(None))
+        q = select(f).where(_owned(f, owner), _live())
         if purpose:
             q = q.where(f.c.purpose == purpose)
         q = _page(q, f, owner, after, newest_first)
@@ -129,21 +147,49 @@ class FileStore(SqlStore):
         with self.engine.begin() as conn:
             if live_file(conn, file_id, owner) is None:
                 return False, None
-            using = conn.execute(select(b.c.id).where(b.c.input_file_id == file_id, *[b.c[c].is_(None) for c in TERMINAL])
-                                 .order_by(b.c.created_at, b.c.id).limit(1)).scalar()
+            using = conn.execute(_batches_reading(file_id).order_by(b.c.created_at, b.c.id).limit(1)).scalar()
             if using is not None:
                 return False, str(using)
             conn.execute(update(f).where(f.c.id == file_id).values(deleted_at=time.time()))
         return True, None
 
+    def expired(self, now: float, limit: int = 500) -> list[str]:
+        """Ids of files expired at `now` (deleted or not) that no batch not ended reads, soonest
+        expired first: what a sweep removes."""
+        f = T.api_files
+        q = (select(f.c.id).where(f.c.expires_at <= now, ~_batches_reading(f.c.id).exists())
+             .order_by(f.c.expires_at, f.c.id).limit(limit))
+        with self.engine.connect() as conn:
+            return [str(x) for x in conn.execute(q).scalars()]
+
+    def take_expired(self, file_id: str, now: float) -> bool:
+        """Mark an expired file deleted, unless a batch not ended reads it, in one transaction
+        holding its row (as `delete_unused`): whether its bytes may be removed now (then `drop`)."""
+        f = T.api_files
+        with self.engine.begin() as conn:
+            write_lock(conn)
+            row = conn.execute(select(f.c.id, f.c.deleted_at).where(f.c.id == file_id, f.c.expires_at <= now)
+                               .with_for_update()).mappings().first()
+            if row is None or conn.execute(_batches_reading(file_id).limit(1)).first() is not None:
+                return False
+            if row["deleted_at"] is None:
+                conn.execute(update(f).where(f.c.id == file_id).values(deleted_at=now))
+        return True
+
+    def drop(self, file_id: str) -> None:
+        """Remove a deleted file's row (its bytes are gone)."""
+        f = T.api_files
+        with self.engine.begin() as conn:
+            conn.execute(delete(f).where(f.c.id == file_id, f.c.deleted_at.is_not(None)))
+
 
 def live_file(conn, file_id: str, owner: str | None) -> dict[str, Any] | None:
-    """The file's row, not deleted and `owner`'s, held until the transaction ends: SQLite's
+    """The file's row, not deleted, not expired and `owner`'s, held until the transaction ends: SQLite's
     write lock taken first, PostgreSQL's row lock (SELECT ... FOR UPDATE; a row deleted while
     this waited is not found)."""
     write_lock(conn)
     f = T.api_files
-    row = conn.execute(select(f).where(f.c.id == file_id, _owned(f, owner), f.c.deleted_at.is_(None))
+    row = conn.execute(select(f).where(f.c.id == file_id, _owned(f, owner), _live())
                        .with_for_update()).mappings().first()
     return dict(row) if row else None
 

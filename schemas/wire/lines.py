@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import IO, Iterable, Iterator
 
+from tokenmill.schemas.records import UNSUPPORTED_PARAMETER
+
 #: What `index_location` adds to an input file's location.
 INDEX_SUFFIX = ".index.json"
 #: The index's own format version (a reader meeting another builds the index again).
@@ -28,6 +30,16 @@ class LineError(ValueError):
         self.code, self.param = code, param
         self.detail = detail if detail is not None else message
         """The underlying reason alone (a JSON decoder's message), without the line's framing."""
+
+
+class Unsupported(LineError):
+    """A well-formed request asking for what the engine cannot do (tools, reasoning, ...): a
+    batch's validation lets the line through, and the line alone fails when the batch runs (a
+    dead letter whose reason is this error's `code`, OpenAI's name for such a refusal), so the
+    rest of the batch goes on."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = UNSUPPORTED_PARAMETER):
+        super().__init__(message, code=code, param=param)
 
 
 def short(v: object, limit: int = 80) -> str:

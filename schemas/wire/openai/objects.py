@@ -25,7 +25,8 @@ def _ts(v: float | None) -> int | None:
 
 def file_object(f: dict[str, Any]) -> dict[str, Any]:
     return {"id": f["id"], "object": "file", "bytes": int(f["bytes"]), "created_at": int(f["created_at"]),
-            "filename": f["filename"], "purpose": f["purpose"], "status": "processed", "expires_at": None,
+            "filename": f["filename"], "purpose": f["purpose"], "status": "processed",
+            "expires_at": _ts(f.get("expires_at")),
             "status_details": None}
 
 

@@ -6,7 +6,9 @@
 `decode` is the one place a line's JSON is read; `request_line` checks its envelope into a
 typed `RequestLine`; `parse_request` gives the fields tokenmill serves of it (the row keys
 transforms/openai_batch.py reads), raising `LineError` saying what is wrong.  What is served
-and refused, field by field, is described in transforms/openai_batch.py."""
+and refused, field by field, is described in transforms/openai_batch.py; a `/v1/responses`
+body is mapped onto the same chat row by responses.py."""
+
 
 from __future__ import annotations
 
@@ -26,13 +28,17 @@ from tokenmill.schemas.sampling import (
 )
 from tokenmill.schemas.wire.lines import LineError, LineIndex, scan
 from tokenmill.schemas.wire.lines import short as _short
+from tokenmill.schemas.wire.openai.responses import SAMPLING as RESPONSES_SAMPLING
+from tokenmill.schemas.wire.openai.responses import responses_fields
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+RESPONSES = "/v1/responses"
+#: Appended to only: an endpoint's place here is its code in a shard's line codes (transforms/openai_batch.py).
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
 #: The endpoints each engine task serves: a batch file's lines are answered one pass per task they name.
-TASK_ENDPOINTS = {"generate": (CHAT, COMPLETIONS), "embed": (EMBEDDINGS,)}
+TASK_ENDPOINTS = {"generate": (CHAT, COMPLETIONS, RESPONSES), "embed": (EMBEDDINGS,)}
 assert tuple(TASK_ENDPOINTS) == TASKS  # every task has its endpoints, in the order the passes run
 #: Body fields that would change what a response means and that tokenmill does not serve:
 #: when the value is refused, and what the refusal adds.
@@ -108,6 +114,8 @@ def request_fields(obj: Any) -> dict[str, Any]:
     """`parse_request` of a line already decoded."""
     req = request_line(obj)
     body, url = req.body, req.url
+    if url == RESPONSES:  # its own body, mapped onto a chat row (responses.py)
+        return {"custom_id": req.custom_id, "url": url, "model": req.model, **responses_fields(body)}
     for key, (bad, why) in UNSUPPORTED.items():
         if key in body and bad(body[key]):
             raise LineError(f"body.{key}={_short(body[key])} is not supported in batch jobs: {why}")
@@ -151,11 +159,14 @@ def request_fields(obj: Any) -> dict[str, Any]:
 def check_sampling(fields: dict[str, Any]) -> None:
     """The numeric sampling values of a request's fields (`request_fields`) in range, as OpenAI
     refuses them before a batch runs: RowSampling's bounds, and OpenAI's narrower ones
-    (`OPENAI_BOUNDS`).  Raises LineError naming the body field and the value."""
+    (`OPENAI_BOUNDS`).  Raises LineError naming the body field (as the line's endpoint names
+    it) and the value."""
+    names = {row: body for body, row in RESPONSES_SAMPLING.items()} if fields.get("url") == RESPONSES else {}
     try:
         validate_row_sampling({k: fields[k] for k in NUMERIC_KEYS if k in fields})
     except RowSamplingError as err:
-        raise LineError(f"body.{err.key}: {err}", code="invalid_value", param=f"body.{err.key}") from None
+        name = names.get(err.key, err.key)
+        raise LineError(f"body.{name}: {err}", code="invalid_value", param=f"body.{name}") from None
     for key, (least, most) in OPENAI_BOUNDS.items():
         value = fields.get(key)
         if value is not None and not least <= value <= most:

@@ -1,9 +1,9 @@
 """OpenAI's batch output: one line per request, in the format vLLM's `BatchRequestOutput`
 describes.  A request that ran gets `response.status_code` 200 and a `chat.completion`,
-`text_completion` or embedding `list` body with `usage` (and its log-probabilities in that
-endpoint's `logprobs` shape when it asked); one that failed gets its status code and
-`error: {code, message}`; one that never ran (`unanswered_line`) an error and no response.
-Line ids are derived from the job and the custom_id, so exporting twice writes the same file."""
+`text_completion`, Responses `response` or embedding `list` body with `usage` (and its
+log-probabilities in that endpoint's `logprobs` shape when it asked); one that failed gets its
+status code and `error: {code, message}`; one that never ran (`unanswered_line`) an error and
+no response.  Line ids are derived from the job and the custom_id, so exporting twice writes the same file."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 from typing import Any, Iterable, Iterator
 
 from tokenmill.schemas import records as R
-from tokenmill.schemas.wire.openai.request import COMPLETIONS, EMBEDDINGS
+from tokenmill.schemas.wire.openai.request import COMPLETIONS, EMBEDDINGS, RESPONSES
 
 STATUS_BY_REASON = {R.ENGINE_ERROR: 500, R.ENGINE_TIMEOUT: 500}
 
@@ -62,6 +62,8 @@ def response_body(rows: dict[str, Any] | list[dict[str, Any]], url: str, model: 
     row = samples[0]
     if url == EMBEDDINGS or row.get("embedding") is not None:
         return embedding_body(row, model)
+    if url == RESPONSES:
+        return responses_body(row, model)
     _, rid = _ids(row["job_id"], row["id"])
     prompt = int(row.get("prompt_tokens") or 0)
     completion = sum(int(r.get("output_tokens") or 0) for r in samples)
@@ -84,6 +86,33 @@ def response_body(rows: dict[str, Any] | list[dict[str, Any]], url: str, model: 
         "finish_reason": r.get("finish_reason") or "stop",
     } for r in samples]
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "choices": choices, **common}
+
+
+def responses_body(row: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """A Responses object (`object: response`) for one answered `/v1/responses` line: one
+    assistant `message` item holding one `output_text` part; `status` `incomplete` (reason
+    `max_output_tokens`) when the answer stopped at the token limit; `usage` in the Responses
+    API's names.  The request's own settings (temperature, instructions, ...) are not echoed:
+    the output row does not hold them, and the SDK's type leaves them optional."""
+    _, rid = _ids(row["job_id"], row["id"])
+    prompt, output = int(row.get("prompt_tokens") or 0), int(row.get("output_tokens") or 0)
+    usage: dict[str, Any] = {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0), "cache_write_tokens": 0},
+        "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
+    if row.get("token_count_source") not in (None, "engine"):  # estimates say so, as a chat body's usage does
+        usage["token_count_source"] = row["token_count_source"]
+    cut = row.get("finish_reason") == "length"
+    status = "incomplete" if cut else "completed"
+    created = int(row.get("finished_at") or 0)
+    text: dict[str, Any] = {"type": "output_text", "text": row.get("text") or "", "annotations": [], "logprobs": []}
+    return {"id": f"resp_{rid}", "object": "response", "created_at": created, "status": status,
+            "completed_at": None if cut else created, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "model": model or row.get("model") or "",
+            "output": [{"type": "message", "id": f"msg_{rid}", "status": status, "role": "assistant",
+                        "content": [text]}],
+            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "usage": usage}
 
 
 def embedding_body(row: dict[str, Any], model: str | None) -> dict[str, Any]:
