@@ -254,6 +254,7 @@ api_batches = Table(
     Column("error_file_id", String(64)),
     Column("request_counts", JSON),
     Column("usage", JSON),
+    Column("deleted_at", Float),  # an ended batch deleted (Anthropic's DELETE): no longer listed or read
 )
 
 #: Every `tokenmill serve` started over this database (schemas/storage/replicas.py): where it runs
