@@ -250,6 +250,10 @@ class RequestFigures:
     logprobs: list[dict[str, Any]] | None = column("json", arrow=LOGPROBS_TYPE)
     """Per output token: {"token", "logprob", "top_logprobs": [{"token", "logprob"}, ...]}, for
     a row that asked for `logprobs` (the engine's own figures, docs/REQUESTS.md); else None."""
+    stop_sequence: str | None = column("text", export=False)
+    """The stop string that ended the text (vLLM's `stop_reason` when it is a string), so an
+    Anthropic result says `stop_sequence`; None when the end of sequence or `max_tokens` ended it,
+    or the engine does not say (llama-server)."""
 
     def figures(self) -> dict[str, Any]:
         """This record's request figures alone (a `Finished` carries more), as keywords for `OutputRow`."""
@@ -380,7 +384,7 @@ _CODES = {"token_count_source": {s: float(i) for i, s in enumerate(TOKEN_COUNT_S
 #: An answer as the result cache keeps it (`result_cache.answer`, transforms/cache.py): what the
 #: engine answered and counted, never where or when it ran (times, batch, worker, prefix-cache hits).
 CACHED_COLUMNS = ("text", "finish_reason", "prompt_tokens", "output_tokens", "token_count_source", "embedding",
-                  "logprobs", "valid", "invalid_reason", "parsed", "choice_probs")
+                  "logprobs", "valid", "invalid_reason", "parsed", "choice_probs", "stop_sequence")
 
 
 def metric_values(column: str, values: Iterable[Any]) -> Iterator[float]:

@@ -259,6 +259,7 @@ api_batches = Table(
     Column("usage", JSON),
     # OpenAI's `output_expires_after.seconds`: the output and error files expire this long after they are made
     Column("output_expires_after", Integer),
+    Column("deleted_at", Float),  # an ended batch deleted (Anthropic's DELETE): no longer listed or read
 )
 
 #: Every `tokenmill serve` started over this database (schemas/storage/replicas.py): where it runs

@@ -43,6 +43,11 @@ is a dead letter with the code `unsupported_parameter`.
 
 The output files (`outputs.jsonl`, `errors.jsonl`, log-probabilities in OpenAI's
 shape per endpoint) are written at export: jobs/lifecycle/openai_export.py.
+
+A line may also be an Anthropic Message Batches request (`{custom_id, params}`, told apart
+line by line: schemas/wire/formats.py), read into the same chat row; an input of them is
+exported as Anthropic's `results.jsonl` (jobs/lifecycle/anthropic_export.py).  One input
+holds one format or the other.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ from typing import AbstractSet, Any, Iterator
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
+from tokenmill.schemas.wire.formats import ENDPOINTS, MESSAGES, TASK_ENDPOINTS, peek
+from tokenmill.schemas.wire.formats import parse_line as parse_request
 from tokenmill.schemas.wire.lines import LineError, LineIndex, Unsupported, index_location, scan
-from tokenmill.schemas.wire.openai.request import ENDPOINTS, TASK_ENDPOINTS, parse_request, peek
 from tokenmill.transforms.inputs import InputError, InputPlan, expand_input, open_input, planning_client, stat
 
 JSONL_PATTERNS = ("*.jsonl", "*.jsonl.gz")
@@ -218,6 +224,9 @@ def plan_jsonl(path: str, options: Any = None, shard_lines: int = SHARD_LINES) -
             raise InputError(f"input file {f!r} cannot be read: {first_line(err)}") from None
         if count:
             shards.append(JsonlShard(fi, f, start, count, None if compressed else start_off, "".join(codes)))
+    if endpoints.get(MESSAGES) and set(endpoints) - {MESSAGES, UNKNOWN}:  # one results format per job
+        raise InputError(f"input {path!r} mixes Anthropic Message Batches requests and OpenAI batch lines; give "
+                         "each its own job")
     plan = JsonlPlan(files=files, shards=shards, columns=["custom_id", "method", "url", "body"], total_rows=total,
                      endpoints=endpoints, models=models)
     if len(plan.tasks) < 2:  # one pass reads every line: its shards need not say whose each line is

@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.jobs.serve.anthropic_routes import BATCHES_PATH, install_messages
 from tokenmill.jobs.serve.auth import Caller, Who
 from tokenmill.jobs.serve.blobs import iter_bytes
 from tokenmill.jobs.serve.config import ServeConfig
@@ -156,6 +157,7 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
         return render(svc.cancel_batch(who.scope, batch_id))
 
     install(app, svc)  # the live page, a batch's webhook attempts, a key's usage
+    install_messages(app, svc)  # Anthropic's Message Batches, under /v1/messages (anthropic_routes.py)
 
     @app.get("/metrics")
     def metrics(who: Who) -> Response:
@@ -176,4 +178,5 @@ def chunk_ends_with_newline(path: str) -> bool:
 
 def asgi_app(cfg: ServeConfig, service: BatchService | None = None) -> Any:
     """The app with its body limit, as uvicorn runs it."""
-    return BodyLimit(create_app(cfg, service), cfg.limits.max_file_bytes + FORM_OVERHEAD)
+    return BodyLimit(create_app(cfg, service), cfg.limits.max_file_bytes + FORM_OVERHEAD,
+                     {BATCHES_PATH: cfg.limits.max_message_batch_bytes})

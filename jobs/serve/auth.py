@@ -39,10 +39,16 @@ async def caller(request: Request) -> Caller:
     if scheme.lower() != "bearer" or not secret.strip():
         raise ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
                        code="invalid_api_key")
-    row = S.KeyStore(request.app.state.service.eng).by_secret(secret.strip())
-    if row is None:
+    found = key_caller(request, secret.strip())
+    if found is None:
         raise ApiError(401, "Incorrect API key provided (unknown or revoked).", code="invalid_api_key")
-    return Caller(row["id"], bool(row["admin"]))
+    return found
+
+
+def key_caller(request: Request, secret: str) -> Caller | None:
+    """The caller a presented key is (one indexed read), or None when it is unknown or revoked."""
+    row = S.KeyStore(request.app.state.service.eng).by_secret(secret)
+    return Caller(row["id"], bool(row["admin"])) if row is not None else None
 
 
 Who = Annotated[Caller, Depends(caller)]

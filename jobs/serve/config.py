@@ -44,6 +44,10 @@ class Limits(_Strict):
     """An uploaded file's size (OpenAI's batch limit: 200 MB)."""
     max_file_lines: int = Field(50_000, gt=0)
     """Requests in one batch file (OpenAI's: 50,000)."""
+    max_message_batch_requests: int = Field(100_000, gt=0)
+    """Requests in one Anthropic Message Batch (Anthropic's: 100,000)."""
+    max_message_batch_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    """The body of one `POST /v1/messages/batches` (Anthropic's: 256 MB)."""
     max_batches_in_flight: int = Field(20, gt=0)
     """Batches of one key not ended yet; one more is refused with 429 (a key's own
     `tokenmill keys quota --batches-in-flight` replaces it for that key)."""

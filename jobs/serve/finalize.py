@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable
 
 from sqlalchemy.engine import Engine
 
+from tokenmill.jobs.lifecycle.anthropic_export import FORMAT as ANTHROPIC
+from tokenmill.jobs.lifecycle.anthropic_export import result_lines
 from tokenmill.jobs.lifecycle.export import finished_export
 from tokenmill.jobs.lifecycle.openai_export import RequestIndex, dead_letter_lines, output_lines
 from tokenmill.jobs.serve.blobs import Blobs
@@ -27,9 +29,11 @@ from tokenmill.jobs.serve.validate import check_file
 from tokenmill.jobs.serve.webhooks import WebhookSender
 from tokenmill.schemas import storage as S
 from tokenmill.schemas.records import DeadLetterRow, OutputRow
+from tokenmill.schemas.wire.anthropic.objects import RESULT_KINDS
+from tokenmill.schemas.wire.anthropic.request import MESSAGES
+from tokenmill.schemas.wire.formats import index_lines
 from tokenmill.schemas.wire.lines import LineIndex
 from tokenmill.schemas.wire.openai.objects import line_error, usage_of
-from tokenmill.schemas.wire.openai.request import index_lines
 from tokenmill.schemas.wire.openai.response import unanswered_line
 
 #: Job statuses whose rows are all answered or dead-lettered (the batch completed).
@@ -135,7 +139,10 @@ class BatchFiles:
     def result_files(self, b: dict[str, Any], ended: str,
                      job: dict[str, Any] | None) -> tuple[str | None, str | None, dict[str, int]]:
         """The batch's output and error files in the store (each None when it has no line):
-        (output file id, error file id, request counts)."""
+        (output file id, error file id, request counts).  An Anthropic batch's one results file
+        is its output file (`message_results`)."""
+        if b.get("endpoint") == MESSAGES:
+            return self.message_results(b, ended, job)
         run = str(self.cfg.work_root() / b["id"])
         done = finished_export(run, {"job_id": b["id"], "format": "openai-jsonl"}) \
             if job is not None and job["status"] in JOB_DONE else None
@@ -149,6 +156,29 @@ class BatchFiles:
         n_out, n_err = lines["output"], lines["error"]
         return ids["output"], ids["error"], {"total": int(b.get("lines") or n_out + n_err), "completed": n_out,
                                              "failed": n_err}
+
+    def message_results(self, b: dict[str, Any], ended: str,
+                        job: dict[str, Any] | None) -> tuple[str | None, None, dict[str, int]]:
+        """An Anthropic batch's results file (jobs/lifecycle/anthropic_export.py): its job's own
+        when the job answered every request, else written from the job's rows, each request that
+        never ran answered by how the batch ended: (its id, None, request counts: Anthropic's
+        kinds, and OpenAI's `completed` and `failed` for the service's counters)."""
+        run = str(self.cfg.work_root() / b["id"])
+        done = finished_export(run, {"job_id": b["id"], "format": ANTHROPIC}) \
+            if job is not None and job["status"] in JOB_DONE else None
+        counts: dict[str, int] = {}
+        if done is not None:
+            size = self._move(b, "results", done["files"]["results"])
+            counts = {"succeeded": int(done["outputs"]), "errored": int(done["dead_letters"])}
+        else:
+            index = self.input_index(b["input_file_id"])
+            _, size = self._write(derived_file_id(b["id"], "results"), result_lines(
+                self.eng, b["id"], RequestIndex.of_lines(index), counts, (index.request_ids(), ended)))
+        n = sum(counts.values())
+        total = int(b.get("lines") or n)
+        kinds = {k: counts.get(k, 0) for k in RESULT_KINDS}
+        return (self._register(b, "results", n, size) if n else None, None,
+                {"total": total, "completed": kinds["succeeded"], "failed": total - kinds["succeeded"], **kinds})
 
     def _move(self, b: dict[str, Any], which: str, path: str) -> int:
         size = os.path.getsize(path)

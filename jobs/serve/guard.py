@@ -7,13 +7,14 @@ as ASGI middleware.  uvicorn's own settings bound the rest (`HttpLimits.uvicorn_
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Mapping
 
 import h11
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.jobs.serve.config import HttpLimits
+from tokenmill.schemas.wire.anthropic.objects import error_body as anthropic_error
 from tokenmill.schemas.wire.openai.objects import error_body
 
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\ncontent-length: 21\r\n\r\ntoo many connections\n"
@@ -34,16 +35,19 @@ class BodyLimit:
     """ASGI middleware: a request body larger than the route allows is refused (413) before it is
     all read, whether or not the client sent a Content-Length."""
 
-    def __init__(self, app, upload_bytes: int):
+    def __init__(self, app, upload_bytes: int, bodies: Mapping[str, int] | None = None):
         self.app, self.upload_bytes = app, upload_bytes
+        self.bodies = dict(bodies or {})
+        """Paths whose JSON body may be larger (Anthropic's batch create): path → its limit."""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.upload_bytes if scope["path"] == "/v1/files" else JSON_BODY_BYTES
+        path = scope["path"]
+        limit = self.upload_bytes if path == "/v1/files" else self.bodies.get(path, JSON_BODY_BYTES)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return await _too_large(send, limit)
+            return await _too_large(send, limit, path)
         seen, refused, started = 0, False, False
 
         async def counted():
@@ -54,7 +58,7 @@ class BodyLimit:
                 if seen > limit and not refused:
                     refused = True
                     if not started:  # answered here, whatever the route makes of the cut body is dropped
-                        await _too_large(send, limit)
+                        await _too_large(send, limit, path)
                     raise BodyTooLarge()
             return msg
 
@@ -71,9 +75,12 @@ class BodyLimit:
                 raise
 
 
-async def _too_large(send, limit: int) -> None:
-    resp = JSONResponse(error_body(f"the request body is larger than {limit:,} bytes, the most this route takes",
-                                   code="request_too_large"), status_code=413)
+async def _too_large(send, limit: int, path: str) -> None:
+    message = f"the request body is larger than {limit:,} bytes, the most this route takes"
+    # each API's own error shape: Anthropic's under its prefix (anthropic_routes.py), else OpenAI's
+    body = anthropic_error(413, message) if path.startswith("/v1/messages/") else error_body(
+        message, code="request_too_large")
+    resp = JSONResponse(body, status_code=413)
     await resp({"type": "http"}, _no_body, send)
 
 

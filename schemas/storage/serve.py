@@ -242,14 +242,22 @@ class BatchStore(SqlStore):
         return True
 
     def get(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        """A batch's row, `owner`'s and not deleted."""
         b = T.api_batches
         with self.engine.connect() as conn:
-            row = conn.execute(select(b).where(b.c.id == batch_id, _owned(b, owner))).mappings().first()
+            row = conn.execute(select(b).where(b.c.id == batch_id, _owned(b, owner), b.c.deleted_at.is_(None))
+                               ).mappings().first()
         return dict(row) if row else None
 
-    def page(self, owner: str | None, *, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
+    def page(self, owner: str | None, *, limit: int = 20, after: str | None = None, before: str | None = None,
+             endpoint: str | None = None) -> list[dict[str, Any]]:
+        """`owner`'s batches not deleted (of one `endpoint`, when given), newest first after the
+        cursor `after`; with `before`, the ones made after that cursor, nearest it first."""
         b = T.api_batches
-        q = _page(select(b).where(_owned(b, owner)), b, owner, after, True)
+        q = select(b).where(_owned(b, owner), b.c.deleted_at.is_(None))
+        if endpoint is not None:
+            q = q.where(b.c.endpoint == endpoint)
+        q = _page(q, b, owner, before or after, before is None)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q.limit(limit)).mappings()]
 

@@ -313,6 +313,7 @@ class OpenAISession:
         pieces: list[str] = []
         logprobs: list[dict[str, Any]] | None = None if k is None else []
         chunks, first, last, finish, usage, done = 0, None, None, None, None, False
+        stop: str | None = None  # the stop string that ended the text, where the server says (vLLM's `stop_reason`)
         try:
             with self._http.stream("POST", path, json=body) as r:
                 if r.status_code == 429:
@@ -355,6 +356,7 @@ class OpenAISession:
                             chunks += 1
                             pieces.append(piece)
                         finish = c.get("finish_reason") or finish
+                        stop = c["stop_reason"] if isinstance(c.get("stop_reason"), str) else stop
                     if obj.get("usage"):
                         usage = obj["usage"]
                     if not self._wanted(request_id):
@@ -389,4 +391,5 @@ class OpenAISession:
             prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached_tokens=cached,
             ttft_s=ttft, tpot_s=tpot, e2e_s=end - t0, queue_s=None, finished_at=time.time(),
             token_count_source=R.TOKENS_BY_ENGINE if usage else self.count_source, logprobs=logprobs,
+            stop_sequence=stop,
         )

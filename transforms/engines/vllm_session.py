@@ -273,6 +273,7 @@ class VllmSession:
                     request_id=o.request_id,
                     text=c.text,
                     finish_reason=c.finish_reason,
+                    stop_sequence=c.stop_reason if isinstance(c.stop_reason, str) else None,
                     prompt_tokens=len(o.prompt_token_ids or []),
                     output_tokens=n_out,
                     cached_tokens=int(o.num_cached_tokens or 0),
