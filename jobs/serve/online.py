@@ -21,10 +21,12 @@ import threading
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from tokenmill.jobs.serve.auth import Who
 from tokenmill.jobs.serve.errors import ApiError
@@ -95,7 +97,10 @@ class OnlineRouter:
             entry = self._waiting.get(rid)
         if entry is not None:
             loop, q, _ = entry
-            loop.call_soon_threadsafe(q.put_nowait, msg)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, msg)
+            except RuntimeError:  # its loop is closed: the server stops
+                pass
 
     def admit(self, owner: str, model: str) -> None:
         """Count a request in, or refuse it with 429 (module doc)."""
@@ -222,9 +227,6 @@ async def _answer(request: Request, owner: str, url: str) -> Any:
     except BaseException:
         on.release(owner, model, rid)
         raise
-    if stream:
-        return StreamingResponse(_events(on, q, rid, owner, model, name, url, t0, include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     done: Done | None = None
     first_at = None
     try:
@@ -232,17 +234,28 @@ async def _answer(request: Request, owner: str, url: str) -> Any:
             msg = await q.get()
             if isinstance(msg, Text):
                 first_at = first_at or time.time()
+                if stream:  # the answer has begun: streamed from here (a refusal came before it, as a status)
+                    end = _Ending(on, rid, owner, model, url, t0, first_at)
+                    # the ending also runs after the response (a client gone before the stream began)
+                    return StreamingResponse(_events(q, rid, name, url, t0, include_usage, msg, end),
+                                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                             background=BackgroundTask(end, None))
             else:
                 done = msg
-    finally:
-        if done is None:  # the request was cancelled (the server stops)
-            on.cancel(model, rid)
+    except BaseException:
+        on.cancel(model, rid)  # the request was cancelled (the server stops)
         on.release(owner, model, rid)
-        on.record(rid, owner, model, url, False, t0, first_at, done)
+        on.record(rid, owner, model, url, stream, t0, first_at, None)
+        raise
     assert done is not None
+    on.release(owner, model, rid)
+    on.record(rid, owner, model, url, stream, t0, first_at, done)
     if done.row is None:
         raise ApiError(done.status, done.error or "the engine failed", code="engine_error" if done.status >= 500
                        else "invalid_value", type="server_error" if done.status >= 500 else "invalid_request_error")
+    if stream:  # answered before any text came (no output tokens): the whole answer as one stream
+        return StreamingResponse(_events(None, rid, name, url, t0, include_usage, done, None),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return JSONResponse(_body(done.row, rid, url, name))
 
 
@@ -253,22 +266,48 @@ def _body(row: dict[str, Any], rid: str, url: str, name: str) -> dict[str, Any]:
     return body
 
 
-async def _events(on: OnlineRouter, q: asyncio.Queue, rid: str, owner: str, model: str, name: str, url: str,
-                  t0: float, include_usage: bool) -> AsyncIterator[str]:
-    """The request's server-sent events; a client that leaves cancels it in the engine."""
+@dataclass
+class _Ending:
+    """A streamed request's end, once: cancelled in the engine when it did not finish (its
+    client left), its place given back, its record written."""
+
+    on: OnlineRouter
+    rid: str
+    owner: str
+    model: str
+    url: str
+    t0: float
+    first_at: float | None
+    ended: bool = False
+
+    def __call__(self, done: Done | None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if done is None:  # the client left mid-stream: free its sequence in the engine
+            self.on.cancel(self.model, self.rid)
+        self.on.release(self.owner, self.model, self.rid)
+        self.on.record(self.rid, self.owner, self.model, self.url, True, self.t0, self.first_at, done)
+
+
+async def _events(q: asyncio.Queue | None, rid: str, name: str, url: str, t0: float, include_usage: bool,
+                  first: Text | Done, end: _Ending | None) -> AsyncIterator[str]:
+    """The request's server-sent events from its first message on (`q` None: `first` is its end,
+    already counted); `end` is called when it ends, or when its client leaves mid-stream."""
     created = int(t0)
     done: Done | None = None
-    first_at = None
+    msg: Any = first
     try:
         if url == CHAT:
             yield sse.event(sse.chunk(rid, url, name, created, role=True, text=""))
-        while done is None:
-            msg = await q.get()
+        while True:
             if isinstance(msg, Text):
-                first_at = first_at or time.time()
                 yield sse.event(sse.chunk(rid, url, name, created, text=msg.text))
             else:
                 done = msg
+                break
+            assert q is not None
+            msg = await q.get()
         if done.row is None:
             yield sse.event(error_body(done.error or "the engine failed", type="server_error" if done.status >= 500
                                        else "invalid_request_error", code=str(done.status)))
@@ -278,10 +317,8 @@ async def _events(on: OnlineRouter, q: asyncio.Queue, rid: str, owner: str, mode
                 yield sse.event(sse.usage_chunk(rid, url, name, created, _body(done.row, rid, url, name)["usage"]))
         yield sse.DONE
     finally:
-        if done is None:  # the client left mid-stream: free its sequence in the engine
-            on.cancel(model, rid)
-        on.release(owner, model, rid)
-        on.record(rid, owner, model, url, True, t0, first_at, done)
+        if end is not None:
+            end(done)
 
 
 def install(app: FastAPI, svc: BatchService) -> None:
