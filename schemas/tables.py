@@ -268,13 +268,13 @@ online_requests = Table(
     Column("stream", Boolean, nullable=False),
     Column("created_at", Float, nullable=False, index=True),
     Column("status", Integer, nullable=False),
-    Column("finish_reason", String(32)),
     Column("prompt_tokens", Integer),
     Column("output_tokens", Integer),
     Column("cached_tokens", Integer),
+    Column("finish_reason", String(32)),
+    Column("e2e_s", Float),
     Column("ttft_s", Float),
     Column("tpot_s", Float),
-    Column("e2e_s", Float),
     Column("error", String(1000)),
 )
 

@@ -25,13 +25,13 @@ def upgrade() -> None:
         sa.Column("stream", sa.Boolean, nullable=False),
         sa.Column("created_at", sa.Float, nullable=False, index=True),
         sa.Column("status", sa.Integer, nullable=False),
-        sa.Column("finish_reason", sa.String(32)),
         sa.Column("prompt_tokens", sa.Integer),
         sa.Column("output_tokens", sa.Integer),
         sa.Column("cached_tokens", sa.Integer),
+        sa.Column("finish_reason", sa.String(32)),
+        sa.Column("e2e_s", sa.Float),
         sa.Column("ttft_s", sa.Float),
         sa.Column("tpot_s", sa.Float),
-        sa.Column("e2e_s", sa.Float),
         sa.Column("error", sa.String(1000)),
     )
 
