@@ -30,12 +30,11 @@ from tokenmill.transforms.cache import ServeCached
 from tokenmill.transforms.chunks import DEAD
 from tokenmill.transforms.counting import TokenCounter
 from tokenmill.transforms.dedup import ClaimIds, DedupIds
-from tokenmill.transforms.engines.kinds import engine_of
 from tokenmill.transforms.generate import STATS, Generate, GenerateConfig
 from tokenmill.transforms.images import image_rules
 from tokenmill.transforms.read import InputPlan, PlanUnits, ReadPrompts, plan_units, plan_work
 from tokenmill.transforms.resume import SkipDone
-from tokenmill.transforms.tokenize import DEFAULT_BLOCK_SIZE, RecordRules, Tokenize
+from tokenmill.transforms.tokenize import DEFAULT_BLOCK_SIZE, Tokenize, record_rules
 from tokenmill.transforms.validate import Validate, used_columns
 from tokenmill.transforms.write import WriteDeadLetters
 
@@ -93,9 +92,7 @@ def build_pipeline(p: beam.Pipeline, spec: JobSpec, parts: PipelineParts) -> dic
         unique, dead["DedupIds"] = dedup.ok, dedup[DEAD]
     tok = unique | "Tokenize" >> Tokenize(
         parts.counter or TokenCounter.local(parts.model_path, model=spec.engine.model),
-        RecordRules(spec.engine.max_model_len, 0 if spec.engine.task == "embed" else spec.sampling.max_tokens, block,
-                    spec.batching.prefix_blocks, keep_source=engine_of(spec.engine.kind).takes_text,
-                    default_samples=spec.sampling.n),
+        record_rules(spec, block),
         workers=engines_per_host(spec),
     )
     dead["Tokenize"] = tok[DEAD]

@@ -262,6 +262,28 @@ api_batches = Table(
     Column("deleted_at", Float),  # an ended batch deleted (Anthropic's DELETE): no longer listed or read
 )
 
+#: Each online request `tokenmill serve` answered (schemas/storage/online.py): whose key, which
+#: model and endpoint, its tokens and times, how it ended (HTTP status; `finish_reason`).
+online_requests = Table(
+    "online_requests",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(64), nullable=False, index=True),
+    Column("model", String(512), nullable=False),
+    Column("endpoint", String(64), nullable=False),
+    Column("stream", Boolean, nullable=False),
+    Column("created_at", Float, nullable=False, index=True),
+    Column("status", Integer, nullable=False),
+    Column("prompt_tokens", Integer),
+    Column("output_tokens", Integer),
+    Column("cached_tokens", Integer),
+    Column("finish_reason", String(32)),
+    Column("e2e_s", Float),
+    Column("ttft_s", Float),
+    Column("tpot_s", Float),
+    Column("error", String(1000)),
+)
+
 #: Every `tokenmill serve` started over this database (schemas/storage/replicas.py): where it runs
 #: and answers, its heartbeat (`seen_at`), whether it is draining (told SIGTERM) and when it stopped.
 replicas = Table(

@@ -233,6 +233,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3}
       "kv_cache_memory_bytes": 1 << 30, "speculative_config": SPEC, "block_size": 32, "enable_prefix_caching": False,
       "seed": 7, "max_num_seqs": 16, "kv_cache_dtype": "fp8", "tensor_parallel_size": 2, "load_format": "dummy"}),
     ({"extra": {"swap_space": 2, "max_num_seqs": 8}}, True, {**GPU_KWARGS, "swap_space": 2, "max_num_seqs": 8}),
+    ({"scheduling_policy": "priority"}, True, {**GPU_KWARGS, "scheduling_policy": "priority"}),  # a served engine's
 ])
 def test_engine_kwargs_are_the_config_fields_as_the_hand_written_mapper_gave_them(monkeypatch, fields, on_gpu, expected):
     monkeypatch.setattr(V, "cpu_dtype", lambda model_path, kwargs: "float32")

@@ -62,6 +62,18 @@ class GenerateConfig:
     unit's lease and renews it."""
 
 
+def add_keywords(p: TokenizedPrompt) -> dict[str, Any]:
+    """What an engine's `add` takes of a prompt besides its token ids and sampling: its text
+    (`source`, kept only for an engine that takes text), its LoRA adapter, its images; each
+    only when the prompt has it."""
+    out: dict[str, Any] = {} if p.source is None else {"source": p.source}
+    if p.adapter is not None:  # an engine's session is told only when a row names one
+        out["adapter"] = p.adapter
+    if p.images:  # only an engine that `takes_images` gets a row with images
+        out["images"] = p.images
+    return out
+
+
 class BatchTimeout(RuntimeError):
     """A batch stayed in the engine longer than `batching.batch_timeout_s` (a hung request)."""
 
@@ -194,11 +206,7 @@ class BatchRunner:
         ids, or the row's dead letter when the engine rejects one (the others are aborted)."""
         added: list[str] = []
         try:
-            source: dict[str, Any] = {} if p.source is None else {"source": p.source}
-            if p.adapter is not None:  # an engine's session is told only when a row names one
-                source["adapter"] = p.adapter
-            if p.images:  # only an engine that `takes_images` gets a row with images
-                source["images"] = p.images
+            source = add_keywords(p)
             for i, sampling in enumerate(sample_requests(request_sampling(self._defaults, p))):
                 one = rid if i == 0 else f"{rid}~{i}"
                 s.add(one, p.token_ids, sampling, **source)

@@ -20,6 +20,7 @@ from typing import Sequence
 import apache_beam as beam
 
 from tokenmill.schemas import records as R
+from tokenmill.schemas.config import JobSpec
 from tokenmill.schemas.errors import first_line
 from tokenmill.schemas.records import Chunk, FailedRecord, PromptRecord, TokenizedPrompt
 from tokenmill.transforms.chunks import MapRows, windowed, with_dead
@@ -56,6 +57,16 @@ class RecordRules:
     """Keep the prompt's text or messages on the record (an engine that takes text)."""
     default_samples: int = 1
     """A row's samples where its sampling gives no `n`."""
+
+
+def record_rules(spec: JobSpec, block_size: int = DEFAULT_BLOCK_SIZE) -> RecordRules:
+    """How a job's rows become the engine's records: a batch's Tokenize step's and an online
+    request's (`tokenmill serve`) alike, so both send the engine the same prompt."""
+    from tokenmill.transforms.engines.kinds import engine_of
+
+    return RecordRules(spec.engine.max_model_len, 0 if spec.engine.task == "embed" else spec.sampling.max_tokens,
+                       block_size, spec.batching.prefix_blocks, keep_source=engine_of(spec.engine.kind).takes_text,
+                       default_samples=spec.sampling.n)
 
 
 def tokenize_record(encoder: Encoder, rec: PromptRecord, rules: RecordRules) -> TokenizedPrompt | FailedRecord:

@@ -24,6 +24,7 @@ from tokenmill.jobs.serve.config import ServeConfig
 from tokenmill.jobs.serve.errors import ApiError
 from tokenmill.jobs.serve.guard import FORM_OVERHEAD, BodyLimit
 from tokenmill.jobs.serve.objects import batch_object, error_body, file_deleted, file_object, page
+from tokenmill.jobs.serve.online import install as install_online
 from tokenmill.jobs.serve.requests import (
     EXPIRES_ANCHOR,
     EXPIRES_SECONDS,
@@ -158,6 +159,7 @@ def create_app(cfg: ServeConfig, service: BatchService | None = None) -> FastAPI
 
     install(app, svc)  # the live page, a batch's webhook attempts, a key's usage
     install_messages(app, svc)  # Anthropic's Message Batches, under /v1/messages (anthropic_routes.py)
+    install_online(app, svc)  # the OpenAI online API on the same engines (online.py)
 
     @app.get("/metrics")
     def metrics(who: Who) -> Response:

@@ -151,6 +151,25 @@ class Page(_Strict):
     """How long a login lasts; then the page asks for the key again."""
 
 
+class Online(_Strict):
+    """The OpenAI online API on the served models' warm engines (jobs/serve/online.py,
+    transforms/engines/shared_session.py; docs/SERVING.md, "Online requests")."""
+
+    max_per_key: int = Field(8, ge=1)
+    """Online requests of one key in flight at once; one more is refused with 429 at once."""
+    max_queue: int = Field(64, ge=1)
+    """Online requests in flight for one model (all keys); one more is refused with 429 at once
+    rather than waiting without bound."""
+    batch_floor: float = Field(0.5, gt=0.0, le=1.0)
+    """The least share of an engine's sequences (`max_num_seqs`) a running batch keeps while
+    online requests run."""
+    reserve_seqs: int = Field(1, ge=0)
+    """Seats kept free beyond the online requests running, while online traffic lasts, so the
+    next one starts at once."""
+    idle_s: float = Field(2.0, ge=0.0)
+    """How long after the last online request the batch's share stays shrunk, then grows back."""
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -171,6 +190,7 @@ class ServeConfig(_Strict):
     webhooks: Webhooks = Field(default_factory=Webhooks)
     http: HttpLimits = Field(default_factory=HttpLimits)
     page: Page = Field(default_factory=Page)
+    online: Online = Field(default_factory=Online)
     idle_unload_s: float = Field(900.0, gt=0)
     """An engine idle this long is unloaded (its model worker stays, and loads it again)."""
     concurrent_models: int = Field(1, ge=1)

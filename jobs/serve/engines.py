@@ -51,10 +51,13 @@ class Launch:
     db_url: str
 
 
-def engine_main(model: str, conn: Connection, owner: int, idle_unload_s: float, log_path: str) -> None:
+def engine_main(model: str, conn: Connection, owner: int, idle_unload_s: float, log_path: str,
+                online_conn: Connection | None = None, online: Any = None) -> None:
     """The engine process: receives `Launch`es (None: leave), runs each job here (the
     in-process launcher) and answers its `Launched` (`busy` where another live process still
-    holds the job); says `EngineLoaded` when its engine is loaded or unloaded."""
+    holds the job); says `EngineLoaded` when its engine is loaded or unloaded.  With
+    `online_conn` and `online` (an `online_engine.OnlineSetup`), it also answers online
+    requests on that connection, in the same engine (online_engine.OnlineHost)."""
     _leave_with_owner(owner)
     from tokenmill.transforms.leases import start_draining
 
@@ -74,17 +77,33 @@ def engine_main(model: str, conn: Connection, owner: int, idle_unload_s: float, 
         conn.send(done.portable())
 
     here = InProcessLauncher(report)
+    host = None
+    if online_conn is not None and online is not None:
+        from tokenmill.jobs.serve.online_engine import OnlineHost
+
+        host = OnlineHost(model, online_conn, online)
+        registry.share_sessions(host.wrap)  # the engine the batches get is shared with online requests
+        host.start()
     loaded = False
     while True:
-        if not conn.poll(idle_unload_s if loaded else None):
-            registry.shutdown_all()  # idle: free the engine's memory; the next batch loads it again
+        if not conn.poll(idle_unload_s if loaded or host is not None else None):
+            if host is not None and host.active_within(idle_unload_s):
+                continue  # online requests keep it warm
+            if loaded or registry.sessions():
+                registry.shutdown_all()  # idle: free the engine's memory; the next batch loads it again
+                conn.send(EngineLoaded(model, False))
             loaded = False
-            conn.send(EngineLoaded(model, False))
             continue
         msg: Launch | None = conn.recv()
         if msg is None:
             break
-        here.launch(msg.job_id, msg.spec, msg.db_url)
+        if host is not None:
+            host.batch_running = True
+        try:
+            here.launch(msg.job_id, msg.spec, msg.db_url)
+        finally:
+            if host is not None:
+                host.batch_running = False
         loaded = bool(registry.sessions())
         conn.send(EngineLoaded(model, loaded))
     registry.shutdown_all()
@@ -106,16 +125,52 @@ class EngineProcess:
     proc: Any = None
     conn: Connection | None = None
     started_at: float = field(default_factory=time.time)
+    online: Any = None
+    """The process's `online_engine.OnlineSetup` (None: it answers batches only)."""
+    on_online: Callable[[str, Any], None] | None = None
+    """Called from a reader thread with each online message the process sends (None once it is gone)."""
+    online_conn: Connection | None = None
+    _online_send: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
+        ours = theirs = None
+        if self.online is not None and self.on_online is not None:
+            ours, theirs = ctx.Pipe()
         self.proc = ctx.Process(target=engine_main, name=f"tokenmill-engine-{self.model}", daemon=False,
-                                args=(self.model, child, os.getpid(), self.idle_unload_s, self.log_path))
+                                args=(self.model, child, os.getpid(), self.idle_unload_s, self.log_path, theirs,
+                                      self.online if theirs is not None else None))
         self.proc.start()
         child.close()
         self.conn, self.loaded, self.running = parent, False, None
         threading.Thread(target=self._read, args=(parent,), daemon=True, name=f"tokenmill-read-{self.model}").start()
+        if ours is not None and theirs is not None:
+            theirs.close()
+            self.online_conn = ours
+            threading.Thread(target=self._read_online, args=(ours,), daemon=True,
+                             name=f"tokenmill-online-{self.model}").start()
+
+    def send_online(self, msg: Any) -> bool:
+        """An online message to the process; False when it cannot take it (gone, or no online side)."""
+        if self.online_conn is None:
+            return False
+        with self._online_send:
+            try:
+                self.online_conn.send(msg)
+            except (OSError, ValueError):
+                return False
+        return True
+
+    def _read_online(self, conn: Connection) -> None:
+        assert self.on_online is not None
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                self.on_online(self.model, None)
+                return
+            self.on_online(self.model, msg)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()

@@ -10,7 +10,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from tokenmill.jobs.serve.objects import batch_status
 from tokenmill.schemas import storage as S
@@ -72,6 +72,40 @@ class _Collector:
         yield lines
         yield tokens
         yield ended
+        if svc.scheduler.online is not None:
+            yield from _online(svc.scheduler.online, list(svc.cfg.models))
+
+
+def _online(on, models: list[str]):
+    """The online API's figures (jobs/serve/online.py): what each engine holds now (online
+    requests, the batch's share and its requests in the engine and held back, the engine's
+    unfinished count, batch requests preempted), requests ended by status, TTFT and TPOT."""
+    from tokenmill.jobs.serve.online import TPOT_BUCKETS, TTFT_BUCKETS
+
+    held = GaugeMetricFamily("tokenmill_serve_online_engine", "What each model's shared engine holds now: online "
+                             "requests, the running batch's share of max_num_seqs, its requests in the engine and "
+                             "held back, the engine's unfinished requests; batch requests preempted so far",
+                             labels=["model", "what"])
+    for model in models:
+        for what, n in sorted((on.states.get(model) or {}).items()):
+            held.add_metric([model, what], n)
+    yield held
+    ended = CounterMetricFamily("tokenmill_serve_online_requests", "Online requests ended since the server started, "
+                                "by HTTP status (499: the client left)", labels=["model", "status"])
+    for (model, status), n in sorted(on.ended.items()):
+        ended.add_metric([model, str(status)], n)
+    yield ended
+    for name, bounds, what in (("ttft", TTFT_BUCKETS, "time to first token"), ("tpot", TPOT_BUCKETS,
+                                                                                 "time per output token")):
+        h = HistogramMetricFamily(f"tokenmill_serve_online_{name}_seconds", f"Online requests' {what}",
+                                  labels=["model"])
+        for model in models:
+            counts = on.hist.get((model, name))
+            if counts is None:
+                continue
+            buckets = [(str(b), counts[i]) for i, b in enumerate(bounds)] + [("+Inf", counts[-1])]
+            h.add_metric([model], buckets, sum_value=counts[-2])
+        yield h
 
 
 def exposition(svc: "BatchService") -> bytes:

@@ -79,6 +79,10 @@ class Scheduler:
         self.batches, self.files = S.BatchStore(eng), S.FileStore(eng)
         self.engines: dict[str, EngineProcess] = {}
         self._sweep_at = 0.0  # when the next sweep of expired files is due (monotonic)
+        #: The online API's router (jobs/serve/online.py), which each engine process started
+        #: answers online requests for (None: batches only)
+        self.online: Any = None
+        self._engines_lock = threading.Lock()
         #: The replica was told SIGTERM (service.start_draining): no new run is dispatched.
         self.draining = False
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -187,9 +191,7 @@ class Scheduler:
         busy = [model for model, e in self.engines.items() if e.running]
         for b in take(sorted(queued, key=lambda b: queue_order(b, at="created_at")),
                       slots=self.cfg.concurrent_models, busy=busy, model_of=lambda b: b["model"]):
-            e = self.engines.get(b["model"])
-            if e is None or not e.alive():
-                e = self._engine(b["model"])
+            e = self.engine(b["model"])
             spec = self.cfg.job_spec(b["model"], input=self.blobs.url(b["input_file_id"]),
                                      output=str(self.cfg.work_root() / b["id"]), job_id=b["id"])
             # the job's row, queued: its priority, its key and the count of its attempts (once; a rerun keeps it)
@@ -198,12 +200,23 @@ class Scheduler:
                                          "priority": b["priority"], "api_key": b["owner"]})
             e.launch(b["id"], spec.model_dump(mode="json", exclude_none=True), self.db_url)
 
+    def engine(self, model: str) -> EngineProcess:
+        """The model's engine process, started (again) when there is none alive (a batch's
+        dispatch and an online request alike)."""
+        with self._engines_lock:
+            e = self.engines.get(model)
+            if e is None or not e.alive():
+                e = self._engine(model)
+            return e
+
     def _engine(self, model: str) -> EngineProcess:
         old = self.engines.get(model)
         if old is not None:
             old.stop(timeout=1)
         e = EngineProcess(model, self.cfg.idle_unload_s, str(self.cfg.home() / "logs" / f"engine-{model}.log"),
                           self.on_engine)
+        if self.online is not None:
+            e.online, e.on_online = self.online.setup(model), self.online.on_message
         e.start()
         self.engines[model] = e
         return e

@@ -22,7 +22,8 @@ the SQL, each returning plain rows (dicts of a table's columns):
   `WebhookStore`: its batch events and their delivery attempts; `UsageStore`: what each key
   used per day, counted from the jobs' own rows and metrics; `WatchReader`: what the live
   page reads (jobs by status, one page of jobs, running jobs' live counts); `SessionStore`: the
-  page's login sessions (a random id's hash, its key, its expiry).
+  page's login sessions (a random id's hash, its key, its expiry); `OnlineStore`: the online
+  requests it answered (one row each: key, model, tokens, times, status).
 """
 
 from tokenmill.schemas.storage.cache import CacheStore
@@ -40,6 +41,7 @@ from tokenmill.schemas.storage.estimates import EstimateStore
 from tokenmill.schemas.storage.jobs import STALE_AFTER_S, JobBusy, JobStore, is_live
 from tokenmill.schemas.storage.leases import Lease, LeaseLost, LeaseStore
 from tokenmill.schemas.storage.merged import RunSummaries
+from tokenmill.schemas.storage.online import OnlineStore
 from tokenmill.schemas.storage.reader import CHUNK_ROWS, MetricsReader
 from tokenmill.schemas.storage.replicas import ReplicaLive, ReplicaStore
 from tokenmill.schemas.storage.results import ResultWriter
@@ -51,6 +53,6 @@ from tokenmill.schemas.storage.watch import WatchReader
 from tokenmill.schemas.storage.webhooks import WebhookStore
 
 __all__ = [
-    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "Lease", "LeaseLost", "LeaseStore", "MetricsReader", "ReplicaLive", "ReplicaStore", "RequestStats", "RequestSummary", "ResultWriter", "RunSummaries", "SessionStore", "StorageError", "UsageStore", "WatchReader", "WebhookStore",
+    "BatchStore", "CHUNK_ROWS", "STALE_AFTER_S", "CacheStore", "FileStore", "KeyStore", "EstimateStore", "JobBusy", "JobStore", "Lease", "LeaseLost", "LeaseStore", "MetricsReader", "OnlineStore", "ReplicaLive", "ReplicaStore", "RequestStats", "RequestSummary", "ResultWriter", "RunSummaries", "SessionStore", "StorageError", "UsageStore", "WatchReader", "WebhookStore",
     "alembic_config", "connect", "current_revision", "head_revision", "is_live", "owner_tag", "upgrade", "utcnow",
 ]

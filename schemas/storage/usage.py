@@ -15,6 +15,7 @@ from sqlalchemy import Float, case, cast, func, select
 
 from tokenmill.schemas import tables as T
 from tokenmill.schemas.storage.database import SqlStore
+from tokenmill.schemas.storage.online import OnlineStore
 from tokenmill.schemas.storage.serve import TERMINAL
 
 DAY_S = 86400
@@ -34,13 +35,15 @@ def _batches(owner: str | None, since: float | None, until: float | None):
 
 class UsageStore(SqlStore):
     def tokens_since(self, owner: str, since: float) -> int:
-        """Prompt + output tokens of the key's batches created at or after `since`."""
+        """Prompt + output tokens of the key's batches created at or after `since`, and of its
+        online requests made since then (schemas/storage/online.py)."""
         o, b = T.outputs.c, T.api_batches.c
         mine = select(b.id).where(*_batches(owner, since, None))
         q = select(func.coalesce(func.sum(case((o.sample == 0, func.coalesce(o.prompt_tokens, 0)), else_=0)
                                           + func.coalesce(o.output_tokens, 0)), 0)).where(o.job_id.in_(mine))
         with self.engine.connect() as conn:
-            return int(conn.execute(q).scalar() or 0)
+            batches = int(conn.execute(q).scalar() or 0)
+        return batches + OnlineStore(self.engine).tokens_since(owner, since)
 
     def running(self, owner: str) -> int:
         """The key's batches past `validating` and not ended (what a queued key waits on)."""

@@ -44,7 +44,11 @@ class EngineSession(Protocol):
 
     A session factory is called as `factory(cfg, model_path, **start)`: the job's engine
     config (its engine's config model), the local folder Tokenize read, and the start
-    keywords its engine's `EngineKind.start_kwargs` gave (none for a test double)."""
+    keywords its engine's `EngineKind.start_kwargs` gave (none for a test double).
+
+    An engine that streams (vLLM) also takes `priority=` (lower runs first) and `stream=True`
+    in `add`, and keeps `progress`: each streamed request's text and output tokens so far, as
+    of the last step (what `SharedSession` hands an online request step by step)."""
 
     max_num_seqs: int
     """The most requests the engine runs at once (Generate admits the next batch below it)."""

@@ -19,6 +19,15 @@ _SESSIONS: dict[SessionFactory, tuple[str, EngineSession, tuple[str, dict[str, A
 # Re-entrant: a factory may itself take a session from the registry (a test wrapper
 # around the process's real engine).
 _LOCK = threading.RLock()
+#: What each session this process makes is wrapped in (None: nothing): a `tokenmill serve` engine
+#: process shares its engine with online requests (`share_sessions`, engines/shared_session.py).
+_WRAP: Callable[[EngineSession], EngineSession] | None = None
+
+
+def share_sessions(wrap: Callable[[EngineSession], EngineSession] | None) -> None:
+    """Wrap every session this process makes from now on in `wrap(session)` (None: stop)."""
+    global _WRAP
+    _WRAP = wrap
 
 
 def default_factory() -> SessionFactory:
@@ -54,6 +63,8 @@ def get_session(cfg: EngineConfig, model_path: str, factory: SessionFactory | No
             del _SESSIONS[factory]
             held[1].shutdown()
         s = factory(cfg, model_path, **start)
+        if _WRAP is not None:
+            s = _WRAP(s)
         _SESSIONS[factory] = (key, s, (for_work, dict(start)))
         _register_atexit()
         return s

@@ -43,6 +43,11 @@ class VllmConfig(EngineConfig):
     holds at once, `max_num_seqs` sequences of `max_model_len`, so the engine is never started
     again for a larger job (`tokenmill serve`'s warm engines, unless their config says).
     Either way at most the engine's default share of memory."""
+    scheduling_policy: Literal["fcfs", "priority"] | None = Field(None, json_schema_extra={"flag": False})
+    """vLLM's scheduler: unset, vLLM's default (`fcfs`); `priority`: a request added with a lower
+    `priority` is taken from the waiting queue first, and a running request of a higher value is
+    preempted when the KV cache runs out (`tokenmill serve`'s warm engines, whose online requests
+    go ahead of the batch's: transforms/engines/shared_session.py)."""
     tensor_parallel_size: int = Field(1, ge=1, json_schema_extra={"flag": False})
     pipeline_parallel_size: int = Field(1, ge=1, json_schema_extra={"flag": False})
     """Pipeline stages (layers split across devices); an engine takes

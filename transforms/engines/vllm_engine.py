@@ -31,7 +31,8 @@ class VllmEngine(EngineKind[VllmConfig]):
     measures_cpu_dtype = True
     serves_lora = True  # a `LoRARequest` per request (peft folders)
     takes_images = True  # vLLM's `multi_modal_data` beside the token ids (a vision model's folder)
-    warm_defaults = {"kv_cache_sized_for": "capacity"}  # a served engine is never restarted for a larger batch
+    # a served engine is never restarted for a larger batch, and its online requests go first
+    warm_defaults = {"kv_cache_sized_for": "capacity", "scheduling_policy": "priority"}
 
     def __init__(self) -> None:
         #: group → whether this process claimed a CPU share for it (False: it runs on a GPU)

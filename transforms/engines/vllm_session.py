@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from tokenmill.schemas import records as R
 from tokenmill.schemas.errors import first_line
-from tokenmill.transforms.engines import kv, lora, requests
+from tokenmill.transforms.engines import kv, lora
 from tokenmill.transforms.engines.checks import check_engine_config
 from tokenmill.transforms.engines.cpu import (
     apply_cpu_env,
@@ -27,6 +27,7 @@ from tokenmill.transforms.engines.cpu import (
 from tokenmill.transforms.engines.device import has_nvidia_gpu
 from tokenmill.transforms.engines.protocol import EngineStartError, Finished
 from tokenmill.transforms.engines.vllm_config import VllmConfig
+from tokenmill.transforms.engines.vllm_outputs import finished_of, sampling_params
 
 log = logging.getLogger(__name__)
 
@@ -128,18 +129,6 @@ def dtype_auto_summary(m: dict[str, Any] | None) -> dict[str, Any] | None:
 # ---------------------------------------------------------------- vLLM session
 
 
-def sampling_params(sampling: dict[str, Any]):
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    kw = requests.vllm_sampling(sampling)
-    # Only finished requests are read (as `LLM.generate` does): the default, CUMULATIVE,
-    # builds an output with the whole token list so far for every running request at
-    # every step, which cost ~5% of generation time on the long-output workload here.
-    kw.setdefault("output_kind", RequestOutputKind.FINAL_ONLY)
-    return SamplingParams(**kw)
-
-
 class VllmSession:
     """`vllm.LLM` driven request by request through its LLMEngine, so the Generate
     step can hand the engine the next batch while the current one's tail decodes."""
@@ -214,14 +203,18 @@ class VllmSession:
         self.device = "cuda" if on_gpu else "cpu"
         self._logprobs: dict[str, int | None] = {}
         """request id → the alternatives per token it asked for (None: no log-probabilities)"""
+        self.progress: dict[str, tuple[str, int]] = {}
+        """streamed request id → (its text so far, its output tokens so far), as of the last step"""
         #: adapter name → its `LoRARequest`; what a request naming none runs with (engines/lora.py)
         self.loras, self.no_adapter, self._zero_dir = lora.vllm_requests(cfg, on_gpu=on_gpu)
 
     def add(self, request_id: str, token_ids: Sequence[int], sampling: dict[str, Any], *, source: Any = None,
-            adapter: str | None = None, images: Sequence[bytes] = ()) -> None:
+            adapter: str | None = None, images: Sequence[bytes] = (), priority: int = 0, stream: bool = False) -> None:
         """`source` (a prompt's text) is not used: vLLM is sent the token ids; `adapter`: the
         row's LoRA adapter (its `LoRARequest`); `images`: the row's images, decoded into vLLM's
-        `multi_modal_data` (its processor puts each image's tokens where its placeholder is)."""
+        `multi_modal_data` (its processor puts each image's tokens where its placeholder is);
+        `priority`: lower runs first (`scheduling_policy: priority` only); `stream`: its text
+        so far is kept in `progress` after each step (transforms/engines/shared_session.py)."""
         from vllm.inputs import TokensPrompt
 
         if adapter is not None and adapter not in self.loras:
@@ -238,9 +231,12 @@ class VllmSession:
             self.engine.add_request(request_id, prompt, PoolingParams(task="embed"))
             self._added[request_id] = time.time()
             return
-        params = sampling_params(sampling)
-        self.engine.add_request(request_id, prompt, params, lora_request=adapter_request)
+        params = sampling_params(sampling, stream=stream)
+        self.engine.add_request(request_id, prompt, params, lora_request=adapter_request,
+                                **({"priority": priority} if priority else {}))
         self._logprobs[request_id] = params.logprobs
+        if stream:
+            self.progress[request_id] = ("", 0)
 
     def step(self) -> list[Finished]:
         try:
@@ -252,40 +248,14 @@ class VllmSession:
         done = []
         for o in outs:
             if not o.finished:
+                if o.request_id in self.progress:  # a streamed request: its text so far
+                    self.progress[o.request_id] = (o.outputs[0].text, len(o.outputs[0].token_ids))
                 continue
             if self.embed:
                 done.append(self._embedded(o, now))
                 continue
-            c = o.outputs[0]
-            n_out = len(c.token_ids)
-            m = o.metrics
-            ttft = tpot = e2e = queue = None
-            if m is not None:
-                ttft = m.first_token_latency or None
-                if m.arrival_time:
-                    e2e = max(0.0, now - m.arrival_time)
-                if m.scheduled_ts and m.queued_ts:
-                    queue = max(0.0, m.scheduled_ts - m.queued_ts)
-                if n_out > 1 and m.last_token_ts and m.first_token_ts:
-                    tpot = (m.last_token_ts - m.first_token_ts) / (n_out - 1)
-            done.append(
-                Finished(
-                    request_id=o.request_id,
-                    text=c.text,
-                    finish_reason=c.finish_reason,
-                    stop_sequence=c.stop_reason if isinstance(c.stop_reason, str) else None,
-                    prompt_tokens=len(o.prompt_token_ids or []),
-                    output_tokens=n_out,
-                    cached_tokens=int(o.num_cached_tokens or 0),
-                    ttft_s=ttft,
-                    tpot_s=tpot,
-                    e2e_s=e2e,
-                    queue_s=queue,
-                    finished_at=now,
-                    output_token_ids=list(c.token_ids),
-                    logprobs=requests.vllm_logprobs(list(c.token_ids), c.logprobs, self._logprobs.pop(o.request_id, None)),
-                )
-            )
+            self.progress.pop(o.request_id, None)
+            done.append(finished_of(o, now, self._logprobs.pop(o.request_id, None)))
         return done
 
     def _embedded(self, o: Any, now: float) -> Finished:
@@ -304,6 +274,7 @@ class VllmSession:
         for rid in request_ids:
             self._logprobs.pop(rid, None)
             self._added.pop(rid, None)
+            self.progress.pop(rid, None)
         try:
             self.engine.abort_request(request_ids)
         except Exception:
