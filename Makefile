@@ -133,7 +133,7 @@ LLAMA_STAMP          := $(LLAMA_DIR)/.built-$(LLAMA_CPP_PY_VERSION)-$(shell echo
 $(LLAMA_STAMP): | $(STAMP)
 	rm -rf $(LLAMA_DIR)/src $(LLAMA_DIR)/build $(LLAMA_DIR)/bin.new
 	mkdir -p $(LLAMA_DIR)/src $(LLAMA_DIR)/bin.new
-	$(PY) -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$(LLAMA_CPP_PY_VERSION)" -d $(LLAMA_DIR)/src
+	$(PY) -m pip download -qq --no-binary :all: --no-deps "llama-cpp-python==$(LLAMA_CPP_PY_VERSION)" -d $(LLAMA_DIR)/src
 	tar xzf $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_CPP_PY_VERSION).tar.gz -C $(LLAMA_DIR)/src
 	cmake -S $(LLAMA_DIR)/src/llama_cpp_python-$(LLAMA_CPP_PY_VERSION)/vendor/llama.cpp -B $(LLAMA_DIR)/build -G Ninja $(LLAMA_CMAKE_FLAGS) >$(LLAMA_DIR)/cmake.log
 	cmake --build $(LLAMA_DIR)/build --target llama-server llama-quantize llama-imatrix -j $(LLAMA_JOBS) >$(LLAMA_DIR)/build.log
@@ -153,7 +153,7 @@ LLAMA_CONVERT_STAMP := $(LLAMA_DIR)/.convert-$(LLAMA_CPP_PY_VERSION)
 $(LLAMA_CONVERT_STAMP): | $(STAMP)
 	rm -rf $(LLAMA_DIR)/convert.src $(LLAMA_DIR)/convert.new
 	mkdir -p $(LLAMA_DIR)/convert.src
-	$(PY) -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$(LLAMA_CPP_PY_VERSION)" -d $(LLAMA_DIR)/convert.src
+	$(PY) -m pip download -qq --no-binary :all: --no-deps "llama-cpp-python==$(LLAMA_CPP_PY_VERSION)" -d $(LLAMA_DIR)/convert.src
 	tar xzf $(LLAMA_DIR)/convert.src/llama_cpp_python-$(LLAMA_CPP_PY_VERSION).tar.gz -C $(LLAMA_DIR)/convert.src --wildcards \
 		'*/vendor/llama.cpp/convert_*.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
 	mv $(LLAMA_DIR)/convert.src/llama_cpp_python-$(LLAMA_CPP_PY_VERSION)/vendor/llama.cpp $(LLAMA_DIR)/convert.new
