@@ -112,6 +112,19 @@ class Server:
         return OpenAI(base_url=f"{self.base_url}/v1", api_key=key or "none", max_retries=0, **kw)
 
 
+def run_like_the_server(path: Path, tmp_path: Path, out: Path) -> None:
+    """`tokenmill run` of the batch file `path` into `out` with the test server's engine config
+    (conftest.TEST_ENGINE) and 16 tokens at most: the same greedy answers the server gives."""
+    from tests.conftest import TEST_ENGINE
+
+    cmd = [sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(path), "--output", str(out), "--db",
+           f"sqlite:///{tmp_path / 'run.db'}", "--max-tokens", "16",
+           "--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]), "--max-model-len", str(TEST_ENGINE["max_model_len"]),
+           "--gpu-memory-utilization", str(TEST_ENGINE["gpu_memory_utilization"]), "--dtype", TEST_ENGINE["dtype"]]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def chat_line(cid: str, content: str, *, model: str = "smollm2-135m", max_tokens: int = 16, **body) -> dict:
     return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,

@@ -6,8 +6,6 @@ run`, cancel and expiry keeping finished lines, and `kill -9` of the server mid-
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import httpx
@@ -15,7 +13,7 @@ import openai
 import pytest
 
 from tests.conftest import TEST_ENGINE
-from tests.serve_server import ROOT, Server, chat_line, jsonl, lines_of, wait_for
+from tests.serve_server import Server, chat_line, jsonl, lines_of, run_like_the_server, wait_for
 from tokenmill.schemas import storage as S
 
 pytestmark = pytest.mark.engine
@@ -230,12 +228,7 @@ def test_a_mixed_batch_completes_with_the_answers_tokenmill_run_gives(server, ke
     assert json.loads(served["json"]["response"]["body"]["choices"][0]["message"]["content"])["answer"]
     # the same file through `tokenmill run`, same engine config: the same greedy answers
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(path), "--output", str(out), "--db",
-           f"sqlite:///{tmp_path / 'run.db'}", "--max-tokens", "16",
-           "--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]), "--max-model-len", str(TEST_ENGINE["max_model_len"]),
-           "--gpu-memory-utilization", str(TEST_ENGINE["gpu_memory_utilization"]), "--dtype", TEST_ENGINE["dtype"]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_like_the_server(path, tmp_path, out)
     ran = {x["custom_id"]: x for x in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())}
     for cid in served:
         want, got = ran[cid]["response"]["body"], served[cid]["response"]["body"]

@@ -10,8 +10,6 @@ server mid-batch, then a restart, ends with each custom_id once."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -23,7 +21,7 @@ from anthropic.types.messages import DeletedMessageBatch, MessageBatch, MessageB
 from anthropic.types.shared import ErrorResponse
 
 from tests.conftest import TEST_ENGINE
-from tests.serve_server import ROOT, Server, chat_line, jsonl, lines_of, wait_for
+from tests.serve_server import Server, chat_line, jsonl, lines_of, run_like_the_server, wait_for
 from tokenmill.schemas import storage as S
 
 pytestmark = pytest.mark.engine
@@ -230,12 +228,7 @@ def test_tokenmill_run_of_a_requests_file_writes_the_results_the_server_gives(se
     served = results(alice, wait_ended(alice, alice.messages.batches.create(requests=requests).id).id)
     path = jsonl(tmp_path / "requests.jsonl", requests)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(path), "--output", str(out), "--db",
-           f"sqlite:///{tmp_path / 'run.db'}", "--max-tokens", "16",
-           "--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]), "--max-model-len", str(TEST_ENGINE["max_model_len"]),
-           "--gpu-memory-utilization", str(TEST_ENGINE["gpu_memory_utilization"]), "--dtype", TEST_ENGINE["dtype"]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_like_the_server(path, tmp_path, out)
     ran = {r.custom_id: r for r in (MessageBatchIndividualResponse.model_validate(json.loads(x))
                                     for x in (out / "results.jsonl").read_text().splitlines())}
     assert set(ran) == set(served) and not (out / "outputs.jsonl").exists()

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 
 import httpx
@@ -17,7 +15,7 @@ import openai
 import pytest
 
 from tests.conftest import TEST_ENGINE
-from tests.serve_server import ROOT, Server, chat_line, jsonl, lines_of, wait_for
+from tests.serve_server import Server, chat_line, jsonl, lines_of, run_like_the_server, wait_for
 from tokenmill.schemas import storage as S
 
 pytestmark = pytest.mark.engine
@@ -120,12 +118,7 @@ def test_streamed_and_whole_answers_equal_tokenmill_runs_greedy_answers(server, 
                   "body": {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}})
     path = jsonl(tmp_path / "same.jsonl", lines)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "tokenmill.jobs.cli", "run", "--input", str(path), "--output", str(out), "--db",
-           f"sqlite:///{tmp_path / 'run.db'}", "--max-tokens", "16",
-           "--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]), "--max-model-len", str(TEST_ENGINE["max_model_len"]),
-           "--gpu-memory-utilization", str(TEST_ENGINE["gpu_memory_utilization"]), "--dtype", TEST_ENGINE["dtype"]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_like_the_server(path, tmp_path, out)
     ran = {x["custom_id"]: x["response"]["body"] for x in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())}
     want = {cid: (b["choices"][0]["text"] if cid == "cmpl" else b["choices"][0]["message"]["content"])
             for cid, b in ran.items()}
